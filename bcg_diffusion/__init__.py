@@ -1,0 +1,22 @@
+"""bcg-diffusion: breakable CUDA graphs for HuggingFace Diffusers pipelines.
+
+>>> from bcg_diffusion import accelerate, restore, stats
+>>> pipe = accelerate(pipe)        # doctest: +SKIP
+"""
+
+from .api import accelerate, restore, stats
+from .config import AccelerateConfig
+from .graphs import BreakResultMismatch, eager_break
+from .runner import BCGWarning
+
+__all__ = [
+    "AccelerateConfig",
+    "BCGWarning",
+    "BreakResultMismatch",
+    "accelerate",
+    "eager_break",
+    "restore",
+    "stats",
+]
+
+__version__ = "0.1.0"

@@ -1,0 +1,256 @@
+"""Public entry points: :func:`accelerate`, :func:`restore`, :func:`stats`."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import gc
+import logging
+import threading
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import torch
+
+from .config import AccelerateConfig
+from .graphs import GraphPool
+from .patches import FunctionPatch
+from .pipelines import PipelineAdapter, adapter_for
+from .runner import BCGWarning, GraphRunner
+
+__all__ = ["accelerate", "restore", "stats"]
+
+logger = logging.getLogger(__name__)
+
+P = TypeVar("P")
+
+_STATE_ATTR = "_bcg_state"
+_MISSING = object()
+
+
+@dataclass
+class _Installed:
+    """One replaced method: where it lives, what was there before, and the wrapper we put there."""
+
+    module: torch.nn.Module
+    method: str
+    previous: Any  # the instance attribute we shadowed, or _MISSING
+    wrapper: Any
+
+
+@dataclass
+class _PipelineState:
+    config: AccelerateConfig
+    adapter: PipelineAdapter
+    active: bool
+    reason: str | None = None
+    pool: GraphPool | None = None
+    lock: threading.RLock = field(default_factory=threading.RLock)
+    runners: dict[str, GraphRunner] = field(default_factory=dict)
+    installed: list[_Installed] = field(default_factory=list)
+    patches: list[FunctionPatch] = field(default_factory=list)
+
+
+def _check_pipeline(pipe: Any, caller: str) -> None:
+    if pipe is None:
+        raise TypeError(f"{caller}() needs a diffusers pipeline, got None")
+    from diffusers import DiffusionPipeline
+
+    if not isinstance(pipe, DiffusionPipeline):
+        raise TypeError(
+            f"{caller}() needs a diffusers DiffusionPipeline, got {type(pipe).__module__}.{type(pipe).__name__}"
+        )
+
+
+def _execution_device(pipe: Any) -> torch.device:
+    transformer = getattr(pipe, "transformer", None)
+    if isinstance(transformer, torch.nn.Module):
+        for parameter in transformer.parameters():
+            return parameter.device
+    return torch.device(getattr(pipe, "device", "cpu"))
+
+
+def _eager_reason(pipe: Any, config: AccelerateConfig, device: torch.device) -> str | None:
+    """Why this pipeline must stay eager (None when graphs can be used)."""
+    if config.debug:
+        return None
+    if device.type != "cuda":
+        return f"the pipeline is on {device}, CUDA graphs need a CUDA device (use debug=True to test the runner path)"
+    if not torch.cuda.is_available():
+        return "CUDA is not available"
+    for name in config.components:
+        module = getattr(pipe, name, None)
+        if module is not None and hasattr(module, "_hf_hook"):
+            return (
+                f"{name} has accelerate offload hooks (enable_*_cpu_offload): graphs need weights resident on the GPU"
+            )
+    return None
+
+
+def accelerate(pipe: P, config: AccelerateConfig | None = None, **options: Any) -> P:
+    """Run the pipeline's transformer and VAE decode as replayed breakable CUDA graphs.
+
+    Returns the same pipeline object, patched in place: every call then captures one graph per input
+    signature (resolution, batch, text length, CFG mode) on first use and replays it afterwards, with
+    images byte-identical to eager in the default ``mode="exact"``.
+
+    Args:
+        pipe: a diffusers pipeline with a ``transformer`` (Qwen-Image and Z-Image are tested; others
+            get the generic adapter with a warning) on a CUDA device.
+        config: an :class:`AccelerateConfig`; ``options`` override its fields
+            (``accelerate(pipe, debug=True)``).
+
+    Refuses: ``None`` or a non-pipeline (TypeError), unknown or invalid options (TypeError /
+    ValueError), a second ``accelerate`` with different options (ValueError: ``restore`` first). A
+    second call with the same options returns the pipeline unchanged. A pipeline on CPU (without
+    ``debug=True``) or with offload hooks is left eager with one warning.
+
+    >>> pipe = accelerate(pipe)                  # doctest: +SKIP
+    >>> image = pipe("a red fox", height=512, width=512).images[0]   # doctest: +SKIP
+    >>> stats(pipe)["captures"]                  # doctest: +SKIP
+    """
+    _check_pipeline(pipe, "accelerate")
+    config = AccelerateConfig.from_options(config, options)
+    existing: _PipelineState | None = getattr(pipe, _STATE_ATTR, None)
+    if existing is not None:
+        if existing.config == config:
+            logger.info("accelerate(): pipeline already accelerated with these options; nothing to do")
+            return pipe
+        raise ValueError(
+            "this pipeline is already accelerated with different options "
+            f"({existing.config} vs {config}); call bcg_diffusion.restore(pipe) first"
+        )
+    adapter = adapter_for(pipe)
+    device = _execution_device(pipe)
+    reason = _eager_reason(pipe, config, device)
+    state = _PipelineState(config=config, adapter=adapter, active=reason is None, reason=reason)
+    if reason is not None:
+        warnings.warn(f"bcg-diffusion: leaving {type(pipe).__name__} eager: {reason}", BCGWarning, stacklevel=2)
+        object.__setattr__(pipe, _STATE_ATTR, state)
+        return pipe
+
+    if not config.debug:
+        state.pool = GraphPool(device)
+    for patch in adapter.patches:
+        if patch.apply():
+            state.patches.append(patch)
+    for component in config.components:
+        method = adapter.targets.get(component)
+        module = getattr(pipe, component, None)
+        if method is None or module is None:
+            continue
+        _install(state, component, module, method)
+    if not state.runners:
+        warnings.warn(
+            f"bcg-diffusion: {type(pipe).__name__} has none of {config.components}", BCGWarning, stacklevel=2
+        )
+    object.__setattr__(pipe, _STATE_ATTR, state)
+    return pipe
+
+
+def _install(state: _PipelineState, component: str, module: torch.nn.Module, method: str) -> None:
+    original = getattr(module, method)
+    runner = GraphRunner(
+        original,
+        name=component,
+        pool=state.pool,
+        lock=state.lock,
+        debug=state.config.debug,
+        warmup_runs=state.config.warmup_runs,
+        capture_error_mode=state.config.capture_error_mode,
+        track_external_tensors=state.config.track_external_tensors,
+        state_key=state.adapter.state_key(component, module),
+    )
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        return runner(*args, **kwargs)
+
+    functools.update_wrapper(wrapper, original)
+    wrapper.__bcg_runner__ = runner  # type: ignore[attr-defined]
+    previous = module.__dict__.get(method, _MISSING)
+    # Instance attribute: nn.Module.__call__ looks up self.forward, pipelines call self.vae.decode.
+    object.__setattr__(module, method, wrapper)
+    state.runners[component] = runner
+    state.installed.append(_Installed(module, method, previous, wrapper))
+
+
+def restore(pipe: P) -> P:
+    """Undo :func:`accelerate`: put back every replaced method and patch, and free the graphs.
+
+    Returns the same pipeline, eager again. On a pipeline that was never accelerated it warns and
+    does nothing. If something else (an offload hook) wrapped a method on top of ours since, that
+    method is left wrapped but our runner inside it becomes a plain call, with a warning.
+    """
+    _check_pipeline(pipe, "restore")
+    state: _PipelineState | None = getattr(pipe, _STATE_ATTR, None)
+    if state is None:
+        warnings.warn(
+            "bcg-diffusion: restore(): this pipeline was not accelerated; nothing to undo", BCGWarning, stacklevel=2
+        )
+        return pipe
+    with state.lock:
+        for installed in reversed(state.installed):
+            current = installed.module.__dict__.get(installed.method, _MISSING)
+            runner = installed.wrapper.__bcg_runner__
+            if current is installed.wrapper:
+                if installed.previous is _MISSING:
+                    del installed.module.__dict__[installed.method]
+                else:
+                    object.__setattr__(installed.module, installed.method, installed.previous)
+            else:
+                warnings.warn(
+                    f"bcg-diffusion: restore(): {type(installed.module).__name__}.{installed.method} was wrapped again "
+                    "after accelerate(); leaving that wrapper and turning ours into a plain call",
+                    BCGWarning,
+                    stacklevel=2,
+                )
+            runner.close()
+        for patch in state.patches:
+            patch.revert()
+        state.runners.clear()
+        state.installed.clear()
+        state.patches.clear()
+        state.pool = None
+    object.__delattr__(pipe, _STATE_ATTR)
+    gc.collect()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+    return pipe
+
+
+def stats(pipe: Any) -> dict[str, Any]:
+    """Counters and per-signature records of an accelerated pipeline.
+
+    Keys: ``active`` (graphs in use), ``reason`` (why not), ``mode``, ``debug``, ``adapter``,
+    ``captures``, ``replays``, ``eager_fallbacks``, ``capture_seconds``, ``graph_memory_bytes`` (the
+    shared pool's size now), ``signatures`` (one dict per captured signature: component, signature,
+    status, reason, segments, breaks, memory_bytes, capture_seconds, replays), ``components``
+    (counters per component) and ``patches``.
+
+    Raises:
+        ValueError: the pipeline was never accelerated.
+    """
+    _check_pipeline(pipe, "stats")
+    state: _PipelineState | None = getattr(pipe, _STATE_ATTR, None)
+    if state is None:
+        raise ValueError("stats(): this pipeline was not accelerated (call bcg_diffusion.accelerate(pipe) first)")
+    with state.lock:
+        components = {name: dataclasses.asdict(runner.counters) for name, runner in state.runners.items()}
+        signatures = [dataclasses.asdict(r) for runner in state.runners.values() for r in runner.records()]
+        pool_bytes = state.pool.reserved_bytes() if state.pool is not None else 0
+    return {
+        "active": state.active,
+        "reason": state.reason,
+        "mode": state.config.mode,
+        "debug": state.config.debug,
+        "adapter": state.adapter.name,
+        "captures": sum(c["captures"] for c in components.values()),
+        "replays": sum(c["replays"] for c in components.values()),
+        "eager_fallbacks": sum(c["eager_fallbacks"] for c in components.values()),
+        "capture_seconds": sum(c["capture_seconds"] for c in components.values()),
+        "graph_memory_bytes": pool_bytes,
+        "signatures": signatures,
+        "components": components,
+        "patches": [patch.name for patch in state.patches],
+    }

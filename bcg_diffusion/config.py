@@ -1,0 +1,77 @@
+"""Options of :func:`bcg_diffusion.accelerate`, validated when they are made, not deep inside a call."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+__all__ = ["AccelerateConfig"]
+
+_MODES = ("exact",)
+_CAPTURE_ERROR_MODES = ("global", "thread_local", "relaxed")
+_KNOWN_COMPONENTS = ("transformer", "vae")
+
+
+@dataclass(frozen=True)
+class AccelerateConfig:
+    """How :func:`~bcg_diffusion.accelerate` patches a pipeline.
+
+    Attributes:
+        mode: ``"exact"``: replayed graphs of the eager kernels, byte-identical to eager.
+        debug: run the whole runner path (signatures, static buffers, copies, output clones,
+            counters) eagerly, without CUDA graphs. Works on CPU; tells a capture bug from a model bug.
+        components: which pipeline components to run as graphs: ``"transformer"`` (its forward)
+            and/or ``"vae"`` (its ``decode``).
+        warmup_runs: eager runs on the capture stream before each capture (cuBLAS workspaces,
+            lazily built caches such as RoPE tables). At least 1.
+        capture_error_mode: ``cudaStreamCaptureMode`` for captures: ``"thread_local"`` (default)
+            lets other threads keep using CUDA while one captures; ``"global"`` is strictest.
+        track_external_tensors: keep alive every tensor created outside a capture that the graph
+            reads (see :mod:`bcg_diffusion.graphs`). Turn off only if you hold them yourself.
+    """
+
+    mode: str = "exact"
+    debug: bool = False
+    components: tuple[str, ...] = ("transformer", "vae")
+    warmup_runs: int = 2
+    capture_error_mode: str = "thread_local"
+    track_external_tensors: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.mode, str) or self.mode not in _MODES:
+            raise ValueError(f"mode must be one of {_MODES}, got {self.mode!r}")
+        for name in ("debug", "track_external_tensors"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {type(getattr(self, name)).__name__}")
+        components = self.components
+        if isinstance(components, str):
+            components = (components,)
+        if not isinstance(components, (tuple, list)) or not all(isinstance(c, str) for c in components):
+            raise TypeError(f"components must be a tuple of strings, got {self.components!r}")
+        unknown = [c for c in components if c not in _KNOWN_COMPONENTS]
+        if unknown:
+            raise ValueError(f"unknown components {unknown}; choose from {_KNOWN_COMPONENTS}")
+        if not components:
+            raise ValueError("components is empty: nothing would be accelerated")
+        object.__setattr__(self, "components", tuple(dict.fromkeys(components)))
+        if isinstance(self.warmup_runs, bool) or not isinstance(self.warmup_runs, int):
+            raise TypeError(f"warmup_runs must be an int, got {type(self.warmup_runs).__name__}")
+        if not 1 <= self.warmup_runs <= 10:
+            raise ValueError(f"warmup_runs must be between 1 and 10, got {self.warmup_runs}")
+        if self.capture_error_mode not in _CAPTURE_ERROR_MODES:
+            raise ValueError(
+                f"capture_error_mode must be one of {_CAPTURE_ERROR_MODES}, got {self.capture_error_mode!r}"
+            )
+
+    @classmethod
+    def from_options(cls, config: AccelerateConfig | None, options: dict[str, Any]) -> AccelerateConfig:
+        """``config`` (or the defaults) with ``options`` applied on top; unknown option names raise TypeError."""
+        if config is not None and not isinstance(config, cls):
+            raise TypeError(f"config must be an AccelerateConfig, got {type(config).__name__}")
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(options) - names)
+        if unknown:
+            raise TypeError(f"unknown option(s) {unknown}; valid options are {sorted(names)}")
+        values = {f.name: getattr(config, f.name) for f in fields(cls)} if config is not None else {}
+        values.update(options)
+        return cls(**values)

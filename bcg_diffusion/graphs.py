@@ -1,0 +1,414 @@
+"""Breakable CUDA graphs: capture a function as graph segments separated by eager breaks.
+
+A plain CUDA graph must capture a whole function. Real forwards hold operations that cannot be
+captured (host syncs such as ``.item()``, copies from host memory, data-dependent shapes,
+collectives). Mark such a function with :func:`eager_break`; :func:`capture_breakable` then records
+
+    graph segment, eager step, graph segment, ..., graph segment
+
+and :meth:`BreakableGraph.replay` replays the segments and re-runs the eager steps between them.
+
+Contract of an eager break, during capture:
+
+* the segment before it ends, is instantiated and replayed at once, so the break sees real data
+  (capture alone executes nothing), then the break runs eagerly, then the next segment begins;
+* its tensor arguments are held strongly for the life of the graph; on replay it is called again
+  with the same argument objects, whose contents the previous segment has just rewritten;
+* it may write into its arguments, and it may **return tensors**: a returned tensor is cloned
+  into a buffer the graph owns, the following segments read that buffer, and each replay copies the
+  fresh result into it. Returned Python values (ints, bools...) are frozen into the later segments,
+  so a replay whose break returns a different value raises :class:`BreakResultMismatch` instead of
+  silently replaying the wrong code path.
+
+Memory: every segment and every capture of a :class:`GraphPool` allocates from one CUDA graph
+memory pool. A pool block freed during capture A may be reused by capture B, which is safe only for
+memory A rewrites before reading on each replay. Everything a graph reads across replays is
+therefore held strongly: static inputs and outputs (by the caller), break arguments and results,
+and every tensor created *outside* the capture that a captured kernel reads (weights, lazily built
+RoPE tables kept in ``lru_cache``...), found by a dispatch mode that watches the capture.
+
+Why our own module: the ``breakable-cuda-graphs`` package on PyPI is close, but it holds break
+inputs by non-owning aliases, forbids breaks that return tensors, and synchronizes around every
+segment; we need owned bridges, tensor-returning breaks and segment boundaries with no sync.
+
+>>> pool = GraphPool(torch.device("cuda"))                       # doctest: +SKIP
+>>> @eager_break
+... def host_scale(x):
+...     return x * float(x.abs().max().item())                   # a host sync
+>>> def forward(x):
+...     return host_scale(x.sin()).cos()
+>>> static_x = torch.randn(8, device="cuda")                     # doctest: +SKIP
+>>> graph, static_out = capture_breakable(lambda: forward(static_x), pool)  # doctest: +SKIP
+>>> static_x.copy_(torch.randn(8, device="cuda")); graph.replay()            # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+import logging
+import warnings
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from .tree import flatten, unflatten
+
+__all__ = [
+    "BreakResultMismatch",
+    "BreakableGraph",
+    "GraphPool",
+    "capture_breakable",
+    "eager_break",
+    "is_capturing",
+]
+
+logger = logging.getLogger(__name__)
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+# The capture in progress in this thread/context, or None. Breaks consult it on every call.
+_ACTIVE: contextvars.ContextVar[_BreakableCapture | None] = contextvars.ContextVar("bcg_active_capture", default=None)
+
+_EMPTY_GRAPH_WARNING = "The CUDA Graph is empty"
+
+
+class BreakResultMismatch(RuntimeError):
+    """A break returned, on replay, something the captured segments after it were not built for."""
+
+
+def is_capturing() -> bool:
+    """True while :func:`capture_breakable` is recording in this context."""
+    return _ACTIVE.get() is not None
+
+
+def eager_break(fn: F) -> F:
+    """Mark ``fn`` as an eager break: inside :func:`capture_breakable` it ends the current graph
+    segment and runs eagerly (now and on every replay); anywhere else it is a plain call.
+
+    Use it for code that cannot be captured: host syncs (``.item()``, ``.tolist()``, ``nonzero``),
+    copies from host memory, data-dependent shapes, collectives. It can decorate a function or wrap
+    one in place (``module.fn = eager_break(module.fn)``); ``functools.wraps`` keeps its metadata and
+    ``__wrapped__`` gives back the original.
+    """
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        capture = _ACTIVE.get()
+        if capture is None:
+            return fn(*args, **kwargs)
+        return capture.run_break(fn, args, kwargs)
+
+    wrapper.__bcg_eager_break__ = True  # type: ignore[attr-defined]
+    return wrapper  # type: ignore[return-value]
+
+
+class GraphPool:
+    """One CUDA graph memory pool and one capture stream, shared by every capture of a pipeline.
+
+    Sharing one pool lets the VAE's and every resolution's graphs reuse the same blocks, so total
+    graph memory grows far slower than the number of captures. Captures and replays that share a
+    pool must not run concurrently (the runners hold a lock for that).
+    """
+
+    def __init__(self, device: torch.device | str | int) -> None:
+        device = torch.device(device)
+        if device.type != "cuda":
+            raise ValueError(f"a GraphPool needs a CUDA device, got {device}")
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        self.device = device
+        with torch.cuda.device(device):
+            self.handle = torch.cuda.graph_pool_handle()
+            self.stream = torch.cuda.Stream(device)
+            # The allocators (device and pinned host) free a graph pool when its last graph is reset,
+            # and assert if a later capture names it again. Captures here do reset graphs (an empty
+            # segment, a failed capture, a signature evicted), so an empty anchor graph, never
+            # replayed, holds the pool for the GraphPool's whole life.
+            self._anchor = torch.cuda.CUDAGraph()
+            with torch.cuda.stream(self.stream), warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message=_EMPTY_GRAPH_WARNING)
+                self._anchor.capture_begin(pool=self.handle)
+                self._anchor.capture_end()
+
+    def reserved_bytes(self) -> int:
+        """Device memory the pool holds now (the total size of its segments).
+
+        Read from the allocator's snapshot, not ``MemPool.snapshot()``, which routes allocations to
+        the pool while it runs.
+        """
+        handle = tuple(self.handle)
+        return sum(
+            int(segment["total_size"])
+            for segment in torch.cuda.memory_snapshot()
+            if tuple(segment.get("segment_pool_id", ())) == handle
+        )
+
+
+@dataclass
+class _GraphStep:
+    graph: torch.cuda.CUDAGraph
+
+    def run(self) -> None:
+        self.graph.replay()
+
+
+@dataclass
+class _EagerStep:
+    """One eager break: the function, the exact arguments it was captured with, and its result bridges."""
+
+    fn: Callable[..., Any]
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    result_spec: Hashable
+    bridges: list[torch.Tensor]
+
+    def run(self) -> None:
+        result = self.fn(*self.args, **self.kwargs)
+        leaves, spec = flatten(result)
+        if spec != self.result_spec:
+            name = getattr(self.fn, "__qualname__", repr(self.fn))
+            raise BreakResultMismatch(
+                f"eager break {name} returned a value of a different structure, shape or Python value than at "
+                "capture; the graph segments after it were captured for the old value"
+            )
+        for bridge, fresh in zip(self.bridges, leaves):
+            if bridge.data_ptr() != fresh.data_ptr():
+                bridge.copy_(fresh)
+
+
+@dataclass
+class BreakableGraph:
+    """The ordered graph segments and eager steps of one capture, plus what they must keep alive.
+
+    ``replay()`` runs every step on the current stream. Static inputs must have been written and the
+    outputs are overwritten in place: copy them out before the next replay.
+    """
+
+    steps: list[_GraphStep | _EagerStep]
+    keepalive: list[Any] = field(default_factory=list)
+
+    @property
+    def num_segments(self) -> int:
+        return sum(isinstance(step, _GraphStep) for step in self.steps)
+
+    @property
+    def num_breaks(self) -> int:
+        return sum(isinstance(step, _EagerStep) for step in self.steps)
+
+    def replay(self) -> None:
+        for step in self.steps:
+            step.run()
+
+    def reset(self) -> None:
+        """Free the graphs and drop every reference they held."""
+        for step in self.steps:
+            if isinstance(step, _GraphStep):
+                step.graph.reset()
+        self.steps.clear()
+        self.keepalive.clear()
+
+
+class _ExternalTensorTracker(TorchDispatchMode):
+    """Keeps alive the storage of every CUDA tensor a captured op reads that the capture did not create.
+
+    Such tensors (weights, RoPE tables cached by ``lru_cache``, buffers built during warm-up) have
+    their addresses baked into the graph; if their last owner dropped them, a later capture could
+    reuse the memory and the graph would read garbage. It also notes every side stream an op ran on,
+    so the capture can join them before a segment ends. Recording happens only while a segment is
+    being captured; the cost is a Python call per op, paid at capture time only.
+    """
+
+    def __init__(self, capture_stream: torch.cuda.Stream) -> None:
+        super().__init__()
+        self.recording = False
+        self.capture_stream = capture_stream
+        self.produced: set[int] = set()
+        self.kept: dict[int, torch.UntypedStorage] = {}
+        self.side_streams: set[torch.cuda.Stream] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 - torch's signature
+        kwargs = kwargs or {}
+        if not self.recording:
+            return func(*args, **kwargs)
+        stream = torch.cuda.current_stream()
+        if stream != self.capture_stream:
+            self.side_streams.add(stream)
+        for value in tree_leaves((args, kwargs)):
+            if isinstance(value, torch.Tensor) and value.device.type == "cuda":
+                storage = value.untyped_storage()
+                pointer = storage.data_ptr()
+                if pointer and pointer not in self.produced and pointer not in self.kept:
+                    self.kept[pointer] = storage
+        out = func(*args, **kwargs)
+        for value in tree_leaves(out):
+            if isinstance(value, torch.Tensor) and value.device.type == "cuda":
+                self.produced.add(value.untyped_storage().data_ptr())
+        return out
+
+
+class _BreakableCapture:
+    """State of one capture in progress. Created and driven by :func:`capture_breakable` only."""
+
+    def __init__(self, pool: GraphPool, capture_error_mode: str, track_external: bool) -> None:
+        self.pool = pool
+        self.capture_error_mode = capture_error_mode
+        self.steps: list[_GraphStep | _EagerStep] = []
+        self.keepalive: list[Any] = []
+        self.current: torch.cuda.CUDAGraph | None = None
+        self.side_streams: set[torch.cuda.Stream] = set()
+        self.tracker = _ExternalTensorTracker(pool.stream) if track_external else None
+
+    def begin_segment(self) -> None:
+        graph = torch.cuda.CUDAGraph()
+        graph.capture_begin(pool=self.pool.handle, capture_error_mode=self.capture_error_mode)
+        self.current = graph
+        # Fork the side streams joined at the end of the last segment into this one, so code that
+        # joins them after the break (capture_stream.wait_stream(side)) waits on captured work,
+        # not on work outside the capture, which CUDA refuses.
+        capture_stream = torch.cuda.current_stream(self.pool.device)
+        for stream in self.side_streams:
+            stream.wait_stream(capture_stream)
+        if self.tracker is not None:
+            self.tracker.recording = True
+
+    def end_segment(self) -> None:
+        """End the open segment, keep it if it recorded any work, and replay it so its outputs are real."""
+        if self.tracker is not None:
+            self.tracker.recording = False
+        self._join_side_streams()
+        graph, self.current = self.current, None
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            graph.capture_end()
+        empty = False
+        for warning in caught:
+            if _EMPTY_GRAPH_WARNING in str(warning.message):
+                empty = True  # e.g. a break right at the start of the forward: nothing to replay
+            else:
+                warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
+        if empty:
+            graph.reset()
+            return
+        graph.replay()
+        self.steps.append(_GraphStep(graph))
+
+    def _join_side_streams(self) -> None:
+        # Work forked onto another stream during capture must join the capture stream before the
+        # segment ends, or cudaStreamEndCapture fails with "unjoined". Joining an already joined
+        # stream costs one event node.
+        capture_stream = torch.cuda.current_stream(self.pool.device)
+        if self.tracker is not None:
+            self.side_streams |= self.tracker.side_streams
+            self.tracker.side_streams.clear()
+        for stream in self.side_streams:
+            with torch.cuda.stream(stream):
+                capturing = torch.cuda.is_current_stream_capturing()
+            if capturing:
+                capture_stream.wait_stream(stream)
+
+    def note_stream(self) -> None:
+        stream = torch.cuda.current_stream(self.pool.device)
+        if stream != self.pool.stream:
+            self.side_streams.add(stream)
+
+    def run_break(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        self.note_stream()
+        self.end_segment()
+        # Nested breaks (a break calling another) run as plain calls inside the outer one.
+        token = _ACTIVE.set(None)
+        try:
+            result = fn(*args, **kwargs)
+        finally:
+            _ACTIVE.reset(token)
+        leaves, spec = flatten(result)
+        # Clone rather than adopt: the break may return a tensor someone else owns (a cache entry),
+        # and replay writes into the bridge.
+        bridges = [leaf.clone() for leaf in leaves]
+        self.steps.append(_EagerStep(fn, args, kwargs, spec, bridges))
+        self.begin_segment()
+        return unflatten(spec, bridges)
+
+    def abort(self) -> None:
+        """Close an open segment after an error, without hiding the error that caused it."""
+        if self.tracker is not None:
+            self.tracker.recording = False
+        graph, self.current = self.current, None
+        if graph is None:
+            return
+        try:
+            self._join_side_streams()
+        except Exception as exc:  # the capture is already broken; report and continue closing it
+            logger.debug("joining side streams while aborting a capture failed: %s", exc)
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                graph.capture_end()
+        except Exception as exc:  # expected: an invalidated capture cannot end cleanly
+            logger.debug("ending an aborted capture segment raised (expected after a failed capture): %s", exc)
+            # torch's capture_end raises before it stops routing allocations to the pool, and every
+            # later capture on this pool would then fail with "already recording to mempool_id".
+            # No public API undoes that; this private call is what capture_end would have made.
+            try:
+                torch._C._cuda_endAllocateToPool(self.pool.device.index, self.pool.handle)
+            except Exception as cleanup_exc:
+                logger.warning("could not release the graph pool after a failed capture: %s", cleanup_exc)
+        try:
+            graph.reset()
+        except Exception as exc:
+            logger.debug("resetting an aborted capture segment raised: %s", exc)
+
+
+def capture_breakable(
+    fn: Callable[[], Any],
+    pool: GraphPool,
+    *,
+    capture_error_mode: str = "thread_local",
+    track_external: bool = True,
+) -> tuple[BreakableGraph, Any]:
+    """Capture ``fn()`` as a :class:`BreakableGraph` and return it with ``fn``'s (real) result.
+
+    Needs: the current stream is ``pool.stream`` (the capture stream, not the default stream), the
+    caller has warmed ``fn`` up on that stream, and every tensor ``fn`` reads from outside is held
+    by the caller (static inputs) or tracked (``track_external=True``). Segments begin and end
+    directly: no synchronize or cache emptying per segment.
+
+    Returns ``(graph, result)``; ``result``'s tensors live in the pool and are rewritten by every
+    replay. Because each segment is replayed as soon as it is captured, ``result`` holds real values.
+
+    Raises whatever ``fn`` raised (the capture is closed first, never left half-open) and
+    :class:`RuntimeError` if called while another capture is active in this context.
+    """
+    if _ACTIVE.get() is not None:
+        raise RuntimeError("capture_breakable cannot nest: a breakable capture is already active in this context")
+    if torch.cuda.current_stream(pool.device) != pool.stream:
+        raise RuntimeError(
+            "capture_breakable must run on the pool's capture stream: wrap it in torch.cuda.stream(pool.stream)"
+        )
+    capture = _BreakableCapture(pool, capture_error_mode, track_external)
+    token = _ACTIVE.set(capture)
+    try:
+        if capture.tracker is not None:
+            capture.tracker.__enter__()
+        try:
+            capture.begin_segment()
+            result = fn()
+            capture.note_stream()
+            capture.end_segment()
+        finally:
+            if capture.tracker is not None:
+                capture.tracker.__exit__(None, None, None)
+    except BaseException:
+        capture.abort()
+        for step in capture.steps:
+            if isinstance(step, _GraphStep):
+                step.graph.reset()
+        raise
+    finally:
+        _ACTIVE.reset(token)
+    keepalive: list[Any] = list(capture.tracker.kept.values()) if capture.tracker is not None else []
+    return BreakableGraph(capture.steps, keepalive), result

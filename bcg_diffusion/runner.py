@@ -1,0 +1,307 @@
+"""The runner: replaces one callable (a module's ``forward``, a VAE's ``decode``) with graphs.
+
+For every distinct call signature (see :mod:`bcg_diffusion.tree`) the runner keeps static input
+buffers, warms the callable up on the capture stream, captures it as a breakable graph on the first
+call, and replays it afterwards: copy inputs in, replay, clone outputs (two calls of one graph return
+the same buffers, so CFG's cond and uncond results would otherwise overwrite each other).
+
+A signature whose capture fails runs eagerly from then on, with one warning naming the reason; it is
+not retried. Errors the eager callable itself raises (bad shapes...) propagate unchanged.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import warnings
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from . import graphs
+from .graphs import BreakableGraph, BreakResultMismatch, GraphPool, capture_breakable
+from .tree import UnsupportedValue, describe, flatten, unflatten
+
+__all__ = ["BCGWarning", "GraphRunner", "RunnerCounters", "SignatureRecord"]
+
+logger = logging.getLogger(__name__)
+
+
+class BCGWarning(UserWarning):
+    """A bcg-diffusion warning: something runs eagerly (slower, still correct) and here is why."""
+
+
+@dataclass
+class RunnerCounters:
+    captures: int = 0
+    replays: int = 0
+    eager_fallbacks: int = 0
+    capture_seconds: float = 0.0
+
+
+@dataclass
+class SignatureRecord:
+    """What one signature of one runner cost and did; ``stats()`` reports these."""
+
+    component: str
+    signature: str
+    status: str  # "captured", "debug" or "failed"
+    reason: str | None = None
+    segments: int = 0
+    breaks: int = 0
+    memory_bytes: int = 0
+    capture_seconds: float = 0.0
+    replays: int = 0
+
+
+class _EagerReplay:
+    """Debug-mode stand-in for a :class:`BreakableGraph`: re-runs the callable on the static inputs
+    and copies the result into the static outputs, exactly where a graph replay would write."""
+
+    num_segments = 0
+    num_breaks = 0
+
+    def __init__(self, fn: Callable[..., Any], args: tuple, kwargs: dict, outputs: list[torch.Tensor], spec: Hashable):
+        self.fn, self.args, self.kwargs, self.outputs, self.spec = fn, args, kwargs, outputs, spec
+
+    def replay(self) -> None:
+        leaves, spec = flatten(self.fn(*self.args, **self.kwargs))
+        if spec != self.spec:
+            raise BreakResultMismatch("debug replay returned a different structure than the first run")
+        for static, fresh in zip(self.outputs, leaves):
+            static.copy_(fresh)
+
+    def reset(self) -> None:
+        self.outputs.clear()
+
+
+@dataclass
+class _Entry:
+    record: SignatureRecord
+    static_inputs: list[torch.Tensor]
+    graph: BreakableGraph | _EagerReplay | None = None
+    outputs: list[Any] | None = None
+    output_spec: Hashable = None
+
+
+def _static_copy(tensor: torch.Tensor) -> torch.Tensor:
+    # empty_like keeps the caller's strides when they are dense (so the captured kernels are the ones
+    # eager picks) and falls back to contiguous for expanded tensors, which cannot be written into.
+    return torch.empty_like(tensor).copy_(tensor)
+
+
+class GraphRunner:
+    """Calls ``fn`` through signature-keyed breakable CUDA graphs.
+
+    Args:
+        fn: the callable to accelerate (e.g. the original bound ``forward``).
+        name: component name for stats and warnings (``"transformer"``).
+        pool: the shared :class:`GraphPool`; ``None`` only in debug mode.
+        lock: serialises captures and replays of every runner sharing ``pool``.
+        debug: run the runner path without graphs (see :class:`_EagerReplay`).
+        warmup_runs, capture_error_mode, track_external_tensors: see :class:`AccelerateConfig`.
+        state_key: returns extra hashable state that changes what ``fn`` computes but is not in its
+            arguments (VAE tiling flags, the attention backend); it becomes part of the signature.
+
+    Thread safety: calls are serialised by ``lock``; the static buffers are shared, so two replays of
+    one graph must never overlap.
+    """
+
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        *,
+        name: str,
+        pool: GraphPool | None,
+        lock: threading.RLock,
+        debug: bool = False,
+        warmup_runs: int = 2,
+        capture_error_mode: str = "thread_local",
+        track_external_tensors: bool = True,
+        state_key: Callable[[], Hashable] | None = None,
+    ) -> None:
+        if pool is None and not debug:
+            raise ValueError("a GraphRunner needs a GraphPool unless debug=True")
+        self.fn = fn
+        self.name = name
+        self.pool = pool
+        self.lock = lock
+        self.debug = debug
+        self.warmup_runs = warmup_runs
+        self.capture_error_mode = capture_error_mode
+        self.track_external_tensors = track_external_tensors
+        self.state_key = state_key
+        self.counters = RunnerCounters()
+        self._entries: dict[Hashable, _Entry] = {}
+        self._warned: set[str] = set()
+        self.closed = False
+
+    # ----------------------------------------------------------------------------------------- call
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.closed or graphs.is_capturing() or (not self.debug and torch.cuda.is_current_stream_capturing()):
+            # Closed by restore(), or inside someone's capture (ours or the user's): be a plain call.
+            return self.fn(*args, **kwargs)
+        if torch.is_grad_enabled():
+            return self._eager(
+                "grad_mode", "autograd is enabled; graphs are for inference (use torch.no_grad())", args, kwargs
+            )
+        try:
+            leaves, spec = flatten((args, kwargs))
+        except UnsupportedValue as exc:
+            return self._eager(f"unsupported:{exc}", str(exc), args, kwargs)
+        key = (spec, self.state_key()) if self.state_key is not None else spec
+        with self.lock:
+            entry = self._entries.get(key)
+            if entry is None:
+                return self._capture(key, spec, leaves, args, kwargs)
+            if entry.graph is None:
+                self.counters.eager_fallbacks += 1
+                return self.fn(*args, **kwargs)
+            return self._replay(entry, leaves, args, kwargs)
+
+    def _eager(self, warn_key: str, reason: str, args: tuple, kwargs: dict) -> Any:
+        self._warn_once(warn_key, f"bcg-diffusion: {self.name} runs eagerly for this call: {reason}")
+        self.counters.eager_fallbacks += 1
+        return self.fn(*args, **kwargs)
+
+    def _warn_once(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            warnings.warn(message, BCGWarning, stacklevel=4)
+
+    # --------------------------------------------------------------------------------------- replay
+    def _replay(self, entry: _Entry, leaves: list[torch.Tensor], args: tuple, kwargs: dict) -> Any:
+        for static, fresh in zip(entry.static_inputs, leaves):
+            static.copy_(fresh)
+        try:
+            entry.graph.replay()
+        except BreakResultMismatch as exc:
+            self._disable(entry, f"{type(exc).__name__}: {exc}")
+            self.counters.eager_fallbacks += 1
+            return self.fn(*args, **kwargs)
+        entry.record.replays += 1
+        self.counters.replays += 1
+        return self._cloned_outputs(entry)
+
+    @staticmethod
+    def _cloned_outputs(entry: _Entry) -> Any:
+        return unflatten(entry.output_spec, [leaf.clone() for leaf in entry.outputs])
+
+    # -------------------------------------------------------------------------------------- capture
+    def _capture(self, key: Hashable, spec: Hashable, leaves: list[torch.Tensor], args: tuple, kwargs: dict) -> Any:
+        record = SignatureRecord(
+            component=self.name, signature=describe(spec), status="debug" if self.debug else "captured"
+        )
+        entry = _Entry(record=record, static_inputs=[])
+        self._entries[key] = entry
+        if not self.debug:
+            misplaced = sorted({str(leaf.device) for leaf in leaves if leaf.device != self.pool.device})
+            if misplaced:
+                self._disable(entry, f"inputs on {misplaced}, graphs live on {self.pool.device}")
+                self.counters.eager_fallbacks += 1
+                return self.fn(*args, **kwargs)
+
+        started = time.perf_counter()
+        entry.static_inputs = [_static_copy(leaf) for leaf in leaves]
+        static_args, static_kwargs = unflatten(spec, entry.static_inputs)
+        try:
+            if self.debug:
+                self._capture_debug(entry, static_args, static_kwargs)
+            else:
+                captured = self._capture_cuda(entry, static_args, static_kwargs)
+                if not captured:
+                    self.counters.eager_fallbacks += 1
+                    return self.fn(*args, **kwargs)
+        except BaseException:
+            # The eager callable itself failed (in a warm-up): the user's error, not ours. Forget the
+            # signature so a corrected call captures normally.
+            del self._entries[key]
+            raise
+        record.capture_seconds = time.perf_counter() - started
+        self.counters.captures += 1
+        self.counters.capture_seconds += record.capture_seconds
+        logger.info(
+            "%s: captured %s in %.3f s (%d segments, %d breaks, %.1f MiB)",
+            self.name,
+            record.signature,
+            record.capture_seconds,
+            record.segments,
+            record.breaks,
+            record.memory_bytes / 2**20,
+        )
+        return self._cloned_outputs(entry)
+
+    def _capture_debug(self, entry: _Entry, args: tuple, kwargs: dict) -> None:
+        outputs, output_spec = flatten(self.fn(*args, **kwargs))
+        entry.outputs, entry.output_spec = outputs, output_spec
+        entry.graph = _EagerReplay(self.fn, args, kwargs, outputs, output_spec)
+
+    def _capture_cuda(self, entry: _Entry, args: tuple, kwargs: dict) -> bool:
+        """Warm up, then capture. False (and the entry disabled) if the capture failed."""
+        pool = self.pool
+        caller_stream = torch.cuda.current_stream(pool.device)
+        pool.stream.wait_stream(caller_stream)
+        try:
+            with torch.cuda.stream(pool.stream):
+                for _ in range(self.warmup_runs):
+                    self.fn(*args, **kwargs)
+        finally:
+            caller_stream.wait_stream(pool.stream)
+
+        reserved_before = pool.reserved_bytes()
+        pool.stream.wait_stream(caller_stream)
+        try:
+            with torch.cuda.stream(pool.stream):
+                graph, result = capture_breakable(
+                    lambda: self.fn(*args, **kwargs),
+                    pool,
+                    capture_error_mode=self.capture_error_mode,
+                    track_external=self.track_external_tensors,
+                )
+            outputs, output_spec = flatten(result)
+        except Exception as exc:  # any capture failure: fall back for this signature, say why
+            caller_stream.wait_stream(pool.stream)
+            self._disable(entry, f"capture failed: {type(exc).__name__}: {str(exc).strip().splitlines()[0][:300]}")
+            return False
+        caller_stream.wait_stream(pool.stream)
+        entry.graph, entry.outputs, entry.output_spec = graph, outputs, output_spec
+        entry.record.segments = graph.num_segments
+        entry.record.breaks = graph.num_breaks
+        entry.record.memory_bytes = max(0, pool.reserved_bytes() - reserved_before)
+        return True
+
+    def _disable(self, entry: _Entry, reason: str) -> None:
+        if entry.graph is not None:
+            entry.graph.reset()
+        entry.graph = None
+        entry.outputs = None
+        entry.static_inputs = []
+        entry.record.status = "failed"
+        entry.record.reason = reason
+        self._warn_once(
+            f"disabled:{entry.record.signature}",
+            f"bcg-diffusion: {self.name} runs eagerly for signature {entry.record.signature}: {reason}",
+        )
+        logger.warning("%s: signature %s runs eagerly: %s", self.name, entry.record.signature, reason)
+
+    # ---------------------------------------------------------------------------------------- admin
+    def records(self) -> list[SignatureRecord]:
+        return [entry.record for entry in self._entries.values()]
+
+    def graph_memory_bytes(self) -> int:
+        return sum(entry.record.memory_bytes for entry in self._entries.values() if entry.graph is not None)
+
+    def close(self) -> None:
+        """Free every graph and buffer this runner holds; later calls go straight to ``fn``."""
+        with self.lock:
+            self.closed = True
+            for entry in self._entries.values():
+                if entry.graph is not None:
+                    entry.graph.reset()
+                entry.graph = None
+                entry.outputs = None
+                entry.static_inputs = []
+            self._entries.clear()

@@ -1,0 +1,136 @@
+"""Flatten call arguments and results into tensors plus a hashable structure.
+
+A *spec* describes everything about a (nested) value except the contents of its tensors: container
+types and lengths, dict keys, Python constants, and the shape, stride, dtype and device of every
+tensor. Two calls with equal specs can replay the same CUDA graph, so the spec doubles as the
+capture signature.
+
+We do not use ``torch.utils._pytree`` here: its specs keep Python constants as opaque leaves rather
+than hashing them, and we need a cheap, hashable key that includes them (``img_shapes`` lists,
+``return_dict`` flags, ``None`` versus a mask tensor).
+
+>>> import torch
+>>> leaves, spec = flatten(([torch.zeros(2, 3)], {"scale": 1.0, "mask": None}))
+>>> len(leaves)
+1
+>>> rebuilt = unflatten(spec, leaves)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Hashable
+from typing import Any
+
+import torch
+
+__all__ = ["UnsupportedValue", "flatten", "unflatten", "describe"]
+
+_CONSTANT_TYPES = (bool, int, float, str, bytes, complex, type(None), torch.dtype, torch.device)
+
+# Spec node tags. Tuples of small ints and strings hash fast and compare structurally.
+_TENSOR, _CONST, _LIST, _TUPLE, _DICT, _OUTPUT = "T", "C", "L", "U", "D", "O"
+
+
+class UnsupportedValue(TypeError):
+    """Raised when a value cannot be part of a graph signature (an object we cannot copy or compare)."""
+
+
+def _is_output_dataclass(value: Any) -> bool:
+    # diffusers' BaseOutput is both an OrderedDict and a dataclass; rebuild it by keyword.
+    return dataclasses.is_dataclass(value) and not isinstance(value, type)
+
+
+def _flatten(value: Any, leaves: list[torch.Tensor]) -> Hashable:
+    if isinstance(value, torch.Tensor):
+        leaves.append(value)
+        return (_TENSOR, tuple(value.shape), value.stride(), value.dtype, value.device, value.requires_grad)
+    if isinstance(value, _CONSTANT_TYPES):
+        # type() in the key keeps 1, 1.0 and True apart: they hash equal but trace different code.
+        return (_CONST, type(value), value)
+    if isinstance(value, list):
+        return (_LIST, tuple(_flatten(item, leaves) for item in value))
+    if _is_output_dataclass(value):
+        names = tuple(field.name for field in dataclasses.fields(value))
+        return (_OUTPUT, type(value), names, tuple(_flatten(getattr(value, n), leaves) for n in names))
+    if isinstance(value, tuple):
+        kind = type(value) if type(value) is not tuple else None
+        return (_TUPLE, kind, tuple(_flatten(item, leaves) for item in value))
+    if isinstance(value, dict):
+        keys = tuple(value.keys())
+        return (_DICT, type(value), keys, tuple(_flatten(value[k], leaves) for k in keys))
+    raise UnsupportedValue(
+        f"cannot use a value of type {type(value).__module__}.{type(value).__qualname__} in a graph signature"
+    )
+
+
+def flatten(value: Any) -> tuple[list[torch.Tensor], Hashable]:
+    """Split ``value`` into its tensors (in a fixed order) and a hashable spec of everything else.
+
+    Supports tensors, ``None``, bools, ints, floats, strings, dtypes, devices, and lists, tuples
+    (named tuples too), dicts and dataclasses (diffusers output classes) of those.
+
+    Raises:
+        UnsupportedValue: for any other object (a generator, a module, a callable...).
+    """
+    leaves: list[torch.Tensor] = []
+    spec = _flatten(value, leaves)
+    return leaves, spec
+
+
+def _unflatten(spec: Any, leaves: list[Any], position: list[int]) -> Any:
+    tag = spec[0]
+    if tag == _TENSOR:
+        leaf = leaves[position[0]]
+        position[0] += 1
+        return leaf
+    if tag == _CONST:
+        return spec[2]
+    if tag == _LIST:
+        return [_unflatten(child, leaves, position) for child in spec[1]]
+    if tag == _TUPLE:
+        items = [_unflatten(child, leaves, position) for child in spec[2]]
+        kind = spec[1]
+        if kind is None:
+            return tuple(items)
+        return kind(*items) if hasattr(kind, "_fields") else kind(items)
+    if tag == _DICT:
+        kind, keys = spec[1], spec[2]
+        return kind(zip(keys, (_unflatten(child, leaves, position) for child in spec[3])))
+    if tag == _OUTPUT:
+        kind, names = spec[1], spec[2]
+        return kind(**{name: _unflatten(child, leaves, position) for name, child in zip(names, spec[3])})
+    raise ValueError(f"corrupt spec node {tag!r}")
+
+
+def unflatten(spec: Hashable, leaves: list[Any]) -> Any:
+    """Rebuild a value of structure ``spec`` (from :func:`flatten`) around ``leaves``, in order."""
+    position = [0]
+    value = _unflatten(spec, leaves, position)
+    if position[0] != len(leaves):
+        raise ValueError(f"spec uses {position[0]} leaves but {len(leaves)} were given")
+    return value
+
+
+def describe(spec: Hashable, limit: int = 400) -> str:
+    """A short human-readable rendering of a spec, for stats and warnings."""
+
+    def render(node: Any) -> str:
+        tag = node[0]
+        if tag == _TENSOR:
+            shape = "x".join(str(s) for s in node[1])
+            return f"{str(node[3]).removeprefix('torch.')}[{shape}]"
+        if tag == _CONST:
+            return repr(node[2])
+        if tag == _LIST:
+            return "[" + ", ".join(render(c) for c in node[1]) + "]"
+        if tag == _TUPLE:
+            return "(" + ", ".join(render(c) for c in node[2]) + ")"
+        if tag == _DICT:
+            return "{" + ", ".join(f"{k}: {render(c)}" for k, c in zip(node[2], node[3])) + "}"
+        if tag == _OUTPUT:
+            return node[1].__name__ + "(" + ", ".join(f"{n}={render(c)}" for n, c in zip(node[2], node[3])) + ")"
+        return repr(node)
+
+    text = render(spec)
+    return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -1,0 +1,1 @@
+"""Latency benchmarks of bcg-diffusion (run with ``python -m bench``)."""

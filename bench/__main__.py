@@ -1,0 +1,3 @@
+from .e2e import main
+
+raise SystemExit(main())

@@ -1,0 +1,52 @@
+"""Pipeline calls shared by the CPU (debug mode) and GPU (graphs) equality tests."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+SHORT = "a red fox in the snow"
+LONG = (
+    "a detailed oil painting of an old lighthouse on a rocky coast at sunset, waves crashing against the rocks, "
+    "seagulls flying over the water, warm orange light and long shadows, dramatic clouds in the sky"
+)
+
+# name -> pipeline keyword arguments (prompt lists are rebuilt per call: Z-Image edits them in place)
+QWEN_CASES: dict[str, dict[str, Any]] = {
+    "no_cfg": {"prompt": SHORT, "true_cfg_scale": 1.0},
+    "true_cfg": {"prompt": SHORT, "negative_prompt": "blurry, low quality", "true_cfg_scale": 4.0},
+    "mask_two_lengths": {"prompt": [SHORT, LONG], "negative_prompt": [" ", "ugly"], "true_cfg_scale": 4.0},
+}
+ZIMAGE_CASES: dict[str, dict[str, Any]] = {
+    "no_cfg": {"prompt": SHORT, "guidance_scale": 0.0},
+    "cfg": {"prompt": SHORT, "negative_prompt": "blurry", "guidance_scale": 4.0},
+    "cfg_truncation": {"prompt": SHORT, "guidance_scale": 4.0, "cfg_truncation": 0.5},
+    "two_lengths": {"prompt": [SHORT, LONG], "guidance_scale": 0.0},
+}
+CASES = {"qwen-image": QWEN_CASES, "z-image": ZIMAGE_CASES}
+
+
+def run_case(
+    pipe: Any,
+    pipeline: str,
+    case: str,
+    *,
+    height: int,
+    width: int,
+    steps: int = 2,
+    output_type: str = "pt",
+    seed: int = 0,
+) -> torch.Tensor:
+    """One pipeline call; returns the image (``output_type="pt"``) or latents as a CPU tensor."""
+    kwargs = {k: (list(v) if isinstance(v, list) else v) for k, v in CASES[pipeline][case].items()}
+    out = pipe(
+        **kwargs,
+        height=height,
+        width=width,
+        num_inference_steps=steps,
+        generator=torch.Generator("cpu").manual_seed(seed),
+        output_type=output_type,
+    )
+    images = out.images
+    return images.detach().cpu() if isinstance(images, torch.Tensor) else torch.stack([i.cpu() for i in images])

@@ -1,0 +1,106 @@
+"""Public API contracts: clear errors for bad input, idempotence, restore."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from diffusers import DiffusionPipeline
+
+from bcg_diffusion import AccelerateConfig, BCGWarning, accelerate, restore, stats
+from bcg_diffusion.loading import build_pipeline
+
+
+@pytest.fixture(scope="module")
+def pipe():
+    pipe = build_pipeline("z-image", "tiny", device="cpu")
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+@pytest.mark.parametrize("fn", [accelerate, restore, stats])
+def test_none_and_non_pipelines_are_refused(fn):
+    with pytest.raises(TypeError, match="got None"):
+        fn(None)
+    with pytest.raises(TypeError, match="DiffusionPipeline"):
+        fn(torch.nn.Linear(2, 2))
+
+
+def test_bad_options_are_refused_before_anything_is_patched(pipe):
+    with pytest.raises(TypeError, match="unknown option"):
+        accelerate(pipe, turbo=True)
+    with pytest.raises(ValueError, match="warmup_runs"):
+        accelerate(pipe, debug=True, warmup_runs=-1)
+    with pytest.raises(TypeError, match="AccelerateConfig"):
+        accelerate(pipe, config={"debug": True})
+    assert "forward" not in pipe.transformer.__dict__
+
+
+def test_accelerate_twice(pipe):
+    assert accelerate(pipe, debug=True) is pipe
+    try:
+        wrapper = pipe.transformer.__dict__["forward"]
+        assert accelerate(pipe, config=AccelerateConfig(debug=True)) is pipe  # same options: no-op
+        assert pipe.transformer.__dict__["forward"] is wrapper
+        with pytest.raises(ValueError, match="restore"):
+            accelerate(pipe, debug=True, components=("vae",))
+    finally:
+        restore(pipe)
+
+
+def test_restore_and_stats_on_a_plain_pipeline(pipe):
+    with pytest.warns(BCGWarning, match="not accelerated"):
+        assert restore(pipe) is pipe
+    with pytest.raises(ValueError, match="not accelerated"):
+        stats(pipe)
+
+
+def test_components_option_limits_what_is_patched(pipe):
+    accelerate(pipe, debug=True, components=("vae",))
+    try:
+        assert "forward" not in pipe.transformer.__dict__ and "decode" in pipe.vae.__dict__
+        assert set(stats(pipe)["components"]) == {"vae"}
+    finally:
+        restore(pipe)
+
+
+def test_wrapper_keeps_the_signature_of_the_original(pipe):
+    import inspect
+
+    original = inspect.signature(pipe.transformer.forward)
+    accelerate(pipe, debug=True)
+    try:
+        assert inspect.signature(pipe.transformer.forward) == original
+    finally:
+        restore(pipe)
+
+
+class _NoTransformer(DiffusionPipeline):
+    def __init__(self, unet):
+        super().__init__()
+        self.register_modules(unet=unet)
+
+
+class _CustomTransformerPipeline(DiffusionPipeline):
+    def __init__(self, transformer):
+        super().__init__()
+        self.register_modules(transformer=transformer)
+
+    def __call__(self, x):
+        return self.transformer(x)
+
+
+def test_unknown_pipelines():
+    with pytest.raises(TypeError, match="no `transformer`"):
+        accelerate(_NoTransformer(unet=torch.nn.Linear(2, 2)), debug=True)
+    custom = _CustomTransformerPipeline(transformer=torch.nn.Linear(4, 4))
+    with pytest.warns(BCGWarning, match="generic"):
+        accelerate(custom, debug=True)
+    try:
+        x = torch.randn(2, 4)
+        with torch.no_grad():
+            expected = custom.transformer.__dict__["forward"].__wrapped__(x)
+            assert torch.equal(custom(x), expected)
+            assert torch.equal(custom(x), expected)
+        assert stats(custom)["replays"] == 1 and stats(custom)["adapter"] == "generic"
+    finally:
+        restore(custom)
