@@ -122,9 +122,13 @@ class GraphPool:
         if device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         self.device = device
-        with torch.cuda.device(device):
+        self._retired: list[tuple[Any, torch.cuda.Stream, torch.cuda.CUDAGraph]] = []
+        self._open()
+
+    def _open(self) -> None:
+        with torch.cuda.device(self.device):
             self.handle = torch.cuda.graph_pool_handle()
-            self.stream = torch.cuda.Stream(device)
+            self.stream = torch.cuda.Stream(self.device)
             # The allocators (device and pinned host) free a graph pool when its last graph is reset,
             # and assert if a later capture names it again. Captures here do reset graphs (an empty
             # segment, a failed capture, a signature evicted), so an empty anchor graph, never
@@ -135,17 +139,28 @@ class GraphPool:
                 self._anchor.capture_begin(pool=self.handle)
                 self._anchor.capture_end()
 
+    def renew(self) -> None:
+        """Move later captures to a fresh pool and stream; graphs captured so far keep the old ones.
+
+        Needed after a capture that CUDA itself invalidated (an uncapturable op with no break):
+        torch's ``capture_end`` then raises before it tells the allocators the capture is over, the
+        old pool id stays marked as recording, and every later capture naming it would fail.
+        """
+        logger.warning("a capture failed inside CUDA; later captures of this pipeline use a new graph pool")
+        self._retired.append((self.handle, self.stream, self._anchor))
+        self._open()
+
     def reserved_bytes(self) -> int:
         """Device memory the pool holds now (the total size of its segments).
 
         Read from the allocator's snapshot, not ``MemPool.snapshot()``, which routes allocations to
         the pool while it runs.
         """
-        handle = tuple(self.handle)
+        handles = {tuple(self.handle)} | {tuple(retired[0]) for retired in self._retired}
         return sum(
             int(segment["total_size"])
             for segment in torch.cuda.memory_snapshot()
-            if tuple(segment.get("segment_pool_id", ())) == handle
+            if tuple(segment.get("segment_pool_id", ())) in handles
         )
 
 
@@ -333,13 +348,18 @@ class _BreakableCapture:
         self.begin_segment()
         return unflatten(spec, bridges)
 
-    def abort(self) -> None:
-        """Close an open segment after an error, without hiding the error that caused it."""
+    def abort(self) -> bool:
+        """Close an open segment after an error, without hiding the error that caused it.
+
+        Returns False when CUDA had invalidated the capture (``capture_end`` raised), so the pool
+        must not be captured into again.
+        """
         if self.tracker is not None:
             self.tracker.recording = False
         graph, self.current = self.current, None
         if graph is None:
-            return
+            return True
+        clean = True
         try:
             self._join_side_streams()
         except Exception as exc:  # the capture is already broken; report and continue closing it
@@ -350,17 +370,12 @@ class _BreakableCapture:
                 graph.capture_end()
         except Exception as exc:  # expected: an invalidated capture cannot end cleanly
             logger.debug("ending an aborted capture segment raised (expected after a failed capture): %s", exc)
-            # torch's capture_end raises before it stops routing allocations to the pool, and every
-            # later capture on this pool would then fail with "already recording to mempool_id".
-            # No public API undoes that; this private call is what capture_end would have made.
-            try:
-                torch._C._cuda_endAllocateToPool(self.pool.device.index, self.pool.handle)
-            except Exception as cleanup_exc:
-                logger.warning("could not release the graph pool after a failed capture: %s", cleanup_exc)
+            clean = False
         try:
             graph.reset()
         except Exception as exc:
             logger.debug("resetting an aborted capture segment raised: %s", exc)
+        return clean
 
 
 def capture_breakable(
@@ -403,7 +418,8 @@ def capture_breakable(
             if capture.tracker is not None:
                 capture.tracker.__exit__(None, None, None)
     except BaseException:
-        capture.abort()
+        if not capture.abort():
+            pool.renew()
         for step in capture.steps:
             if isinstance(step, _GraphStep):
                 step.graph.reset()

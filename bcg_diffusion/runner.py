@@ -242,19 +242,20 @@ class GraphRunner:
     def _capture_cuda(self, entry: _Entry, args: tuple, kwargs: dict) -> bool:
         """Warm up, then capture. False (and the entry disabled) if the capture failed."""
         pool = self.pool
+        stream = pool.stream  # kept: a failed capture may move the pool to a new stream (GraphPool.renew)
         caller_stream = torch.cuda.current_stream(pool.device)
-        pool.stream.wait_stream(caller_stream)
+        stream.wait_stream(caller_stream)
         try:
-            with torch.cuda.stream(pool.stream):
+            with torch.cuda.stream(stream):
                 for _ in range(self.warmup_runs):
                     self.fn(*args, **kwargs)
         finally:
-            caller_stream.wait_stream(pool.stream)
+            caller_stream.wait_stream(stream)
 
         reserved_before = pool.reserved_bytes()
-        pool.stream.wait_stream(caller_stream)
+        stream.wait_stream(caller_stream)
         try:
-            with torch.cuda.stream(pool.stream):
+            with torch.cuda.stream(stream):
                 graph, result = capture_breakable(
                     lambda: self.fn(*args, **kwargs),
                     pool,
@@ -263,10 +264,10 @@ class GraphRunner:
                 )
             outputs, output_spec = flatten(result)
         except Exception as exc:  # any capture failure: fall back for this signature, say why
-            caller_stream.wait_stream(pool.stream)
+            caller_stream.wait_stream(stream)
             self._disable(entry, f"capture failed: {type(exc).__name__}: {str(exc).strip().splitlines()[0][:300]}")
             return False
-        caller_stream.wait_stream(pool.stream)
+        caller_stream.wait_stream(stream)
         entry.graph, entry.outputs, entry.output_spec = graph, outputs, output_spec
         entry.record.segments = graph.num_segments
         entry.record.breaks = graph.num_breaks
