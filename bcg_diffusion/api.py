@@ -28,6 +28,33 @@ P = TypeVar("P")
 _STATE_ATTR = "_bcg_state"
 _MISSING = object()
 
+# Methods of an accelerated component after which its graphs are stale: they replace weights (device,
+# dtype, LoRA injection and removal), change Python values the kernels were captured with (adapter
+# scales, attention backends), or install hooks. ``_apply`` is what .to(), .half(), .cuda() all call.
+_INVALIDATING_METHODS = (
+    "_apply",
+    "load_state_dict",
+    "load_lora_adapter",
+    "add_adapter",
+    "set_adapter",
+    "set_adapters",
+    "delete_adapters",
+    "fuse_lora",
+    "unfuse_lora",
+    "unload_lora",
+    "enable_lora",
+    "disable_lora",
+    "enable_adapters",
+    "disable_adapters",
+    "set_attention_backend",
+    "reset_attention_backend",
+    "set_attn_processor",
+    "set_default_attn_processor",
+)
+# Caching hooks (FirstBlockCache...) decide on the host, every step, whether to skip blocks: a graph
+# would freeze one decision. While such a cache is on, the component runs eagerly.
+_SUSPENDING_METHODS = {"enable_cache": "disable_cache"}
+
 
 @dataclass
 class _Installed:
@@ -168,11 +195,48 @@ def _install(state: _PipelineState, component: str, module: torch.nn.Module, met
 
     functools.update_wrapper(wrapper, original)
     wrapper.__bcg_runner__ = runner  # type: ignore[attr-defined]
-    previous = module.__dict__.get(method, _MISSING)
-    # Instance attribute: nn.Module.__call__ looks up self.forward, pipelines call self.vae.decode.
-    object.__setattr__(module, method, wrapper)
+    _set_instance_method(state, module, method, wrapper)
     state.runners[component] = runner
-    state.installed.append(_Installed(module, method, previous, wrapper))
+    for name in _INVALIDATING_METHODS:
+        if callable(getattr(module, name, None)):
+            _set_instance_method(
+                state, module, name, _invalidating(getattr(module, name), runner, f"{component}.{name}()")
+            )
+    for enable, disable in _SUSPENDING_METHODS.items():
+        if callable(getattr(module, enable, None)) and callable(getattr(module, disable, None)):
+            reason = f"{component}.{enable}() installed a cache that decides on the host each step"
+            _set_instance_method(state, module, enable, _suspending(getattr(module, enable), runner, reason))
+            _set_instance_method(state, module, disable, _suspending(getattr(module, disable), runner, None))
+
+
+def _set_instance_method(state: _PipelineState, module: torch.nn.Module, name: str, wrapper: Any) -> None:
+    # Instance attribute: nn.Module.__call__ looks up self.forward, pipelines call self.vae.decode and
+    # model.fuse_lora(), so an instance attribute is seen by all of them and removed cleanly.
+    previous = module.__dict__.get(name, _MISSING)
+    object.__setattr__(module, name, wrapper)
+    state.installed.append(_Installed(module, name, previous, wrapper))
+
+
+def _invalidating(method: Any, runner: GraphRunner, reason: str) -> Any:
+    @functools.wraps(method)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return method(*args, **kwargs)
+        finally:  # even a half-done change (an exception midway) may have touched the weights
+            runner.invalidate(reason)
+
+    return wrapper
+
+
+def _suspending(method: Any, runner: GraphRunner, reason: str | None) -> Any:
+    @functools.wraps(method)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        result = method(*args, **kwargs)
+        runner.invalidate(reason or "cache disabled")
+        runner.suspended = reason
+        return result
+
+    return wrapper
 
 
 def restore(pipe: P) -> P:
@@ -192,7 +256,6 @@ def restore(pipe: P) -> P:
     with state.lock:
         for installed in reversed(state.installed):
             current = installed.module.__dict__.get(installed.method, _MISSING)
-            runner = installed.wrapper.__bcg_runner__
             if current is installed.wrapper:
                 if installed.previous is _MISSING:
                     del installed.module.__dict__[installed.method]
@@ -205,6 +268,7 @@ def restore(pipe: P) -> P:
                     BCGWarning,
                     stacklevel=2,
                 )
+        for runner in state.runners.values():
             runner.close()
         for patch in state.patches:
             patch.revert()
@@ -223,7 +287,8 @@ def stats(pipe: Any) -> dict[str, Any]:
     """Counters and per-signature records of an accelerated pipeline.
 
     Keys: ``active`` (graphs in use), ``reason`` (why not), ``mode``, ``debug``, ``adapter``,
-    ``captures``, ``replays``, ``eager_fallbacks``, ``capture_seconds``, ``graph_memory_bytes`` (the
+    ``captures``, ``replays``, ``eager_fallbacks``, ``invalidations`` (times the graphs were dropped
+    because weights or settings changed), ``capture_seconds``, ``graph_memory_bytes`` (the
     shared pool's size now), ``signatures`` (one dict per captured signature: component, signature,
     status, reason, segments, breaks, memory_bytes, capture_seconds, replays), ``components``
     (counters per component) and ``patches``.
@@ -248,6 +313,7 @@ def stats(pipe: Any) -> dict[str, Any]:
         "captures": sum(c["captures"] for c in components.values()),
         "replays": sum(c["replays"] for c in components.values()),
         "eager_fallbacks": sum(c["eager_fallbacks"] for c in components.values()),
+        "invalidations": sum(c["invalidations"] for c in components.values()),
         "capture_seconds": sum(c["capture_seconds"] for c in components.values()),
         "graph_memory_bytes": pool_bytes,
         "signatures": signatures,

@@ -273,7 +273,6 @@ class _BreakableCapture:
         self.pool = pool
         self.capture_error_mode = capture_error_mode
         self.steps: list[_GraphStep | _EagerStep] = []
-        self.keepalive: list[Any] = []
         self.current: torch.cuda.CUDAGraph | None = None
         self.side_streams: set[torch.cuda.Stream] = set()
         self.tracker = _ExternalTensorTracker(pool.stream) if track_external else None

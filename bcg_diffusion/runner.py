@@ -39,6 +39,7 @@ class RunnerCounters:
     captures: int = 0
     replays: int = 0
     eager_fallbacks: int = 0
+    invalidations: int = 0
     capture_seconds: float = 0.0
 
 
@@ -138,12 +139,15 @@ class GraphRunner:
         self._entries: dict[Hashable, _Entry] = {}
         self._warned: set[str] = set()
         self.closed = False
+        self.suspended: str | None = None  # why every call currently runs eagerly (e.g. a cache hook)
 
     # ----------------------------------------------------------------------------------------- call
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.closed or graphs.is_capturing() or (not self.debug and torch.cuda.is_current_stream_capturing()):
             # Closed by restore(), or inside someone's capture (ours or the user's): be a plain call.
             return self.fn(*args, **kwargs)
+        if self.suspended is not None:
+            return self._eager(f"suspended:{self.suspended}", self.suspended, args, kwargs)
         if torch.is_grad_enabled():
             return self._eager(
                 "grad_mode", "autograd is enabled; graphs are for inference (use torch.no_grad())", args, kwargs
@@ -295,14 +299,26 @@ class GraphRunner:
     def graph_memory_bytes(self) -> int:
         return sum(entry.record.memory_bytes for entry in self._entries.values() if entry.graph is not None)
 
+    def invalidate(self, reason: str) -> None:
+        """Drop every graph: they bake in weight addresses and Python values that ``reason`` changed.
+        The next call of each signature captures again (failed signatures get another try)."""
+        with self.lock:
+            if self._entries:
+                logger.info("%s: dropping %d captured signature(s): %s", self.name, len(self._entries), reason)
+            self._free_entries()
+            self.counters.invalidations += 1
+
     def close(self) -> None:
         """Free every graph and buffer this runner holds; later calls go straight to ``fn``."""
         with self.lock:
             self.closed = True
-            for entry in self._entries.values():
-                if entry.graph is not None:
-                    entry.graph.reset()
-                entry.graph = None
-                entry.outputs = None
-                entry.static_inputs = []
-            self._entries.clear()
+            self._free_entries()
+
+    def _free_entries(self) -> None:
+        for entry in self._entries.values():
+            if entry.graph is not None:
+                entry.graph.reset()
+            entry.graph = None
+            entry.outputs = None
+            entry.static_inputs = []
+        self._entries.clear()

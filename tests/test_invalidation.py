@@ -1,0 +1,89 @@
+"""What invalidates graphs, in debug mode on CPU: the runner drops its signatures and captures again."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _cases import run_case
+
+from bcg_diffusion import BCGWarning, accelerate, restore, stats
+from bcg_diffusion.loading import build_pipeline
+
+
+@pytest.fixture
+def pipe():
+    pipe = build_pipeline("qwen-image", "tiny", device="cpu")
+    pipe.set_progress_bar_config(disable=True)
+    accelerate(pipe, debug=True)
+    yield pipe
+    restore(pipe)
+
+
+def _call(pipe):
+    return run_case(pipe, "qwen-image", "no_cfg", height=32, width=32, output_type="latent")
+
+
+def _eager(pipe):
+    """The eager result of the same call, from a restored (then re-accelerated) pipeline."""
+    restore(pipe)
+    try:
+        return _call(pipe)
+    finally:
+        accelerate(pipe, debug=True)
+
+
+def test_moving_or_casting_a_component_drops_its_graphs(pipe):
+    _call(pipe)
+    before = stats(pipe)
+    pipe.transformer.to(torch.float32)  # even a no-op move goes through _apply
+    after = stats(pipe)
+    assert (
+        after["components"]["transformer"]["invalidations"] == before["components"]["transformer"]["invalidations"] + 1
+    )
+    assert not [s for s in after["signatures"] if s["component"] == "transformer"]
+    _call(pipe)
+    assert stats(pipe)["components"]["transformer"]["captures"] == before["components"]["transformer"]["captures"] + 1
+
+
+def test_lora_changes_drop_graphs_and_results_follow_the_lora(pipe):
+    peft = pytest.importorskip("peft")
+    plain = _call(pipe)
+    config = peft.LoraConfig(r=2, lora_alpha=2, target_modules=["to_q", "to_k", "to_v"], init_lora_weights=False)
+    pipe.transformer.add_adapter(config, adapter_name="style")
+    assert stats(pipe)["components"]["transformer"]["invalidations"] >= 1
+    with_lora = _call(pipe)
+    assert not torch.equal(with_lora, plain), "the random LoRA should change the result"
+    assert torch.equal(with_lora, _eager(pipe))
+    invalidations = stats(pipe)["invalidations"]
+    pipe.transformer.set_adapters(["style"], weights=[0.5])
+    pipe.transformer.disable_lora()
+    pipe.transformer.enable_lora()
+    assert stats(pipe)["invalidations"] == invalidations + 3
+    assert torch.equal(_call(pipe), _eager(pipe))
+    pipe.transformer.delete_adapters("style")
+    assert torch.equal(_call(pipe), plain)
+
+
+def test_cache_hooks_suspend_graphs_until_disabled(pipe):
+    from diffusers.hooks import FirstBlockCacheConfig
+
+    _call(pipe)
+    pipe.transformer.enable_cache(FirstBlockCacheConfig(threshold=0.2))
+    with pytest.warns(BCGWarning, match="cache"):
+        cached = _call(pipe)
+    report = stats(pipe)["components"]["transformer"]
+    assert report["eager_fallbacks"] >= 2 and torch.isfinite(cached).all()
+    pipe.transformer.disable_cache()
+    replays = stats(pipe)["replays"]
+    _call(pipe)
+    _call(pipe)
+    assert stats(pipe)["replays"] > replays
+
+
+def test_restore_removes_every_hook(pipe):
+    restore(pipe)
+    for module in (pipe.transformer, pipe.vae):
+        assert not [
+            name for name, value in vars(module).items() if callable(value) and not isinstance(value, torch.nn.Module)
+        ]
+    accelerate(pipe, debug=True)
