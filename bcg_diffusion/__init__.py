@@ -4,7 +4,7 @@
 >>> pipe = accelerate(pipe)        # doctest: +SKIP
 """
 
-from .api import accelerate, restore, stats
+from .api import accelerate, eager, restore, stats
 from .config import AccelerateConfig
 from .graphs import BreakResultMismatch, eager_break
 from .runner import BCGWarning
@@ -14,6 +14,7 @@ __all__ = [
     "BCGWarning",
     "BreakResultMismatch",
     "accelerate",
+    "eager",
     "eager_break",
     "restore",
     "stats",

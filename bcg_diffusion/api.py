@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import gc
 import logging
 import threading
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -19,7 +21,7 @@ from .patches import FunctionPatch
 from .pipelines import PipelineAdapter, adapter_for
 from .runner import BCGWarning, GraphRunner
 
-__all__ = ["accelerate", "restore", "stats"]
+__all__ = ["accelerate", "eager", "restore", "stats"]
 
 logger = logging.getLogger(__name__)
 
@@ -281,6 +283,34 @@ def restore(pipe: P) -> P:
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.empty_cache()
     return pipe
+
+
+@contextlib.contextmanager
+def eager(pipe: Any) -> Iterator[Any]:
+    """Inside the block, the accelerated pipeline runs its original methods; its graphs are kept.
+
+    For side-by-side comparisons in one process (the benchmark, the demo). Holds the pipeline's lock,
+    so accelerated calls from other threads wait until the block ends.
+
+    >>> with eager(pipe):                                   # doctest: +SKIP
+    ...     reference = pipe(prompt, output_type="pt").images
+
+    Raises:
+        ValueError: the pipeline was never accelerated.
+    """
+    _check_pipeline(pipe, "eager")
+    state: _PipelineState | None = getattr(pipe, _STATE_ATTR, None)
+    if state is None:
+        raise ValueError("eager(): this pipeline was not accelerated; it already runs eagerly")
+    with state.lock:
+        runners = list(state.runners.values())
+        for runner in runners:
+            runner.bypass += 1
+        try:
+            yield pipe
+        finally:
+            for runner in runners:
+                runner.bypass -= 1
 
 
 def stats(pipe: Any) -> dict[str, Any]:

@@ -139,12 +139,19 @@ class GraphRunner:
         self._entries: dict[Hashable, _Entry] = {}
         self._warned: set[str] = set()
         self.closed = False
+        self.bypass = 0  # > 0 inside bcg_diffusion.eager(pipe): plain calls, graphs kept
         self.suspended: str | None = None  # why every call currently runs eagerly (e.g. a cache hook)
 
     # ----------------------------------------------------------------------------------------- call
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if self.closed or graphs.is_capturing() or (not self.debug and torch.cuda.is_current_stream_capturing()):
-            # Closed by restore(), or inside someone's capture (ours or the user's): be a plain call.
+        if (
+            self.closed
+            or self.bypass
+            or graphs.is_capturing()
+            or (not self.debug and torch.cuda.is_current_stream_capturing())
+        ):
+            # Closed by restore(), bypassed by eager(pipe), or inside someone's capture (ours or the
+            # user's): be a plain call.
             return self.fn(*args, **kwargs)
         if self.suspended is not None:
             return self._eager(f"suspended:{self.suspended}", self.suspended, args, kwargs)

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from bcg_diffusion import accelerate, restore, stats
+from bcg_diffusion import accelerate, eager, restore, stats
 from bcg_diffusion.loading import DEFAULT_PROMPTS, PIPELINE_NAMES, build_pipeline
 
 
@@ -172,7 +172,7 @@ def run_case(pipe: Any, case: Case, runs: int) -> CaseResult:
                     seconds, images = _timed_call(pipe, case)
                     result.bcg_s.append(seconds)
                 else:
-                    with _eager(pipe):
+                    with eager(pipe):
                         seconds, images = _timed_call(pipe, case)
                     result.eager_s.append(seconds)
         result.peak_memory_bcg_bytes = torch.cuda.max_memory_allocated()
@@ -196,26 +196,6 @@ def profile_case(pipe: Any, case: Case) -> dict[str, Any]:
     finally:
         restore(pipe)
     return {"eager": eager, "bcg": accelerated}
-
-
-class _eager:
-    """Temporarily route the accelerated pipeline's components to their original methods."""
-
-    def __init__(self, pipe: Any) -> None:
-        self.pipe = pipe
-        self.saved: list[tuple[Any, str, Any]] = []
-
-    def __enter__(self) -> None:
-        for name, method in (("transformer", "forward"), ("vae", "decode")):
-            module = getattr(self.pipe, name, None)
-            wrapper = module.__dict__.get(method) if module is not None else None
-            if wrapper is not None and hasattr(wrapper, "__bcg_runner__"):
-                self.saved.append((module, method, wrapper))
-                del module.__dict__[method]
-
-    def __exit__(self, *exc: object) -> None:
-        for module, method, wrapper in self.saved:
-            module.__dict__[method] = wrapper
 
 
 PROFILE_RUNS = 1  # wall-time runs of the denoising loop per mode, besides the warm-up and the profiled one

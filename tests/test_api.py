@@ -104,3 +104,25 @@ def test_unknown_pipelines():
         assert stats(custom)["replays"] == 1 and stats(custom)["adapter"] == "generic"
     finally:
         restore(custom)
+
+
+def test_eager_block_bypasses_graphs_and_keeps_them(pipe):
+    from bcg_diffusion import eager
+
+    with pytest.raises(ValueError, match="not accelerated"), eager(pipe):
+        pass
+    accelerate(pipe, debug=True)
+    try:
+        x = [torch.randn(4, 1, 4, 4)]
+        t = torch.tensor([0.5])
+        caps = [torch.randn(7, pipe.transformer.config.cap_feat_dim)]
+        with torch.no_grad():
+            pipe.transformer(x, t, caps, return_dict=False)
+            before = stats(pipe)
+            with eager(pipe):
+                pipe.transformer(x, t, caps, return_dict=False)
+            assert stats(pipe)["replays"] == before["replays"] and stats(pipe)["captures"] == before["captures"]
+            pipe.transformer(x, t, caps, return_dict=False)
+        assert stats(pipe)["replays"] == before["replays"] + 1
+    finally:
+        restore(pipe)
