@@ -1,3 +1,3 @@
-from .e2e import main
+from .cli import main
 
 raise SystemExit(main())

@@ -1,0 +1,239 @@
+"""``python -m bench``: end-to-end latency of bcg-diffusion against eager and its peers, side by side.
+
+Every mode runs on its own weight-sharing copy of one pipeline, in one process, on one device; the
+timed runs are interleaved A/B/B/A across modes so clock or thermal drift favours none. No profiler is
+attached while timing (CUPTI, once attached, slows later eager launches): the optional denoising-loop
+profile runs afterwards.
+
+    python -m bench --pipeline z-image --weights random-full --resolutions 512x512,1024x1024 --steps 8
+    python -m bench --preset issue3 --pipeline qwen-image --weights random-full --out bench/results/qwen
+    python -m bench --pipeline z-image --weights tiny --device cpu --modes eager,bcg --runs 2   # a smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import logging
+import shlex
+import statistics
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bcg_diffusion.loading import PIPELINE_NAMES, build_pipeline
+
+from . import measure, report
+from .cases import PRESETS, PROMPT_SETS, Case
+from .modes import DESCRIPTIONS, EXACT, MODES, prepare
+
+logger = logging.getLogger("bench")
+
+
+def _resolutions(text: str) -> list[tuple[int, int]]:
+    pairs = []
+    for item in text.split(","):
+        try:
+            width, height = (int(v) for v in item.lower().split("x"))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"resolution {item!r} is not WIDTHxHEIGHT") from None
+        pairs.append((width, height))
+    return pairs
+
+
+def _modes(text: str) -> list[str]:
+    names = [m.strip() for m in text.split(",") if m.strip()]
+    unknown = [m for m in names if m not in MODES]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"unknown mode(s) {unknown}; choose from {', '.join(MODES)}")
+    return list(dict.fromkeys(names))
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--preset", choices=sorted(PRESETS), help="named cases (filtered by --pipeline if given)")
+    parser.add_argument("--pipeline", choices=PIPELINE_NAMES, action="append", help="repeatable; default z-image")
+    parser.add_argument("--weights", default="random-full", help="tiny | random-full | hub id | local path")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--resolutions", type=_resolutions, default=[(512, 512)], help="e.g. 512x512,1024x1024")
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--guidance", type=float, default=0.0, help="Qwen true_cfg_scale / Z-Image guidance_scale")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--prompts", choices=sorted(PROMPT_SETS), default="short")
+    parser.add_argument("--modes", type=_modes, help=f"comma-separated from {', '.join(MODES)} (default: all on GPU)")
+    parser.add_argument("--runs", type=int, default=5, help="timed runs per mode (median, min, max reported)")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed runs per mode after the first call")
+    parser.add_argument("--profile", action="store_true", help="also profile the denoising loop (GPU)")
+    parser.add_argument("--out", type=Path, default=Path("bench/results/latest"), help="output folder")
+    parser.add_argument("--no-progress", action="store_true")
+    args = parser.parse_args(argv)
+    if args.runs < 1 or args.warmup < 0:
+        parser.error("--runs must be >= 1 and --warmup >= 0")
+    args.device = torch.device(args.device)
+    if args.modes is None:
+        args.modes = list(MODES) if args.device.type == "cuda" else ["eager", "bcg"]
+    return args
+
+
+def _cases(args: argparse.Namespace) -> list[Case]:
+    if args.preset:
+        cases = PRESETS[args.preset]
+        return [c for c in cases if not args.pipeline or c.pipeline in args.pipeline]
+    return [
+        Case(name, height, width, args.steps, args.guidance, args.batch, args.prompts)
+        for name in args.pipeline or ["z-image"]
+        for width, height in args.resolutions
+    ]
+
+
+def _progress(total: int, disable: bool) -> Any:
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc="bench", unit="call", disable=disable, file=sys.stderr)
+
+
+def run_case(base: Any, case: Case, args: argparse.Namespace, progress: Any) -> dict[str, Any]:
+    """Time every mode on ``case``; a mode that fails is recorded with its error, the others go on."""
+    device = args.device
+    result: dict[str, Any] = {"label": case.label, "case": asdict(case), "modes": {}}
+    prepared, calls, images = {}, {}, {}
+    for name in args.modes:
+        progress.set_postfix_str(f"{case.label}: {name} first call")
+        entry: dict[str, Any] = {"description": DESCRIPTIONS[name]}
+        result["modes"][name] = entry
+        try:
+            mode = prepare(name, base, device)
+            prepared[name] = mode
+            entry["note"] = mode.note
+            _reset_peak(device)
+            first = measure.timed_call(mode.pipe, case, device)
+            entry["first_call_s"] = first.total_s
+            for _ in range(args.warmup):
+                measure.timed_call(mode.pipe, case, device)
+            progress.update(1 + args.warmup)
+            calls[name] = []
+        except Exception as exc:  # a peer that cannot run this case is a result, not a crash
+            logger.exception("mode %s failed on %s", name, case.label)
+            entry["error"] = f"{type(exc).__name__}: {exc}"
+            prepared.pop(name, None)
+    order = list(calls)
+    for run in range(args.runs):
+        for name in order if run % 2 == 0 else order[::-1]:
+            if name not in calls:
+                continue
+            progress.set_postfix_str(f"{case.label}: {name} run {run + 1}")
+            try:
+                _reset_peak(device)
+                timing = measure.timed_call(prepared[name].pipe, case, device)
+            except Exception as exc:
+                logger.exception("mode %s failed on %s", name, case.label)
+                result["modes"][name]["error"] = f"{type(exc).__name__}: {exc}"
+                del calls[name]
+                continue
+            calls[name].append((timing, _peak(device)))
+            images.setdefault(name, timing.images)
+            progress.update(1)
+    reference = images.get("eager")
+    eager_median = statistics.median(t.total_s for t, _ in calls["eager"]) if "eager" in calls else None
+    for name, timings in calls.items():
+        entry = result["modes"][name]
+        latencies = [t.total_s for t, _ in timings]
+        entry["runs_s"] = latencies
+        entry["latency_s"] = measure.summary(latencies)
+        entry["stages_s"] = {
+            stage: statistics.median(getattr(t, f"{stage}_s") for t, _ in timings)
+            for stage in ("encode", "denoise", "decode")
+        }
+        entry["peak_memory_bytes"] = max(peak for _, peak in timings)
+        entry["speedup"] = eager_median / entry["latency_s"]["median"] if eager_median else None
+        entry["md5"] = measure.image_md5(images[name])
+        entry["exact_mode"] = EXACT[name]
+        if reference is not None:
+            entry["identical"] = torch.equal(images[name], reference)
+            entry["psnr_db"] = measure.psnr(images[name], reference)
+            entry["max_abs"] = (images[name].float() - reference.float()).abs().max().item()
+        else:
+            entry.update(identical=False, psnr_db=float("nan"), max_abs=float("nan"))
+        entry["graphs"] = prepared[name].graph_stats()
+    for mode in prepared.values():
+        mode.teardown()
+    return result
+
+
+def _reset_peak(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def _peak(device: torch.device) -> int:
+    return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
+
+
+def _profile_case(base: Any, case: Case, args: argparse.Namespace, result: dict[str, Any]) -> None:
+    for name in ("eager", "bcg"):
+        if name not in args.modes or result["modes"].get(name, {}).get("error"):
+            continue
+        mode = prepare(name, base, args.device)
+        try:
+            result["modes"][name]["denoise_profile"] = measure.denoise_profile(mode.pipe, case)
+        finally:
+            mode.teardown()
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    args = parse_args(argv)
+    cases = _cases(args)
+    if not cases:
+        print("bench: no case selected", file=sys.stderr)
+        return 2
+    if args.device.type == "cpu":
+        print("bench: CPU run: bcg runs in debug mode (no graphs); timings are not meaningful", file=sys.stderr)
+    dtype = torch.bfloat16 if args.device.type == "cuda" else None
+    command = "python -m bench " + shlex.join(sys.argv[1:] if argv is None else argv)
+    record: dict[str, Any] = {
+        "command": command,
+        "weights": args.weights,
+        "runs": args.runs,
+        "environment": measure.environment(args.device),
+        "modes": {name: DESCRIPTIONS[name] for name in args.modes},
+        "cases": [],
+    }
+    by_pipeline: dict[str, list[Case]] = {}
+    for case in cases:
+        by_pipeline.setdefault(case.pipeline, []).append(case)
+    total = len(cases) * len(args.modes) * (1 + args.warmup + args.runs)
+    with _progress(total, args.no_progress) as progress:
+        for phase in ("time", "profile"):
+            if phase == "profile" and not (args.profile and args.device.type == "cuda"):
+                break
+            for name, pipeline_cases in by_pipeline.items():
+                started = time.perf_counter()
+                base = build_pipeline(name, args.weights, device=args.device, dtype=dtype)
+                base.set_progress_bar_config(disable=True)
+                logger.info("built %s (%s) in %.1f s", name, args.weights, time.perf_counter() - started)
+                for case in pipeline_cases:
+                    if phase == "time":
+                        record["cases"].append(run_case(base, case, args, progress))
+                    elif case.profile:
+                        result = next(r for r in record["cases"] if r["label"] == case.label)
+                        _profile_case(base, case, args, result)
+                    report.write(record, args.out)  # after every case: a cut-short run keeps what it measured
+                del base
+                gc.collect()
+                if args.device.type == "cuda":
+                    torch.cuda.empty_cache()
+    paths = report.write(record, args.out)
+    print(report.markdown(record))
+    print(f"\nwrote {', '.join(str(p) for p in paths.values())}")
+    exact_ok = all(
+        mode.get("identical") and not mode.get("error")
+        for case in record["cases"]
+        for name, mode in case["modes"].items()
+        if EXACT[name]
+    )
+    return 0 if exact_ok else 1

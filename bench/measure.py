@@ -1,0 +1,153 @@
+"""Timing one pipeline call (end to end and per stage), comparing images, describing the machine."""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .cases import Case
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@dataclass
+class CallTiming:
+    total_s: float
+    encode_s: float  # text encoding (encode_prompt calls)
+    denoise_s: float  # from the end of text encoding to the end of the last denoising step
+    decode_s: float  # VAE decode and post-processing
+    images: torch.Tensor
+
+
+def timed_call(pipe: Any, case: Case, device: torch.device, seed: int = 0) -> CallTiming:
+    """One call with synchronised clocks at the stage boundaries.
+
+    Stages: ``encode_prompt`` is timed by wrapping it on the pipeline instance; the end of denoising
+    by a ``callback_on_step_end`` that synchronises at the last step only; decode is the rest.
+    """
+    encode_time = [0.0]
+    marks: dict[str, float] = {}
+    original_encode = pipe.encode_prompt
+
+    def encode_prompt(*args: Any, **kwargs: Any) -> Any:
+        _sync(device)
+        start = time.perf_counter()
+        result = original_encode(*args, **kwargs)
+        _sync(device)
+        encode_time[0] += time.perf_counter() - start
+        marks["encoded"] = time.perf_counter()
+        return result
+
+    def on_step_end(pipeline: Any, step: int, timestep: Any, callback_kwargs: dict) -> dict:
+        if step == case.steps - 1:
+            _sync(device)
+            marks["denoised"] = time.perf_counter()
+        return {}
+
+    pipe.encode_prompt = encode_prompt
+    try:
+        _sync(device)
+        start = time.perf_counter()
+        images = pipe(**case.kwargs(seed=seed), callback_on_step_end=on_step_end).images
+        _sync(device)
+        end = time.perf_counter()
+    finally:
+        del pipe.encode_prompt
+    denoised = marks.get("denoised", end)
+    encoded = marks.get("encoded", start)
+    return CallTiming(end - start, encode_time[0], denoised - encoded, end - denoised, images.detach().cpu())
+
+
+def image_md5(images: torch.Tensor) -> str:
+    return hashlib.md5(images.float().contiguous().numpy().tobytes()).hexdigest()
+
+
+def psnr(images: torch.Tensor, reference: torch.Tensor) -> float:
+    """Peak signal-to-noise ratio in dB of images in [0, 1] against a reference (inf when equal)."""
+    mse = torch.mean((images.float() - reference.float()) ** 2).item()
+    return math.inf if mse == 0 else 10 * math.log10(1.0 / mse)
+
+
+def summary(values: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def denoise_profile(pipe: Any, case: Case, runs: int = 1) -> dict[str, float]:
+    """Wall time of the denoising loop (median after one warm-up) against the sum of its GPU kernel time
+    (one profiled run). Prompt embeddings are computed once so the call is the loop (output latents)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    kwargs = case.kwargs("latent")
+    prompts = kwargs.pop("prompt")
+    negative = kwargs.pop("negative_prompt", None)
+    if case.pipeline == "qwen-image":
+        embeds, mask = pipe.encode_prompt(prompts, device=pipe.device)
+        kwargs.update(prompt_embeds=embeds, prompt_embeds_mask=mask)
+        if negative is not None:
+            neg, neg_mask = pipe.encode_prompt(negative, device=pipe.device)
+            kwargs.update(negative_prompt_embeds=neg, negative_prompt_embeds_mask=neg_mask)
+    else:
+        pos, neg = pipe.encode_prompt(
+            prompts, device=pipe.device, do_classifier_free_guidance=case.uses_cfg, negative_prompt=negative
+        )
+        kwargs.update(prompt_embeds=pos, negative_prompt_embeds=neg if case.uses_cfg else None)
+    walls = []
+    for _ in range(runs + 1):
+        kwargs["generator"] = torch.Generator("cpu").manual_seed(0)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        pipe(**kwargs)
+        torch.cuda.synchronize()
+        walls.append(time.perf_counter() - start)
+    kwargs["generator"] = torch.Generator("cpu").manual_seed(0)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        pipe(**kwargs)
+        torch.cuda.synchronize()
+    kernel_s = sum(e.device_time for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA) / 1e6
+    wall = statistics.median(walls[1:])
+    return {"wall_s": wall, "kernel_s": kernel_s, "wall_over_kernel": wall / kernel_s if kernel_s else math.nan}
+
+
+def environment(device: torch.device) -> dict[str, Any]:
+    import diffusers
+    import transformers
+
+    import bcg_diffusion
+
+    env: dict[str, Any] = {
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "diffusers": diffusers.__version__,
+        "transformers": transformers.__version__,
+        "bcg_diffusion": bcg_diffusion.__version__,
+        "cpu": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "device": str(device),
+    }
+    if device.type == "cuda":
+        env["gpu"] = torch.cuda.get_device_name(device)
+        env["cuda"] = torch.version.cuda
+        try:
+            env["driver"] = subprocess.run(
+                ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                capture_output=True,
+                text=True,
+                check=False,
+            ).stdout.strip()
+        except OSError:
+            env["driver"] = "unknown"
+    return env

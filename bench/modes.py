@@ -1,0 +1,85 @@
+"""The modes a benchmark compares, each prepared on its own copy of the pipeline.
+
+A copy shares every weight with the original (so four modes of a 20B model fit on one GPU) but has
+its own module objects, so compiling or accelerating one copy never changes another.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from bcg_diffusion import accelerate, restore, stats
+
+logger = logging.getLogger(__name__)
+
+MODES: tuple[str, ...] = ("eager", "bcg", "compile", "compile-max")
+DESCRIPTIONS = {
+    "eager": "diffusers as is",
+    "bcg": "bcg-diffusion accelerate(pipe), exact mode (debug mode on CPU: no graphs, timings not meaningful)",
+    "compile": "diffusers regional compile: transformer.compile_repeated_blocks(fullgraph=True)",
+    "compile-max": 'torch.compile(transformer, mode="reduce-overhead") (inductor with its own CUDA graphs)',
+}
+EXACT = {"eager": True, "bcg": True, "compile": False, "compile-max": False}
+
+
+def weight_sharing_copy(module: torch.nn.Module) -> torch.nn.Module:
+    """A structural copy of ``module`` whose parameters and buffers are the original tensors."""
+    memo = {id(t): t for t in itertools.chain(module.parameters(), module.buffers())}
+    return copy.deepcopy(module, memo)
+
+
+def pipeline_copy(pipe: Any) -> Any:
+    """A new pipeline of the same class sharing all weights, with its own transformer, VAE and scheduler
+    objects (the parts that modes patch or that hold per-call state)."""
+    components = dict(pipe.components)
+    for name in ("transformer", "vae"):
+        if components.get(name) is not None:
+            components[name] = weight_sharing_copy(components[name])
+    components["scheduler"] = copy.deepcopy(components["scheduler"])
+    clone = type(pipe)(**components)
+    clone.set_progress_bar_config(disable=True)
+    return clone
+
+
+@dataclass
+class PreparedMode:
+    name: str
+    pipe: Any
+    teardown: Callable[[], None]
+    note: str = ""
+
+    def graph_stats(self) -> dict[str, Any]:
+        if self.name != "bcg":
+            return {}
+        report = stats(self.pipe)
+        keys = ("captures", "replays", "eager_fallbacks", "graph_memory_bytes", "capture_seconds", "active")
+        return {key: report[key] for key in keys}
+
+
+def prepare(name: str, base: Any, device: torch.device) -> PreparedMode:
+    """Set up mode ``name`` on a fresh copy of ``base``. Raises ValueError for an unknown mode."""
+    if name not in MODES:
+        raise ValueError(f"unknown mode {name!r}; choose from {MODES}")
+    pipe = pipeline_copy(base)
+    if name == "eager":
+        return PreparedMode(name, pipe, lambda: None)
+    if name == "bcg":
+        debug = device.type != "cuda"
+        accelerate(pipe, debug=debug)
+        return PreparedMode(name, pipe, lambda: restore(pipe), "debug mode (CPU)" if debug else "")
+    if name == "compile":
+        pipe.transformer.compile_repeated_blocks(fullgraph=True)
+    else:
+        pipe.transformer.compile(mode="reduce-overhead")
+
+    def reset_dynamo() -> None:
+        torch._dynamo.reset()  # drop compiled code and cudagraph trees before the next case
+
+    return PreparedMode(name, pipe, reset_dynamo)

@@ -1,0 +1,114 @@
+"""Benchmark output: a Markdown table, a JSON record and a PNG plot."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+
+def _fmt_s(value: float | None) -> str:
+    return "–" if value is None else f"{value:.3f}"
+
+
+def _mib(value: int | None) -> str:
+    return "–" if not value else f"{value / 2**20:.0f}"
+
+
+def markdown(record: dict[str, Any]) -> str:
+    """One table per case: a row per mode, plus a plain sentence on who is fastest."""
+    out = [f"`{record['command']}`", "", "Environment: " + json.dumps(record["environment"]), ""]
+    if record["environment"].get("device", "").startswith("cpu"):
+        out += ["**CPU run: timings are not meaningful (bcg runs in debug mode, without graphs).**", ""]
+    for case in record["cases"]:
+        out += [f"### {case['label']}", ""]
+        out.append(
+            "| mode | median (s) | min / max (s) | speed-up vs eager | first call (s) | encode / denoise / decode (s) "
+            "| peak mem (MiB) | graph mem (MiB) | captures / replays | same as eager |"
+        )
+        out.append("|---|---|---|---|---|---|---|---|---|---|")
+        for name, mode in case["modes"].items():
+            if mode.get("error"):
+                out.append(f"| {name} | failed: {mode['error'][:120]} |||||||||")
+                continue
+            latency = mode["latency_s"]
+            stages = mode["stages_s"]
+            graphs = mode.get("graphs") or {}
+            same = (
+                "yes (md5)" if mode["identical"] else f"no: PSNR {mode['psnr_db']:.1f} dB, max {mode['max_abs']:.3g}"
+            )
+            speedup = mode.get("speedup")
+            out.append(
+                f"| {name} | {latency['median']:.3f} | {latency['min']:.3f} / {latency['max']:.3f} | "
+                f"{'–' if speedup is None else f'**{speedup:.2f}×**'} | {mode['first_call_s']:.2f} | "
+                f"{stages['encode']:.3f} / {stages['denoise']:.3f} / {stages['decode']:.3f} | "
+                f"{_mib(mode['peak_memory_bytes'])} | {_mib(graphs.get('graph_memory_bytes'))} | "
+                f"{graphs.get('captures', '–')} / {graphs.get('replays', '–')} | {same} |"
+            )
+        out += ["", verdict(case), ""]
+        profiles = {n: m["denoise_profile"] for n, m in case["modes"].items() if m.get("denoise_profile")}
+        if profiles:
+            parts = [f"{n} {p['wall_over_kernel']:.3f}" for n, p in profiles.items()]
+            out += ["Denoising loop, wall time / GPU kernel time: " + ", ".join(parts), ""]
+    return "\n".join(out)
+
+
+def verdict(case: dict[str, Any]) -> str:
+    """Say plainly which mode is fastest, and by how much a peer beats bcg where one does."""
+    timed = {n: m["latency_s"]["median"] for n, m in case["modes"].items() if not m.get("error")}
+    if not timed:
+        return "No mode completed."
+    fastest = min(timed, key=timed.get)
+    text = f"Fastest: **{fastest}** ({timed[fastest]:.3f} s)."
+    if "bcg" in timed and fastest != "bcg":
+        margin = (timed["bcg"] / timed[fastest] - 1) * 100
+        text += f" {fastest} beats bcg by {margin:.0f}%."
+    return text
+
+
+def plot(record: dict[str, Any], path: Path) -> None:
+    """Latency per mode and case (bars) and speed-up over eager (second panel)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cases = record["cases"]
+    modes = list(dict.fromkeys(name for case in cases for name in case["modes"]))
+    fig, (ax_latency, ax_speedup) = plt.subplots(2, 1, figsize=(max(6, 2.2 * len(cases) + 3), 7), sharex=True)
+    width = 0.8 / max(1, len(modes))
+    for index, name in enumerate(modes):
+        xs, latencies, speedups = [], [], []
+        for position, case in enumerate(cases):
+            mode = case["modes"].get(name)
+            if not mode or mode.get("error"):
+                continue
+            xs.append(position + (index - (len(modes) - 1) / 2) * width)
+            latencies.append(mode["latency_s"]["median"])
+            speedups.append(mode.get("speedup") or math.nan)
+        bars = ax_latency.bar(xs, latencies, width, label=name)
+        ax_latency.bar_label(bars, fmt="%.3g", fontsize=7)
+        bars = ax_speedup.bar(xs, speedups, width, label=name)
+        ax_speedup.bar_label(bars, fmt="%.2f×", fontsize=7)
+    ax_latency.set_ylabel("end-to-end latency, median (s)")
+    ax_latency.legend(fontsize=8)
+    ax_speedup.set_ylabel("speed-up over eager")
+    ax_speedup.axhline(1.0, color="grey", linewidth=0.8)
+    ax_speedup.set_xticks(range(len(cases)))
+    ax_speedup.set_xticklabels([c["label"].replace(", ", "\n", 1) for c in cases], fontsize=7)
+    title = record["environment"].get("gpu") or "CPU (timings not meaningful)"
+    fig.suptitle(f"bcg-diffusion benchmark — {title}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write(record: dict[str, Any], out_dir: Path) -> dict[str, Path]:
+    """Write ``results.json``, ``results.md`` and ``results.png`` under ``out_dir``."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = {"json": out_dir / "results.json", "md": out_dir / "results.md", "png": out_dir / "results.png"}
+    paths["json"].write_text(json.dumps(record, indent=2, default=str))
+    paths["md"].write_text(markdown(record) + "\n")
+    plot(record, paths["png"])
+    return paths

@@ -1,0 +1,57 @@
+"""The benchmark's CPU smoke run: every output file and field is there (no speed is checked)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bench import cli, report
+
+
+@pytest.fixture(scope="module")
+def record(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    argv = ["--pipeline", "qwen-image", "--weights", "tiny", "--device", "cpu", "--resolutions", "32x32"]
+    argv += ["--steps", "2", "--guidance", "4", "--batch", "2", "--prompts", "mixed", "--runs", "2"]
+    argv += ["--modes", "eager,bcg", "--out", str(out), "--no-progress"]
+    assert cli.main(argv) == 0
+    return out, json.loads((out / "results.json").read_text())
+
+
+def test_outputs_are_written(record):
+    out, data = record
+    assert (out / "results.md").read_text().startswith("`python -m bench")
+    assert (out / "results.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert {"torch", "diffusers", "device", "date"} <= set(data["environment"])
+    assert "not meaningful" in (out / "results.md").read_text()
+
+
+def test_case_fields(record):
+    _, data = record
+    (case,) = data["cases"]
+    assert case["case"]["batch"] == 2 and case["label"].startswith("qwen-image 32x32")
+    for name in ("eager", "bcg"):
+        mode = case["modes"][name]
+        assert len(mode["runs_s"]) == 2 and set(mode["latency_s"]) == {"median", "min", "max"}
+        assert set(mode["stages_s"]) == {"encode", "denoise", "decode"}
+        assert mode["first_call_s"] > 0 and mode["identical"] and len(mode["md5"]) == 32
+    graphs = case["modes"]["bcg"]["graphs"]
+    # true CFG with two prompts of different lengths: cond, uncond (masked path) and the VAE
+    assert graphs["captures"] == 3 and graphs["eager_fallbacks"] == 0
+    # 4 calls (first, warm-up, 2 runs) x (2 steps x 2 transformer calls + 1 decode), less the 3 captures
+    assert graphs["replays"] == 4 * 5 - 3
+
+
+def test_verdict_says_plainly_when_a_peer_beats_bcg():
+    case = {"modes": {"eager": {"latency_s": {"median": 2.0}}, "bcg": {"latency_s": {"median": 1.2}}}}
+    assert "Fastest: **bcg**" in report.verdict(case)
+    case["modes"]["compile"] = {"latency_s": {"median": 1.0}}
+    assert "compile beats bcg by 20%" in report.verdict(case)
+
+
+@pytest.mark.parametrize("argv", [["--modes", "turbo"], ["--resolutions", "512"], ["--runs", "0"]])
+def test_bad_arguments_exit_with_a_message(argv, capsys):
+    with pytest.raises(SystemExit):
+        cli.parse_args(argv)
+    assert "error" in capsys.readouterr().err
