@@ -174,8 +174,43 @@ def accelerate(pipe: P, config: AccelerateConfig | None = None, **options: Any) 
         warnings.warn(
             f"bcg-diffusion: {type(pipe).__name__} has none of {config.components}", BCGWarning, stacklevel=2
         )
+    _serialise_calls(pipe, state.lock)
     object.__setattr__(pipe, _STATE_ATTR, state)
     return pipe
+
+
+def _serialise_calls(pipe: Any, lock: threading.RLock) -> None:
+    """Make concurrent calls of this pipeline object run one at a time.
+
+    A diffusers pipeline keeps per-call state on itself (the scheduler's step index, guidance scale,
+    the current timestep), so two threads calling one pipeline corrupt each other even eagerly, and
+    with graphs they would also share static buffers. ``__call__`` is looked up on the type, so the
+    instance gets a subclass of its own class, with the same name (``save_pretrained`` records it),
+    whose ``__call__`` holds the pipeline's lock. ``restore`` puts the original class back.
+    """
+    original = type(pipe)
+
+    def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
+        with lock:
+            return original.__call__(self, *args, **kwargs)
+
+    functools.update_wrapper(__call__, original.__call__)
+    namespace = {"__call__": __call__, "__module__": original.__module__, "__qualname__": original.__qualname__}
+    serialised = type(original.__name__, (original,), namespace)
+    serialised._bcg_original_class = original  # type: ignore[attr-defined]
+    object.__setattr__(pipe, "__class__", serialised)
+
+
+def _unserialise_calls(pipe: Any) -> None:
+    original = type(pipe).__dict__.get("_bcg_original_class")
+    if original is not None:
+        object.__setattr__(pipe, "__class__", original)
+    else:
+        warnings.warn(
+            "bcg-diffusion: restore(): the pipeline's class was changed after accelerate(); leaving it as it is",
+            BCGWarning,
+            stacklevel=3,
+        )
 
 
 def _install(state: _PipelineState, component: str, module: torch.nn.Module, method: str) -> None:
@@ -272,6 +307,8 @@ def restore(pipe: P) -> P:
                 )
         for runner in state.runners.values():
             runner.close()
+        if state.active:
+            _unserialise_calls(pipe)
         for patch in state.patches:
             patch.revert()
         state.runners.clear()

@@ -126,3 +126,45 @@ def test_eager_block_bypasses_graphs_and_keeps_them(pipe):
         assert stats(pipe)["replays"] == before["replays"] + 1
     finally:
         restore(pipe)
+
+
+def test_concurrent_calls_equal_serial_calls(pipe):
+    import threading
+
+    seeds = [0, 1, 2, 3]
+
+    def call(seed):
+        return pipe(
+            prompt="a red fox in the snow",
+            height=32,
+            width=32,
+            num_inference_steps=3,
+            guidance_scale=0.0,
+            generator=torch.Generator("cpu").manual_seed(seed),
+            output_type="pt",
+        ).images
+
+    accelerate(pipe, debug=True)
+    try:
+        assert type(pipe).__name__ == "ZImagePipeline"  # the serialising subclass keeps the name
+        serial = {seed: call(seed) for seed in seeds}
+        results, errors = {}, []
+
+        def worker(seed):
+            try:
+                results[seed] = call(seed)
+            except Exception as exc:  # reported below, not swallowed
+                errors.append(exc)
+
+        threads = [threading.Thread(target=worker, args=(seed,)) for seed in seeds]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert not errors
+        assert all(torch.equal(results[seed], serial[seed]) for seed in seeds)
+    finally:
+        restore(pipe)
+    from diffusers import ZImagePipeline
+
+    assert type(pipe) is ZImagePipeline
