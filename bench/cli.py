@@ -67,7 +67,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--modes", type=_modes, help=f"comma-separated from {', '.join(MODES)} (default: all on GPU)")
     parser.add_argument("--runs", type=int, default=5, help="timed runs per mode (median, min, max reported)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed runs per mode after the first call")
-    parser.add_argument("--profile", action="store_true", help="also profile the denoising loop (GPU)")
+    parser.add_argument("--profile", action="store_true", help="also profile the denoising loop (kernel time on GPU)")
     parser.add_argument("--out", type=Path, default=Path("bench/results/latest"), help="output folder")
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
@@ -179,7 +179,7 @@ def _profile_case(base: Any, case: Case, args: argparse.Namespace, result: dict[
             continue
         mode = prepare(name, base, args.device)
         try:
-            result["modes"][name]["denoise_profile"] = measure.denoise_profile(mode.pipe, case)
+            result["modes"][name]["denoise_profile"] = measure.denoise_profile(mode.pipe, case, args.device)
         finally:
             mode.teardown()
 
@@ -209,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     total = len(cases) * len(args.modes) * (1 + args.warmup + args.runs)
     with _progress(total, args.no_progress) as progress:
         for phase in ("time", "profile"):
-            if phase == "profile" and not (args.profile and args.device.type == "cuda"):
+            if phase == "profile" and not args.profile:
                 break
             for name, pipeline_cases in by_pipeline.items():
                 started = time.perf_counter()

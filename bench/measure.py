@@ -85,11 +85,8 @@ def summary(values: list[float]) -> dict[str, float]:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
-def denoise_profile(pipe: Any, case: Case, runs: int = 1) -> dict[str, float]:
-    """Wall time of the denoising loop (median after one warm-up) against the sum of its GPU kernel time
-    (one profiled run). Prompt embeddings are computed once so the call is the loop (output latents)."""
-    from torch.profiler import ProfilerActivity, profile
-
+def _loop_inputs(pipe: Any, case: Case) -> dict[str, Any]:
+    """Call arguments with the prompt embeddings computed once, so a call is the denoising loop."""
     kwargs = case.kwargs("latent")
     prompts = kwargs.pop("prompt")
     negative = kwargs.pop("negative_prompt", None)
@@ -104,21 +101,52 @@ def denoise_profile(pipe: Any, case: Case, runs: int = 1) -> dict[str, float]:
             prompts, device=pipe.device, do_classifier_free_guidance=case.uses_cfg, negative_prompt=negative
         )
         kwargs.update(prompt_embeds=pos, negative_prompt_embeds=neg if case.uses_cfg else None)
+    return kwargs
+
+
+def _loop_wall_and_kernel(pipe: Any, kwargs: dict[str, Any], device: torch.device) -> tuple[float, float]:
+    """(wall seconds after one warm-up, GPU kernel seconds from one profiled run) of one call."""
+    from torch.profiler import ProfilerActivity, profile
+
     walls = []
-    for _ in range(runs + 1):
+    for _ in range(2):
         kwargs["generator"] = torch.Generator("cpu").manual_seed(0)
-        torch.cuda.synchronize()
+        _sync(device)
         start = time.perf_counter()
         pipe(**kwargs)
-        torch.cuda.synchronize()
+        _sync(device)
         walls.append(time.perf_counter() - start)
     kwargs["generator"] = torch.Generator("cpu").manual_seed(0)
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    activities = [ProfilerActivity.CUDA] if device.type == "cuda" else [ProfilerActivity.CPU]
+    with profile(activities=activities) as prof:
         pipe(**kwargs)
-        torch.cuda.synchronize()
-    kernel_s = sum(e.device_time for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA) / 1e6
-    wall = statistics.median(walls[1:])
-    return {"wall_s": wall, "kernel_s": kernel_s, "wall_over_kernel": wall / kernel_s if kernel_s else math.nan}
+        _sync(device)
+    kernel_us = sum(e.device_time for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+    return walls[-1], kernel_us / 1e6
+
+
+def denoise_profile(pipe: Any, case: Case, device: torch.device) -> dict[str, float]:
+    """How close the denoising loop runs to pure GPU kernel time.
+
+    Runs the loop (prompt embeddings precomputed, latent output) at ``case.steps`` and at half as many
+    steps. ``wall_over_kernel`` is the whole call's wall time over its GPU kernel time (it includes the
+    pipeline's fixed set-up: timesteps, latents); ``step_wall_over_kernel`` uses the differences between
+    the two runs, so fixed costs cancel and what is left is the per-step loop. Kernel time is 0 on CPU.
+    """
+    kwargs = _loop_inputs(pipe, case)
+    few = max(2, case.steps // 2)
+    wall, kernel = _loop_wall_and_kernel(pipe, dict(kwargs, num_inference_steps=case.steps), device)
+    wall_few, kernel_few = _loop_wall_and_kernel(pipe, dict(kwargs, num_inference_steps=few), device)
+    step_kernel = (kernel - kernel_few) / (case.steps - few) if case.steps > few else math.nan
+    step_wall = (wall - wall_few) / (case.steps - few) if case.steps > few else math.nan
+    return {
+        "wall_s": wall,
+        "kernel_s": kernel,
+        "wall_over_kernel": wall / kernel if kernel else math.nan,
+        "step_wall_s": step_wall,
+        "step_kernel_s": step_kernel,
+        "step_wall_over_kernel": step_wall / step_kernel if step_kernel else math.nan,
+    }
 
 
 def environment(device: torch.device) -> dict[str, Any]:

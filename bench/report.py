@@ -49,7 +49,10 @@ def markdown(record: dict[str, Any]) -> str:
         out += ["", verdict(case), ""]
         profiles = {n: m["denoise_profile"] for n, m in case["modes"].items() if m.get("denoise_profile")}
         if profiles:
-            parts = [f"{n} {p['wall_over_kernel']:.3f}" for n, p in profiles.items()]
+            parts = [
+                f"{n} {p['wall_over_kernel']:.3f} (per step {p['step_wall_over_kernel']:.3f})"
+                for n, p in profiles.items()
+            ]
             out += ["Denoising loop, wall time / GPU kernel time: " + ", ".join(parts), ""]
     return "\n".join(out)
 

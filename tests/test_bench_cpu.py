@@ -14,7 +14,7 @@ def record(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
     argv = ["--pipeline", "qwen-image", "--weights", "tiny", "--device", "cpu", "--resolutions", "32x32"]
     argv += ["--steps", "2", "--guidance", "4", "--batch", "2", "--prompts", "mixed", "--runs", "2"]
-    argv += ["--modes", "eager,bcg", "--out", str(out), "--no-progress"]
+    argv += ["--modes", "eager,bcg", "--profile", "--out", str(out), "--no-progress"]
     assert cli.main(argv) == 0
     return out, json.loads((out / "results.json").read_text())
 
@@ -36,6 +36,8 @@ def test_case_fields(record):
         assert len(mode["runs_s"]) == 2 and set(mode["latency_s"]) == {"median", "min", "max"}
         assert set(mode["stages_s"]) == {"encode", "denoise", "decode"}
         assert mode["first_call_s"] > 0 and mode["identical"] and len(mode["md5"]) == 32
+    profile = case["modes"]["bcg"]["denoise_profile"]  # on CPU: walls only, no kernel time
+    assert profile["wall_s"] > 0 and profile["kernel_s"] == 0
     graphs = case["modes"]["bcg"]["graphs"]
     # true CFG with two prompts of different lengths: cond, uncond (masked path) and the VAE
     assert graphs["captures"] == 3 and graphs["eager_fallbacks"] == 0
