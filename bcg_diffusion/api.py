@@ -53,9 +53,25 @@ _INVALIDATING_METHODS = (
     "set_attn_processor",
     "set_default_attn_processor",
 )
-# Caching hooks (FirstBlockCache...) decide on the host, every step, whether to skip blocks: a graph
-# would freeze one decision. While such a cache is on, the component runs eagerly.
-_SUSPENDING_METHODS = {"enable_cache": "disable_cache"}
+# Methods that install diffusers hooks a graph cannot follow, mapped to the method that removes them
+# (None: no such method). Caching hooks (FirstBlockCache...) decide on the host, every step, whether to
+# skip blocks, so a graph would freeze one decision; layerwise casting and group offloading replace the
+# weights around every forward. While such hooks are on, the component runs eagerly.
+_SUSPENDING_METHODS = {
+    "enable_cache": "disable_cache",
+    "enable_layerwise_casting": None,
+    "enable_group_offload": None,
+}
+
+
+def _diffusers_hooks(module: torch.nn.Module) -> list[str]:
+    """Names of the diffusers hooks (cache, layerwise casting, group offload...) on ``module``'s tree."""
+    names: set[str] = set()
+    for submodule in module.modules():
+        registry = getattr(submodule, "_diffusers_hook", None)
+        if registry is not None:
+            names.update(getattr(registry, "hooks", {}))
+    return sorted(names)
 
 
 @dataclass
@@ -101,18 +117,26 @@ def _execution_device(pipe: Any) -> torch.device:
 
 
 def _eager_reason(pipe: Any, config: AccelerateConfig, device: torch.device) -> str | None:
-    """Why this pipeline must stay eager (None when graphs can be used)."""
-    if config.debug:
-        return None
-    if device.type != "cuda":
-        return f"the pipeline is on {device}, CUDA graphs need a CUDA device (use debug=True to test the runner path)"
-    if not torch.cuda.is_available():
-        return "CUDA is not available"
+    """Why this pipeline must stay eager (None when graphs can be used). Debug mode skips only the
+    device checks: it mirrors the graph path, so what would break a graph keeps it eager too."""
+    if not config.debug:
+        if device.type != "cuda":
+            return (
+                f"the pipeline is on {device}, CUDA graphs need a CUDA device (use debug=True to test the runner path)"
+            )
+        if not torch.cuda.is_available():
+            return "CUDA is not available"
     for name in config.components:
         module = getattr(pipe, name, None)
         if module is not None and hasattr(module, "_hf_hook"):
             return (
                 f"{name} has accelerate offload hooks (enable_*_cpu_offload): graphs need weights resident on the GPU"
+            )
+        hooks = _diffusers_hooks(module) if isinstance(module, torch.nn.Module) else []
+        if hooks:
+            return (
+                f"{name} has diffusers hooks {hooks} (caching, layerwise casting or group offloading decide on the "
+                "host or move weights every forward); remove them, or accept eager speed"
             )
     return None
 
@@ -240,9 +264,12 @@ def _install(state: _PipelineState, component: str, module: torch.nn.Module, met
                 state, module, name, _invalidating(getattr(module, name), runner, f"{component}.{name}()")
             )
     for enable, disable in _SUSPENDING_METHODS.items():
-        if callable(getattr(module, enable, None)) and callable(getattr(module, disable, None)):
-            reason = f"{component}.{enable}() installed a cache that decides on the host each step"
-            _set_instance_method(state, module, enable, _suspending(getattr(module, enable), runner, reason))
+        if not callable(getattr(module, enable, None)):
+            continue
+        undo = f"; {component}.{disable}() brings the graphs back" if disable else "; restore(pipe) to stop"
+        reason = f"{component}.{enable}() installed hooks a graph cannot follow{undo}"
+        _set_instance_method(state, module, enable, _suspending(getattr(module, enable), runner, reason))
+        if disable and callable(getattr(module, disable, None)):
             _set_instance_method(state, module, disable, _suspending(getattr(module, disable), runner, None))
 
 

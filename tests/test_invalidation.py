@@ -87,3 +87,29 @@ def test_restore_removes_every_hook(pipe):
             name for name, value in vars(module).items() if callable(value) and not isinstance(value, torch.nn.Module)
         ]
     accelerate(pipe, debug=True)
+
+
+def test_layerwise_casting_after_accelerate_runs_eagerly(pipe):
+    _call(pipe)
+    pipe.transformer.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.float32)
+    with pytest.warns(BCGWarning, match="enable_layerwise_casting"):
+        cast = _call(pipe)
+    assert stats(pipe)["components"]["transformer"]["eager_fallbacks"] >= 1
+    restore(pipe)
+    assert torch.equal(cast, _call(pipe))  # eager, with the casting hooks
+    with pytest.warns(BCGWarning, match="layerwise_casting"):
+        accelerate(pipe, debug=True)  # hooks already there: left eager from the start
+    assert not stats(pipe)["active"]
+
+
+def test_pipelines_with_diffusers_hooks_are_left_eager():
+    from diffusers.hooks import FirstBlockCacheConfig
+
+    pipe = build_pipeline("qwen-image", "tiny", device="cpu")  # Z-Image's transformer has no CacheMixin
+    pipe.transformer.enable_cache(FirstBlockCacheConfig(threshold=0.2))
+    with pytest.warns(BCGWarning, match="diffusers hooks"):
+        accelerate(pipe, debug=True)
+    try:
+        assert not stats(pipe)["active"] and "fbc" in stats(pipe)["reason"]
+    finally:
+        restore(pipe)
