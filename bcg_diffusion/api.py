@@ -17,6 +17,7 @@ import torch
 
 from .config import AccelerateConfig
 from .graphs import GraphPool
+from .hooks import MethodPatches, diffusers_hooks, serialise_calls, unserialise_calls, watch_component
 from .patches import FunctionPatch
 from .pipelines import PipelineAdapter, adapter_for
 from .runner import BCGWarning, GraphRunner
@@ -28,60 +29,6 @@ logger = logging.getLogger(__name__)
 P = TypeVar("P")
 
 _STATE_ATTR = "_bcg_state"
-_MISSING = object()
-
-# Methods of an accelerated component after which its graphs are stale: they replace weights (device,
-# dtype, LoRA injection and removal), change Python values the kernels were captured with (adapter
-# scales, attention backends), or install hooks. ``_apply`` is what .to(), .half(), .cuda() all call.
-_INVALIDATING_METHODS = (
-    "_apply",
-    "load_state_dict",
-    "load_lora_adapter",
-    "add_adapter",
-    "set_adapter",
-    "set_adapters",
-    "delete_adapters",
-    "fuse_lora",
-    "unfuse_lora",
-    "unload_lora",
-    "enable_lora",
-    "disable_lora",
-    "enable_adapters",
-    "disable_adapters",
-    "set_attention_backend",
-    "reset_attention_backend",
-    "set_attn_processor",
-    "set_default_attn_processor",
-)
-# Methods that install diffusers hooks a graph cannot follow, mapped to the method that removes them
-# (None: no such method). Caching hooks (FirstBlockCache...) decide on the host, every step, whether to
-# skip blocks, so a graph would freeze one decision; layerwise casting and group offloading replace the
-# weights around every forward. While such hooks are on, the component runs eagerly.
-_SUSPENDING_METHODS = {
-    "enable_cache": "disable_cache",
-    "enable_layerwise_casting": None,
-    "enable_group_offload": None,
-}
-
-
-def _diffusers_hooks(module: torch.nn.Module) -> list[str]:
-    """Names of the diffusers hooks (cache, layerwise casting, group offload...) on ``module``'s tree."""
-    names: set[str] = set()
-    for submodule in module.modules():
-        registry = getattr(submodule, "_diffusers_hook", None)
-        if registry is not None:
-            names.update(getattr(registry, "hooks", {}))
-    return sorted(names)
-
-
-@dataclass
-class _Installed:
-    """One replaced method: where it lives, what was there before, and the wrapper we put there."""
-
-    module: torch.nn.Module
-    method: str
-    previous: Any  # the instance attribute we shadowed, or _MISSING
-    wrapper: Any
 
 
 @dataclass
@@ -93,7 +40,7 @@ class _PipelineState:
     pool: GraphPool | None = None
     lock: threading.RLock = field(default_factory=threading.RLock)
     runners: dict[str, GraphRunner] = field(default_factory=dict)
-    installed: list[_Installed] = field(default_factory=list)
+    patches_made: MethodPatches = field(default_factory=MethodPatches)
     patches: list[FunctionPatch] = field(default_factory=list)
 
 
@@ -132,7 +79,7 @@ def _eager_reason(pipe: Any, config: AccelerateConfig, device: torch.device) -> 
             return (
                 f"{name} has accelerate offload hooks (enable_*_cpu_offload): graphs need weights resident on the GPU"
             )
-        hooks = _diffusers_hooks(module) if isinstance(module, torch.nn.Module) else []
+        hooks = diffusers_hooks(module) if isinstance(module, torch.nn.Module) else []
         if hooks:
             return (
                 f"{name} has diffusers hooks {hooks} (caching, layerwise casting or group offloading decide on the "
@@ -198,43 +145,9 @@ def accelerate(pipe: P, config: AccelerateConfig | None = None, **options: Any) 
         warnings.warn(
             f"bcg-diffusion: {type(pipe).__name__} has none of {config.components}", BCGWarning, stacklevel=2
         )
-    _serialise_calls(pipe, state.lock)
+    serialise_calls(pipe, state.lock)
     object.__setattr__(pipe, _STATE_ATTR, state)
     return pipe
-
-
-def _serialise_calls(pipe: Any, lock: threading.RLock) -> None:
-    """Make concurrent calls of this pipeline object run one at a time.
-
-    A diffusers pipeline keeps per-call state on itself (the scheduler's step index, guidance scale,
-    the current timestep), so two threads calling one pipeline corrupt each other even eagerly, and
-    with graphs they would also share static buffers. ``__call__`` is looked up on the type, so the
-    instance gets a subclass of its own class, with the same name (``save_pretrained`` records it),
-    whose ``__call__`` holds the pipeline's lock. ``restore`` puts the original class back.
-    """
-    original = type(pipe)
-
-    def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
-        with lock:
-            return original.__call__(self, *args, **kwargs)
-
-    functools.update_wrapper(__call__, original.__call__)
-    namespace = {"__call__": __call__, "__module__": original.__module__, "__qualname__": original.__qualname__}
-    serialised = type(original.__name__, (original,), namespace)
-    serialised._bcg_original_class = original  # type: ignore[attr-defined]
-    object.__setattr__(pipe, "__class__", serialised)
-
-
-def _unserialise_calls(pipe: Any) -> None:
-    original = type(pipe).__dict__.get("_bcg_original_class")
-    if original is not None:
-        object.__setattr__(pipe, "__class__", original)
-    else:
-        warnings.warn(
-            "bcg-diffusion: restore(): the pipeline's class was changed after accelerate(); leaving it as it is",
-            BCGWarning,
-            stacklevel=3,
-        )
 
 
 def _install(state: _PipelineState, component: str, module: torch.nn.Module, method: str) -> None:
@@ -256,51 +169,9 @@ def _install(state: _PipelineState, component: str, module: torch.nn.Module, met
 
     functools.update_wrapper(wrapper, original)
     wrapper.__bcg_runner__ = runner  # type: ignore[attr-defined]
-    _set_instance_method(state, module, method, wrapper)
+    state.patches_made.replace(module, method, wrapper)
     state.runners[component] = runner
-    for name in _INVALIDATING_METHODS:
-        if callable(getattr(module, name, None)):
-            _set_instance_method(
-                state, module, name, _invalidating(getattr(module, name), runner, f"{component}.{name}()")
-            )
-    for enable, disable in _SUSPENDING_METHODS.items():
-        if not callable(getattr(module, enable, None)):
-            continue
-        undo = f"; {component}.{disable}() brings the graphs back" if disable else "; restore(pipe) to stop"
-        reason = f"{component}.{enable}() installed hooks a graph cannot follow{undo}"
-        _set_instance_method(state, module, enable, _suspending(getattr(module, enable), runner, reason))
-        if disable and callable(getattr(module, disable, None)):
-            _set_instance_method(state, module, disable, _suspending(getattr(module, disable), runner, None))
-
-
-def _set_instance_method(state: _PipelineState, module: torch.nn.Module, name: str, wrapper: Any) -> None:
-    # Instance attribute: nn.Module.__call__ looks up self.forward, pipelines call self.vae.decode and
-    # model.fuse_lora(), so an instance attribute is seen by all of them and removed cleanly.
-    previous = module.__dict__.get(name, _MISSING)
-    object.__setattr__(module, name, wrapper)
-    state.installed.append(_Installed(module, name, previous, wrapper))
-
-
-def _invalidating(method: Any, runner: GraphRunner, reason: str) -> Any:
-    @functools.wraps(method)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        try:
-            return method(*args, **kwargs)
-        finally:  # even a half-done change (an exception midway) may have touched the weights
-            runner.invalidate(reason)
-
-    return wrapper
-
-
-def _suspending(method: Any, runner: GraphRunner, reason: str | None) -> Any:
-    @functools.wraps(method)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        result = method(*args, **kwargs)
-        runner.invalidate(reason or "cache disabled")
-        runner.suspended = reason
-        return result
-
-    return wrapper
+    watch_component(state.patches_made, component, module, runner)
 
 
 def restore(pipe: P) -> P:
@@ -318,28 +189,14 @@ def restore(pipe: P) -> P:
         )
         return pipe
     with state.lock:
-        for installed in reversed(state.installed):
-            current = installed.module.__dict__.get(installed.method, _MISSING)
-            if current is installed.wrapper:
-                if installed.previous is _MISSING:
-                    del installed.module.__dict__[installed.method]
-                else:
-                    object.__setattr__(installed.module, installed.method, installed.previous)
-            else:
-                warnings.warn(
-                    f"bcg-diffusion: restore(): {type(installed.module).__name__}.{installed.method} was wrapped again "
-                    "after accelerate(); leaving that wrapper and turning ours into a plain call",
-                    BCGWarning,
-                    stacklevel=2,
-                )
+        state.patches_made.undo()
         for runner in state.runners.values():
             runner.close()
         if state.active:
-            _unserialise_calls(pipe)
+            unserialise_calls(pipe)
         for patch in state.patches:
             patch.revert()
         state.runners.clear()
-        state.installed.clear()
         state.patches.clear()
         state.pool = None
     object.__delattr__(pipe, _STATE_ATTR)

@@ -1,0 +1,176 @@
+"""Instance-level patches that keep graphs honest: what drops them, what suspends them, and the lock
+that serialises calls of one pipeline. Every patch is recorded and undone by :meth:`MethodPatches.undo`.
+
+Instance attributes are used because everything that matters looks methods up on the instance:
+``nn.Module.__call__`` finds ``self.forward``, pipelines call ``self.vae.decode`` and
+``model.fuse_lora()``. Python looks ``__call__`` up on the type, so the pipeline lock needs a subclass.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .runner import BCGWarning, GraphRunner
+
+__all__ = ["MethodPatches", "diffusers_hooks", "serialise_calls", "unserialise_calls", "watch_component"]
+
+_MISSING = object()
+
+# Methods of an accelerated component after which its graphs are stale: they replace weights (device,
+# dtype, LoRA injection and removal), change Python values the kernels were captured with (adapter
+# scales, attention backends), or install hooks. ``_apply`` is what .to(), .half(), .cuda() all call.
+INVALIDATING_METHODS = (
+    "_apply",
+    "load_state_dict",
+    "load_lora_adapter",
+    "add_adapter",
+    "set_adapter",
+    "set_adapters",
+    "delete_adapters",
+    "fuse_lora",
+    "unfuse_lora",
+    "unload_lora",
+    "enable_lora",
+    "disable_lora",
+    "enable_adapters",
+    "disable_adapters",
+    "set_attention_backend",
+    "reset_attention_backend",
+    "set_attn_processor",
+    "set_default_attn_processor",
+)
+# Methods that install diffusers hooks a graph cannot follow, mapped to the method that removes them
+# (None: no such method). Caching hooks (FirstBlockCache...) decide on the host, every step, whether to
+# skip blocks, so a graph would freeze one decision; layerwise casting and group offloading replace the
+# weights around every forward. While such hooks are on, the component runs eagerly.
+SUSPENDING_METHODS: dict[str, str | None] = {
+    "enable_cache": "disable_cache",
+    "enable_layerwise_casting": None,
+    "enable_group_offload": None,
+}
+
+
+@dataclass
+class _Patch:
+    owner: Any
+    name: str
+    previous: Any  # the instance attribute we shadowed, or _MISSING
+    wrapper: Any
+
+
+@dataclass
+class MethodPatches:
+    """Instance attributes we set, in order, so they can be undone in reverse."""
+
+    _patches: list[_Patch] = field(default_factory=list)
+
+    def replace(self, owner: Any, name: str, wrapper: Any) -> None:
+        previous = owner.__dict__.get(name, _MISSING)
+        object.__setattr__(owner, name, wrapper)
+        self._patches.append(_Patch(owner, name, previous, wrapper))
+
+    def undo(self) -> None:
+        """Put back what each patch shadowed. A method wrapped again by someone else since is left as it
+        is, with a warning (its inner runner has been closed by then, so it is a plain call)."""
+        for patch in reversed(self._patches):
+            if patch.owner.__dict__.get(patch.name, _MISSING) is not patch.wrapper:
+                warnings.warn(
+                    f"bcg-diffusion: restore(): {type(patch.owner).__name__}.{patch.name} was wrapped again after "
+                    "accelerate(); leaving that wrapper in place",
+                    BCGWarning,
+                    stacklevel=3,
+                )
+            elif patch.previous is _MISSING:
+                del patch.owner.__dict__[patch.name]
+            else:
+                object.__setattr__(patch.owner, patch.name, patch.previous)
+        self._patches.clear()
+
+
+def diffusers_hooks(module: torch.nn.Module) -> list[str]:
+    """Names of the diffusers hooks (cache, layerwise casting, group offload...) on ``module``'s tree."""
+    names: set[str] = set()
+    for submodule in module.modules():
+        registry = getattr(submodule, "_diffusers_hook", None)
+        if registry is not None:
+            names.update(getattr(registry, "hooks", {}))
+    return sorted(names)
+
+
+def _invalidating(method: Callable[..., Any], runner: GraphRunner, reason: str) -> Callable[..., Any]:
+    @functools.wraps(method)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return method(*args, **kwargs)
+        finally:  # even a half-done change (an exception midway) may have touched the weights
+            runner.invalidate(reason)
+
+    return wrapper
+
+
+def _suspending(method: Callable[..., Any], runner: GraphRunner, reason: str | None) -> Callable[..., Any]:
+    @functools.wraps(method)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        result = method(*args, **kwargs)
+        runner.invalidate(reason or f"{method.__name__}()")
+        runner.suspended = reason
+        return result
+
+    return wrapper
+
+
+def watch_component(patches: MethodPatches, component: str, module: torch.nn.Module, runner: GraphRunner) -> None:
+    """Make every method in :data:`INVALIDATING_METHODS` drop ``runner``'s graphs, and every method in
+    :data:`SUSPENDING_METHODS` make it run eagerly until the matching removal (or ``restore``)."""
+    for name in INVALIDATING_METHODS:
+        if callable(getattr(module, name, None)):
+            patches.replace(module, name, _invalidating(getattr(module, name), runner, f"{component}.{name}()"))
+    for enable, disable in SUSPENDING_METHODS.items():
+        if not callable(getattr(module, enable, None)):
+            continue
+        undo = f"; {component}.{disable}() brings the graphs back" if disable else "; restore(pipe) to stop"
+        reason = f"{component}.{enable}() installed hooks a graph cannot follow{undo}"
+        patches.replace(module, enable, _suspending(getattr(module, enable), runner, reason))
+        if disable and callable(getattr(module, disable, None)):
+            patches.replace(module, disable, _suspending(getattr(module, disable), runner, None))
+
+
+def serialise_calls(pipe: Any, lock: threading.RLock) -> None:
+    """Make concurrent calls of this pipeline object run one at a time.
+
+    A diffusers pipeline keeps per-call state on itself (the scheduler's step index, guidance scale,
+    the current timestep), so two threads calling one pipeline corrupt each other even eagerly, and
+    with graphs they would also share static buffers. The instance gets a subclass of its own class,
+    with the same name (``save_pretrained`` records it), whose ``__call__`` holds ``lock``.
+    """
+    original = type(pipe)
+
+    def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
+        with lock:
+            return original.__call__(self, *args, **kwargs)
+
+    functools.update_wrapper(__call__, original.__call__)
+    namespace = {"__call__": __call__, "__module__": original.__module__, "__qualname__": original.__qualname__}
+    serialised = type(original.__name__, (original,), namespace)
+    serialised._bcg_original_class = original  # type: ignore[attr-defined]
+    object.__setattr__(pipe, "__class__", serialised)
+
+
+def unserialise_calls(pipe: Any) -> None:
+    """Undo :func:`serialise_calls` (warns if the class was changed again since)."""
+    original = type(pipe).__dict__.get("_bcg_original_class")
+    if original is not None:
+        object.__setattr__(pipe, "__class__", original)
+    else:
+        warnings.warn(
+            "bcg-diffusion: restore(): the pipeline's class was changed after accelerate(); leaving it as it is",
+            BCGWarning,
+            stacklevel=3,
+        )
