@@ -55,6 +55,14 @@ def _check_pipeline(pipe: Any, caller: str) -> None:
         )
 
 
+def _accelerated_state(pipe: Any, caller: str) -> _PipelineState:
+    _check_pipeline(pipe, caller)
+    state: _PipelineState | None = getattr(pipe, _STATE_ATTR, None)
+    if state is None:
+        raise ValueError(f"{caller}(): this pipeline was not accelerated (call bcg_diffusion.accelerate(pipe) first)")
+    return state
+
+
 def _execution_device(pipe: Any) -> torch.device:
     transformer = getattr(pipe, "transformer", None)
     if isinstance(transformer, torch.nn.Module):
@@ -219,10 +227,7 @@ def eager(pipe: Any) -> Iterator[Any]:
     Raises:
         ValueError: the pipeline was never accelerated.
     """
-    _check_pipeline(pipe, "eager")
-    state: _PipelineState | None = getattr(pipe, _STATE_ATTR, None)
-    if state is None:
-        raise ValueError("eager(): this pipeline was not accelerated; it already runs eagerly")
+    state = _accelerated_state(pipe, "eager")
     with state.lock:
         runners = list(state.runners.values())
         for runner in runners:
@@ -247,10 +252,7 @@ def stats(pipe: Any) -> dict[str, Any]:
     Raises:
         ValueError: the pipeline was never accelerated.
     """
-    _check_pipeline(pipe, "stats")
-    state: _PipelineState | None = getattr(pipe, _STATE_ATTR, None)
-    if state is None:
-        raise ValueError("stats(): this pipeline was not accelerated (call bcg_diffusion.accelerate(pipe) first)")
+    state = _accelerated_state(pipe, "stats")
     with state.lock:
         components = {name: dataclasses.asdict(runner.counters) for name, runner in state.runners.items()}
         signatures = [dataclasses.asdict(r) for runner in state.runners.values() for r in runner.records()]
