@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# Runs the GPU checks of bcg-diffusion on the device machine, one phase per call (each fits in 10 min).
+#
+# Prepare here first (the device cannot download anything; .whl/ is git-ignored and must be carried):
+#   echo /.whl/ >> .git/info/exclude
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#     --platform manylinux_2_28_x86_64 -d .whl diffusers==0.42.1 importlib_metadata peft gradio ...
+# Then, with the device tool (carry [".whl"]):  bash scripts/gpu_session.sh PHASE
+#
+# Phases:
+#   tests       core + reliability + tiny-pipeline GPU tests, then full-size Qwen-Image and Z-Image equality
+#   bench-z     python -m bench --preset issue3 --pipeline z-image (all modes, --profile)
+#   bench-qwen  python -m bench --preset issue3 --pipeline qwen-image (all modes)
+#   issue2      python -m bench --preset issue2 --modes eager,bcg --profile
+# Everything it writes is under $OUT (logs, results.json/.md/.png); copy it to bench/results/<date>-h200/.
+set -uo pipefail
+phase=${1:?usage: scripts/gpu_session.sh tests|bench-z|bench-qwen|issue2}
+out=${OUT:-/tmp/bcg-out}
+mkdir -p "$out"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/env.txt"
+python3 -c "import torch, diffusers, transformers; print('torch', torch.__version__, 'diffusers', diffusers.__version__, 'transformers', transformers.__version__)" | tee -a "$out/env.txt"
+
+case "$phase" in
+  tests)
+    timeout 200 python3 -m pytest -m cuda -q -rs -p no:cacheprovider --tb=short \
+      tests/test_graphs_cuda.py tests/test_reliability_cuda.py tests/test_pipelines_cuda.py 2>&1 | tee "$out/pytest-cuda-tiny.log" | tail -15
+    BCG_TEST_WEIGHTS=random-full timeout 330 python3 -m pytest -q -s -p no:cacheprovider --tb=short \
+      tests/test_pipelines_cuda.py 2>&1 | tee "$out/pytest-cuda-random-full.log" | grep -v "^INFO" | tail -15
+    ;;
+  bench-z)
+    timeout 560 python3 -m bench --preset issue3 --pipeline z-image --weights random-full --profile --no-progress \
+      --out "$out/bench-z-image" 2>&1 | tee "$out/bench-z-image.log" | tail -40
+    ;;
+  bench-qwen)
+    timeout 570 python3 -m bench --preset issue3 --pipeline qwen-image --weights random-full --runs 3 --no-progress \
+      --out "$out/bench-qwen-image" 2>&1 | tee "$out/bench-qwen-image.log" | tail -40
+    ;;
+  issue2)
+    timeout 570 python3 -m bench --preset issue2 --weights random-full --modes eager,bcg --runs 3 --profile \
+      --no-progress --out "$out/bench-issue2" 2>&1 | tee "$out/bench-issue2.log" | tail -40
+    ;;
+  *)
+    echo "unknown phase $phase" >&2
+    exit 2
+    ;;
+esac
