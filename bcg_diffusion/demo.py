@@ -31,7 +31,7 @@ from typing import Any
 import PIL.Image
 import torch
 
-from .api import accelerate, eager, stats
+from .api import accelerate, eager, restore, stats
 from .loading import DEFAULT_PROMPTS, PIPELINE_NAMES, RANDOM_WEIGHTS, build_pipeline
 
 __all__ = [
@@ -116,10 +116,13 @@ def parse_resolution(text: str | None, max_side: int) -> tuple[int, int]:
     width = int(match.group(1))
     height = int(match.group(2) or width)
     for name, side in (("width", width), ("height", height)):
-        if side < RESOLUTION_MULTIPLE or side % RESOLUTION_MULTIPLE:
+        if side < RESOLUTION_MULTIPLE:
+            raise DemoError(f"{name} {side} is too small: at least {RESOLUTION_MULTIPLE}")
+        if side % RESOLUTION_MULTIPLE:
+            nearest = round(side / RESOLUTION_MULTIPLE) * RESOLUTION_MULTIPLE
             raise DemoError(
                 f"{name} {side} is not a multiple of {RESOLUTION_MULTIPLE} (the VAE's 8x down-sampling times the "
-                f"transformer's 2x2 patches): try {max(RESOLUTION_MULTIPLE, round(side / 16) * 16)}"
+                f"transformer's 2x2 patches): try {nearest}"
             )
         if side > max_side:
             raise DemoError(f"{name} {side} is too large: at most {max_side} here")
@@ -524,6 +527,18 @@ class DemoBackend:
                 record(WarmupStep(name, (width, height), True, message, seconds))
         return outcomes
 
+    def close(self) -> None:
+        """Restore every pipeline built so far (``bcg_diffusion.restore``: graphs freed, patches reverted) and
+        forget it. Waits for the requests in flight on each; a later request builds its pipeline again."""
+        with self._entries_lock:
+            entries = list(self._entries.values())
+            self._entries.clear()
+        for entry in entries:
+            with entry.lock:
+                if entry.pipe is not None:
+                    restore(entry.pipe)
+                    entry.pipe = None
+
     def _validate(self, request: GenerationRequest) -> None:
         if request.pipeline not in self.pipelines:
             raise DemoError(
@@ -665,6 +680,7 @@ class WarmupStatus:
         self._lock = threading.Lock()
         self.done, self.total = 0, total
         self.messages: list[str] = []
+        self.failures: list[str] = []
         self.finished = total == 0
 
     def __call__(self, done: int, total: int, message: str) -> None:
@@ -672,17 +688,23 @@ class WarmupStatus:
             self.done, self.total = done, total
             self.messages.append(message)
 
-    def finish(self) -> None:
+    def finish(self, steps: Sequence[WarmupStep] = ()) -> None:
+        """Mark the warm-up ended; ``steps`` (what ``warm_up`` returned) tell which steps failed."""
         with self._lock:
+            self.failures = [step.message for step in steps if not step.ok]
             self.finished = True
 
     def markdown(self) -> str:
-        """One line: what is warming up, or that it is done (with the last message)."""
+        """One line: what is warming up, or that it is done (with the first failure, if any)."""
         with self._lock:
             last = self.messages[-1] if self.messages else "starting"
-            if self.finished:
-                return f"Warm-up done ({self.done}/{self.total} steps); last: {last}." if self.total else "No warm-up."
-            return f"Warming up ({self.done}/{self.total}): {last}. Requests wait until their pipeline is ready."
+            if not self.finished:
+                return f"Warming up ({self.done}/{self.total}): {last}. Requests wait until their pipeline is ready."
+            if not self.total:
+                return "No warm-up."
+            if self.failures:
+                return f"**Warm-up: {len(self.failures)} of {self.total} steps failed**; first: {self.failures[0]}"
+            return f"Warm-up done ({self.done}/{self.total} steps); last: {last}."
 
 
 def warm_up_in_background(
@@ -701,12 +723,13 @@ def warm_up_in_background(
             on_progress(done, total, message)
 
     def run() -> None:
+        steps: list[WarmupStep] = []
         try:
-            backend.warm_up(resolutions, pipelines, progress)
+            steps = backend.warm_up(resolutions, pipelines, progress)
         except Exception:  # the warm-up is a convenience: a bug in it must not take the server down
             logger.exception("demo: warm-up failed")
         finally:
-            status.finish()
+            status.finish(steps)
 
     thread = threading.Thread(target=run, name="bcg-demo-warmup", daemon=True)
     thread.start()
@@ -742,7 +765,7 @@ def gradio_handler(backend: DemoBackend) -> Callable[..., tuple[PIL.Image.Image 
             )
             return backend.generate(request, advance).outputs()
         except DemoError as exc:
-            raise gr.Error(str(exc), title="Cannot generate", print_exception=False) from None
+            raise gr.Error(str(exc), print_exception=False) from None
         except Exception:
             logger.exception("demo: unexpected error in the Generate handler")
             raise gr.Error("internal error (details in the server log)", print_exception=False) from None

@@ -124,3 +124,24 @@ def test_closed_runner_is_a_plain_call():
         runner.close()
         assert torch.equal(runner(torch.zeros(2)), torch.ones(2))
     assert runner.counters.replays == 0 and runner.records() == []
+
+
+def test_output_dataclasses_with_none_fields_are_rebuilt():
+    from diffusers.models.autoencoders.vae import DecoderOutput
+
+    runner = make_runner(lambda x: DecoderOutput(sample=x * 2, commit_loss=None))
+    with torch.no_grad():
+        runner(torch.zeros(2))
+        out = runner(torch.ones(2))
+    assert (
+        isinstance(out, DecoderOutput) and out.commit_loss is None and torch.equal(out.sample, torch.full((2,), 2.0))
+    )
+
+
+def test_zero_dim_and_empty_tensors():
+    runner = make_runner(lambda t, e: (t * 2, e + 1))
+    with torch.no_grad():
+        runner(torch.tensor(1.0), torch.empty(0, 3))
+        scalar, empty = runner(torch.tensor(4.0), torch.empty(0, 3))
+    assert scalar.item() == 8.0 and empty.shape == (0, 3)
+    assert runner.counters.replays == 1

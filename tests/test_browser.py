@@ -1,0 +1,148 @@
+"""The demo page in a real browser: ``app.py`` (tiny pipelines, CPU) driven by headless Chromium through Playwright.
+
+Skips when Playwright or ``/usr/bin/chromium`` is missing, unless ``BCG_REQUIRE_BROWSER=1`` (CI), where that
+fails. Leaves a screenshot in ``test-artifacts/demo.png`` and the server's log in ``test-artifacts/demo-server.log``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import pytest
+
+pytestmark = pytest.mark.browser
+
+ROOT = Path(__file__).resolve().parent.parent
+ARTIFACTS = ROOT / "test-artifacts"
+CHROMIUM = Path("/usr/bin/chromium")
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+SERVER_START_S = 120
+GENERATE_S = 60
+PROMPT = "a lighthouse on a cliff at night"
+
+
+def _missing_browser() -> str | None:
+    if importlib.util.find_spec("playwright") is None:
+        return "the playwright package is not installed (pip install -e '.[test]')"
+    if not (CHROMIUM.is_file() and os.access(CHROMIUM, os.X_OK)):
+        return f"{CHROMIUM} is missing (apt-get install chromium)"
+    if importlib.util.find_spec("gradio") is None:
+        return "gradio is not installed (pip install -e '.[test]')"
+    return None
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _log_tail(path: Path, lines: int = 40) -> str:
+    text = path.read_text(errors="replace") if path.exists() else ""
+    return "\n".join(text.splitlines()[-lines:])
+
+
+def _wait_until_serving(url: str, server: subprocess.Popen, log: Path) -> None:
+    deadline = time.monotonic() + SERVER_START_S
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            pytest.fail(f"app.py exited with {server.returncode}:\n{_log_tail(log)}")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as response:
+                if response.status == 200:
+                    return
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(0.5)
+    pytest.fail(f"app.py did not serve {url} within {SERVER_START_S} s:\n{_log_tail(log)}")
+
+
+@pytest.fixture
+def server_url():
+    """``app.py`` on a free localhost port, tiny pipelines on the CPU; killed at the end whatever happens."""
+    missing = _missing_browser()
+    if missing is not None:
+        if os.environ.get("BCG_REQUIRE_BROWSER") == "1":
+            pytest.fail(f"BCG_REQUIRE_BROWSER=1 but {missing}")
+        pytest.skip(missing)
+    ARTIFACTS.mkdir(exist_ok=True)
+    log = ARTIFACTS / "demo-server.log"
+    port = _free_port()
+    command = [sys.executable, str(ROOT / "app.py"), "--weights", "tiny", "--device", "cpu", "--port", str(port)]
+    command += ["--warmup", "64x64"]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    with open(log, "w") as log_file:
+        server = subprocess.Popen(command, cwd=ROOT, stdout=log_file, stderr=subprocess.STDOUT, env=env)
+    try:
+        url = f"http://127.0.0.1:{port}/"
+        _wait_until_serving(url, server, log)
+        yield url
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait(timeout=10)
+
+
+def test_generate_shows_both_images_the_timings_and_errors(server_url):
+    from playwright.sync_api import sync_playwright
+
+    external: list[str] = []
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page(viewport={"width": 1400, "height": 1000})
+            page.on(
+                "request",
+                lambda r: external.append(r.url) if urlsplit(r.url).hostname not in (None, "127.0.0.1") else None,
+            )
+            page.goto(server_url)
+            page.locator("#prompt textarea").fill(PROMPT)
+            page.locator("#resolution input").fill("128x96")
+            page.locator("#resolution input").press("Enter")
+            page.locator("#generate").click()
+
+            report = page.locator("#report")
+            report.get_by_text("byte-identical: yes").wait_for(timeout=GENERATE_S * 1000)
+            images = [page.locator(f"#{name}-image img") for name in ("eager", "accelerated")]
+            for image in images:
+                image.wait_for(timeout=GENERATE_S * 1000)
+                assert image.evaluate("img => img.complete && img.naturalWidth") == 128
+                assert image.evaluate("img => img.naturalHeight") == 96
+            text = report.inner_text()
+            assert "latency" in text and "speed-up" in text.lower() and "not meaningful" in text
+            assert "z-image, 128x96, 8 steps" in text
+            assert "captures" in text and "graph memory" in text
+            assert " s" in text.split("latency", 1)[1].splitlines()[0]  # both latencies are printed in seconds
+            ARTIFACTS.mkdir(exist_ok=True)
+            page.screenshot(path=str(ARTIFACTS / "demo.png"), full_page=True)
+
+            # a bad resolution: a short message on the page, no traceback, and the server goes on serving
+            page.locator("#resolution input").fill("500x512")
+            page.locator("#resolution input").press("Enter")
+            page.locator("#generate").click()
+            page.get_by_text("width 500 is not a multiple of 16").wait_for(timeout=GENERATE_S * 1000)
+            assert "Traceback" not in page.content()
+        finally:
+            browser.close()
+    assert not external, f"the page reached outside localhost: {external}"
