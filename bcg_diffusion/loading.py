@@ -9,12 +9,11 @@ download: their tokenizer is built in code too (see ``_offline_tokenizer``).
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import logging
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
@@ -22,6 +21,7 @@ from typing import Any
 
 import diffusers
 import torch
+from accelerate import init_empty_weights
 from diffusers import (
     AutoencoderKL,
     AutoencoderKLQwenImage,
@@ -153,7 +153,10 @@ def build_pipeline(
     recipe = (_qwen_image_recipe if pipeline == "qwen-image" else _z_image_recipe)(full, tokenizer, num_layers)
     models = {}
     for name in ("transformer", "vae", "text_encoder"):
-        with _parameters_on_meta():
+        # accelerate's init_empty_weights puts every parameter on the meta device as it is registered (not
+        # thread-safe: it patches nn.Module.register_parameter for the duration); buffers and plain tensor
+        # attributes (RoPE tables) are computed on the CPU exactly as in a normal construction.
+        with init_empty_weights(include_buffers=False):
             model = getattr(recipe, name)()
         _materialise(model, name, device, dtype, seed)
         models[name] = model.eval()
@@ -425,28 +428,6 @@ def _z_image_recipe(full: bool, tokenizer: PreTrainedTokenizerBase, num_layers: 
 
 def _tiny_vocab_size(tokenizer: PreTrainedTokenizerBase) -> int:
     return -(-len(tokenizer) // _TINY_VOCAB_MULTIPLE) * _TINY_VOCAB_MULTIPLE
-
-
-@contextlib.contextmanager
-def _parameters_on_meta() -> Iterator[None]:
-    """Put every ``nn.Parameter`` registered inside on the meta device; buffers and plain tensors stay as built.
-
-    Initialisers then run on meta for free, and a 20B-parameter model costs no memory until ``_materialise``.
-    Buffers and plain tensor attributes (RoPE tables) are computed on the CPU exactly as in a normal construction.
-    Not thread-safe: it patches ``nn.Module.register_parameter`` for the duration.
-    """
-    register = nn.Module.register_parameter
-
-    def register_on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
-        if param is not None and param.device.type != "meta":
-            param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
-        register(module, name, param)
-
-    nn.Module.register_parameter = register_on_meta
-    try:
-        yield
-    finally:
-        nn.Module.register_parameter = register
 
 
 def _materialise(model: nn.Module, prefix: str, device: torch.device, dtype: torch.dtype, seed: int) -> None:
