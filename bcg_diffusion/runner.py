@@ -12,6 +12,7 @@ not retried. Errors the eager callable itself raises (bad shapes...) propagate u
 from __future__ import annotations
 
 import logging
+import re
 import threading
 import time
 import warnings
@@ -23,7 +24,7 @@ import torch
 
 from . import graphs
 from .graphs import BreakableGraph, BreakResultMismatch, GraphPool, capture_breakable
-from .tree import UnsupportedValue, describe, flatten, unflatten
+from .tree import UnsupportedValue, describe, differences, flatten, unflatten
 
 __all__ = ["BCGWarning", "GraphRunner", "RunnerCounters", "SignatureRecord"]
 
@@ -206,6 +207,7 @@ class GraphRunner:
         record = SignatureRecord(
             component=self.name, signature=describe(spec), status="debug" if self.debug else "captured"
         )
+        self._log_miss(key, spec)
         entry = _Entry(record=record, static_inputs=[])
         self._entries[key] = entry
         if not self.debug:
@@ -244,6 +246,36 @@ class GraphRunner:
             record.memory_bytes / 2**20,
         )
         return self._cloned_outputs(entry)
+
+    def _log_miss(self, key: Hashable, spec: Hashable) -> None:
+        """Say what is new about this signature, against the nearest one already captured."""
+        if not self._entries:
+            return
+        candidates = []
+        for other_key in self._entries:
+            other_spec, other_state = other_key if self.state_key is not None else (other_key, None)
+            found = differences(other_spec, spec)
+            if self.state_key is not None and other_state != key[1]:
+                found.append(f"component state: {other_state!r} -> {key[1]!r}")
+            candidates.append(found)
+        # Specs are of (args, kwargs): "0.2.x" is positional argument 2, "1.mask" the keyword "mask".
+        renames = (
+            (r"^0\.(\d+)", r"arg \1"),
+            (r"^0:", "positional arguments:"),
+            (r"^1:", "keyword arguments:"),
+            (r"^1\.", ""),
+        )
+        nearest = []
+        for line in min(candidates, key=len):
+            for pattern, replacement in renames:
+                line = re.sub(pattern, replacement, line)
+            nearest.append(line)
+        logger.info(
+            "%s: new signature #%d; the nearest captured one differs in: %s",
+            self.name,
+            len(self._entries) + 1,
+            "; ".join(nearest[:4]) + (f" (+{len(nearest) - 4} more)" if len(nearest) > 4 else ""),
+        )
 
     def _capture_debug(self, entry: _Entry, args: tuple, kwargs: dict) -> None:
         outputs, output_spec = flatten(self.fn(*args, **kwargs))

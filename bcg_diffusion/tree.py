@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["UnsupportedValue", "flatten", "unflatten", "describe"]
+__all__ = ["UnsupportedValue", "describe", "differences", "flatten", "unflatten"]
 
 _CONSTANT_TYPES = (bool, int, float, str, bytes, complex, type(None), torch.dtype, torch.device)
 
@@ -134,3 +134,55 @@ def describe(spec: Hashable, limit: int = 400) -> str:
 
     text = render(spec)
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _tensor_text(node: Any) -> str:
+    return f"{str(node[3]).removeprefix('torch.')}[{'x'.join(str(s) for s in node[1])}] on {node[4]}"
+
+
+def differences(old: Hashable, new: Hashable, path: str = "") -> list[str]:
+    """Where two specs differ, as short ``path: old -> new`` lines (empty when equal).
+
+    >>> import torch
+    >>> a = flatten({"x": torch.zeros(1, 11)})[1]
+    >>> b = flatten({"x": torch.zeros(1, 20)})[1]
+    >>> differences(a, b)
+    ['x: float32[1x11] on cpu -> float32[1x20] on cpu']
+    """
+    if old == new:
+        return []
+    label = path or "value"
+    if old[0] != new[0]:
+        return [f"{label}: {describe(old, 60)} -> {describe(new, 60)}"]
+    tag = old[0]
+    if tag == _TENSOR:
+        if (old[1], old[3], old[4]) == (new[1], new[3], new[4]):
+            if old[2] != new[2]:
+                return [f"{label}: strides {old[2]} -> {new[2]}"]
+            return [f"{label}: requires_grad {old[5]} -> {new[5]}"]
+        return [f"{label}: {_tensor_text(old)} -> {_tensor_text(new)}"]
+    if tag == _CONST:
+        return [f"{label}: {old[2]!r} -> {new[2]!r}"]
+    children_old, children_new, names = _children(old), _children(new), _child_names(old)
+    if len(children_old) != len(children_new) or _child_names(new) != names:
+        return [f"{label}: {describe(old, 60)} -> {describe(new, 60)}"]
+    lines = []
+    for name, child_old, child_new in zip(names, children_old, children_new):
+        lines += differences(child_old, child_new, f"{path}.{name}" if path else str(name))
+    return lines
+
+
+def _children(node: Any) -> tuple:
+    tag = node[0]
+    if tag == _LIST:
+        return node[1]
+    if tag == _TUPLE:
+        return node[2]
+    return node[3]  # dict and output dataclass
+
+
+def _child_names(node: Any) -> tuple:
+    tag = node[0]
+    if tag in (_LIST, _TUPLE):
+        return tuple(str(i) for i in range(len(_children(node))))
+    return tuple(str(k) for k in node[2])

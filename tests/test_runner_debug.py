@@ -145,3 +145,14 @@ def test_zero_dim_and_empty_tensors():
         scalar, empty = runner(torch.tensor(4.0), torch.empty(0, 3))
     assert scalar.item() == 8.0 and empty.shape == (0, 3)
     assert runner.counters.replays == 1
+
+
+def test_a_new_signature_is_explained(caplog):
+    runner = make_runner(lambda x, mask=None: x if mask is None else x * mask)
+    with torch.no_grad(), caplog.at_level("INFO", logger="bcg_diffusion.runner"):
+        runner(torch.zeros(1, 11))
+        runner(torch.zeros(1, 20), mask=torch.ones(1, 20))
+    lines = [r.getMessage() for r in caplog.records if "new signature" in r.getMessage()]
+    assert len(lines) == 1
+    assert "arg 0: float32[1x11] on cpu -> float32[1x20] on cpu" in lines[0]
+    assert "keyword arguments: {} -> {mask: float32[1x20]}" in lines[0]

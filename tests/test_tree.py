@@ -8,7 +8,7 @@ import pytest
 import torch
 from diffusers.models.modeling_outputs import Transformer2DModelOutput
 
-from bcg_diffusion.tree import UnsupportedValue, describe, flatten, unflatten
+from bcg_diffusion.tree import UnsupportedValue, describe, differences, flatten, unflatten
 
 
 def test_roundtrip_nested_containers():
@@ -58,3 +58,14 @@ def test_describe_is_short_and_readable():
     text = describe(spec_of(torch.zeros(1, 4096, 64), None, [[(1, 64, 64)]]))
     assert "float32[1x4096x64]" in text and "None" in text
     assert len(describe(spec_of(*[torch.zeros(3)] * 200), limit=80)) <= 80
+
+
+def test_differences_name_what_changed():
+    base = spec_of(torch.zeros(1, 11, 8), mask=None, img_shapes=[[(1, 32, 32)]], scale=1.0)
+    assert differences(base, base) == []
+    other = spec_of(torch.zeros(1, 20, 8), mask=torch.ones(1, 20), img_shapes=[[(1, 32, 48)]], scale=1.0)
+    lines = differences(base, other)
+    assert any(line.startswith("0.0: float32[1x11x8]") for line in lines)
+    assert any(line.startswith("1.mask: None -> float32[1x20]") for line in lines)
+    assert any("img_shapes.0.0.2: 32 -> 48" in line for line in lines)
+    assert len(lines) == 3
