@@ -249,7 +249,7 @@ class GraphRunner:
 
     def _log_miss(self, key: Hashable, spec: Hashable) -> None:
         """Say what is new about this signature, against the nearest one already captured."""
-        if not self._entries:
+        if not self._entries or not logger.isEnabledFor(logging.INFO):
             return
         candidates = []
         for other_key in self._entries:
