@@ -74,3 +74,31 @@ def test_graphs_equal_eager_bytes(pipeline):
         restore(pipe)
     assert "forward" not in pipe.transformer.__dict__
     assert torch.equal(_run(pipe, name, calls[0]), expected[calls[0]])
+
+
+def test_lora_changes_recapture_and_follow_the_lora():
+    """After a LoRA is added or re-weighted, the replayed image equals eager *with* the LoRA."""
+    peft = pytest.importorskip("peft")
+    from bcg_diffusion import eager
+
+    pipe = build_pipeline("qwen-image", "tiny", device="cuda", dtype=torch.bfloat16)
+    pipe.set_progress_bar_config(disable=True)
+    call = ("no_cfg", 64, 64, "pt")
+    accelerate(pipe)
+    try:
+        plain = _run(pipe, "qwen-image", call)
+        config = peft.LoraConfig(r=2, lora_alpha=2, target_modules=["to_q", "to_k", "to_v"], init_lora_weights=False)
+        pipe.transformer.add_adapter(config, adapter_name="style")
+        with_lora = _run(pipe, "qwen-image", call)
+        with eager(pipe):
+            expected = _run(pipe, "qwen-image", call)
+        assert torch.equal(with_lora, expected) and not torch.equal(with_lora, plain)
+        pipe.transformer.set_adapters(["style"], weights=[0.5])
+        half = _run(pipe, "qwen-image", call)
+        with eager(pipe):
+            assert torch.equal(half, _run(pipe, "qwen-image", call))
+        report = stats(pipe)
+        assert report["invalidations"] >= 2 and report["eager_fallbacks"] == 0
+        assert all(s["status"] == "captured" for s in report["signatures"])
+    finally:
+        restore(pipe)
