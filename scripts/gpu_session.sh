@@ -9,12 +9,13 @@
 #
 # Phases:
 #   tests       core + reliability + tiny-pipeline GPU tests, then full-size Qwen-Image and Z-Image equality
-#   bench-z     python -m bench --preset issue3 --pipeline z-image (all modes, --profile)
-#   bench-qwen  python -m bench --preset issue3 --pipeline qwen-image (all modes)
-#   issue2      python -m bench --preset issue2 --modes eager,bcg --profile
+#   bench-z          Z-Image-Turbo 512² and 1024², 8 steps, no CFG: all four modes, with the loop profile
+#   bench-qwen-512   Qwen-Image 512², 50 steps, true CFG 4: all four modes
+#   bench-qwen-1024  Qwen-Image 1024², 20 steps, true CFG 4: all four modes
+#   issue2           python -m bench --preset issue2 --modes eager,bcg --profile
 # Everything it writes is under $OUT (logs, results.json/.md/.png); copy it to bench/results/<date>-h200/.
 set -uo pipefail
-phase=${1:?usage: scripts/gpu_session.sh tests|bench-z|bench-qwen|issue2}
+phase=${1:?usage: scripts/gpu_session.sh tests|bench-z|bench-qwen-512|bench-qwen-1024|issue2}
 out=${OUT:-/tmp/bcg-out}
 mkdir -p "$out"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -30,12 +31,15 @@ case "$phase" in
       tests/test_pipelines_cuda.py 2>&1 | tee "$out/pytest-cuda-random-full.log" | grep -v "^INFO" | tail -15
     ;;
   bench-z)
-    timeout 560 python3 -m bench --preset issue3 --pipeline z-image --weights random-full --profile --no-progress \
-      --out "$out/bench-z-image" 2>&1 | tee "$out/bench-z-image.log" | tail -40
+    timeout 560 python3 -m bench --pipeline z-image --weights random-full --resolutions 512x512,1024x1024 \
+      --steps 8 --guidance 0 --profile --no-progress --out "$out/bench-z-image" 2>&1 | tee "$out/bench-z-image.log" | tail -40
     ;;
-  bench-qwen)
-    timeout 570 python3 -m bench --preset issue3 --pipeline qwen-image --weights random-full --runs 3 --no-progress \
-      --out "$out/bench-qwen-image" 2>&1 | tee "$out/bench-qwen-image.log" | tail -40
+  bench-qwen-512|bench-qwen-1024)
+    size=${phase#bench-qwen-}
+    steps=$([ "$size" = 512 ] && echo 50 || echo 20)
+    timeout 570 python3 -m bench --pipeline qwen-image --weights random-full --resolutions "${size}x${size}" \
+      --steps "$steps" --guidance 4 --no-progress --out "$out/bench-qwen-image-$size" 2>&1 \
+      | tee "$out/bench-qwen-image-$size.log" | tail -40
     ;;
   issue2)
     timeout 570 python3 -m bench --preset issue2 --weights random-full --modes eager,bcg --runs 3 --profile \
