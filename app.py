@@ -60,7 +60,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     parser.add_argument("--port", type=int, default=7860, help="port (default: 7860)")
     parser.add_argument("--share", action="store_true", help="also open a public Gradio link (needs the internet)")
+    parser.add_argument(
+        "--record",
+        metavar="DIR",
+        help="no page: generate side by side twice with the one --pipeline's defaults and save the second "
+        "(replayed) result to DIR, e.g. on a GPU machine without a browser",
+    )
+    parser.add_argument(
+        "--replay", metavar="DIR", help="serve the page for a result saved with --record (nothing is recomputed)"
+    )
     args = parser.parse_args(argv)
+    if args.record and args.replay:
+        parser.error("--record and --replay exclude each other")
+    if args.record and args.pipeline is not None and len(args.pipeline) > 1:
+        parser.error("--record takes a single --pipeline")
     if args.pipeline is None:
         if args.weights not in RANDOM_WEIGHTS:
             parser.error(f"--weights {args.weights!r} is a checkpoint: say which pipeline it is with --pipeline")
@@ -72,7 +85,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def build_ui(backend: Any, warmup_status: Any, default_pipeline: str) -> Any:
+def build_ui(backend: Any, warmup_status: Any, default_pipeline: str, banner: str = "") -> Any:
     """The page: settings on the left, the two images and the report on the right, warm-up status on top."""
     import gradio as gr
 
@@ -90,11 +103,13 @@ def build_ui(backend: Any, warmup_status: Any, default_pipeline: str) -> Any:
             "## bcg-diffusion: eager vs breakable CUDA graphs\n"
             f"Weights `{backend.weights}` on `{backend.device}` ({graphs_note}). Both images come from the same "
             "pipeline object and seed; the accelerated one should be byte-identical to the eager one."
+            + (f"\n\n{banner}" if banner else "")
         )
         status = gr.Markdown(warmup_status.markdown(), elem_id="warmup-status")
         with gr.Row():
             with gr.Column(scale=1, min_width=320):
-                prompt = gr.Textbox(label="Prompt", value=demo.DEFAULT_PROMPT, lines=3, elem_id="prompt")
+                prompt_value = getattr(backend, "default_prompt", demo.DEFAULT_PROMPT)
+                prompt = gr.Textbox(label="Prompt", value=prompt_value, lines=3, elem_id="prompt")
                 negative = gr.Textbox(label="Negative prompt (used with CFG)", value="", elem_id="negative-prompt")
                 pipeline = gr.Radio(
                     list(backend.pipelines), value=default_pipeline, label="Pipeline", elem_id="pipeline"
@@ -175,6 +190,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.device is not None and args.device.startswith("cuda") and not torch.cuda.is_available():
         print(f"app.py: --device {args.device}, but this torch sees no CUDA GPU", file=sys.stderr)
         return 2
+    if args.replay:
+        return serve_replay(args)
     dtype = getattr(torch, args.dtype) if args.dtype else None
     try:
         backend = demo.DemoBackend(args.weights, args.device, pipelines=args.pipeline, dtype=dtype)
@@ -187,6 +204,19 @@ def main(argv: list[str] | None = None) -> int:
         )
 
     default_pipeline = args.pipeline[0]
+    if args.record:
+        from pathlib import Path
+
+        from bcg_diffusion.demo_record import record
+
+        try:
+            result = record(backend, default_pipeline, Path(args.record))
+        except demo.DemoError as exc:
+            print(f"app.py: --record: {exc}", file=sys.stderr)
+            return 1
+        print(result.report_markdown())
+        print(f"app.py: recorded to {args.record}; show it with: python app.py --replay {args.record}")
+        return 0
     defaults = backend.defaults(default_pipeline)
     if args.warmup is None:
         resolutions = [defaults.resolution]
@@ -204,6 +234,28 @@ def main(argv: list[str] | None = None) -> int:
     else:
         warmup_status = demo.WarmupStatus()
     page = build_ui(backend, warmup_status, default_pipeline)
+    page.queue(default_concurrency_limit=args.concurrency)
+    page.launch(server_name=args.host, server_port=args.port, share=args.share, show_error=False)
+    return 0
+
+
+def serve_replay(args: argparse.Namespace) -> int:
+    """Serve the page for a result saved with ``--record`` (see ``bcg_diffusion.demo_record``)."""
+    from bcg_diffusion import demo
+    from bcg_diffusion.demo_record import RecordedBackend
+
+    try:
+        backend = RecordedBackend(args.replay)
+    except (FileNotFoundError, ValueError) as exc:
+        print(f"app.py: --replay: {exc}", file=sys.stderr)
+        return 2
+    env = backend.environment
+    banner = (
+        f"**Replay of a result recorded on {env.get('gpu') or backend.result.device}** ({env.get('date', '?')}, "
+        f"torch {env.get('torch', '?')}, diffusers {env.get('diffusers', '?')}): Generate shows that run's "
+        "images and numbers; nothing is recomputed here."
+    )
+    page = build_ui(backend, demo.WarmupStatus(), backend.pipelines[0], banner)
     page.queue(default_concurrency_limit=args.concurrency)
     page.launch(server_name=args.host, server_port=args.port, share=args.share, show_error=False)
     return 0

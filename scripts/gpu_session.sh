@@ -5,7 +5,7 @@
 #   echo /.whl/ >> .git/info/exclude
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #     --platform manylinux_2_28_x86_64 -d .whl diffusers==0.42.1 importlib_metadata peft gradio ...
-# Then, with the device tool (carry [".whl"]):  bash scripts/gpu_session.sh PHASE
+# Then, with the device tool (carry [".whl"]):  bash scripts/gpu_session.sh PHASE [PHASE ...]
 #
 # Phases:
 #   tests       core + reliability + tiny-pipeline GPU tests, then full-size Qwen-Image and Z-Image equality
@@ -13,9 +13,11 @@
 #   bench-qwen-512   Qwen-Image 512², 50 steps, true CFG 4: all four modes
 #   bench-qwen-1024  Qwen-Image 1024², 20 steps, true CFG 4: all four modes
 #   issue2           python -m bench --preset issue2 --modes eager,bcg --profile
+#   demo             app.py --record: one side-by-side demo generation with full-size random Z-Image, saved
+#                    for `python scripts/screenshot_replay.py DIR OUT.png` here (the GPU machine has no browser)
 # Everything it writes is under $OUT (logs, results.json/.md/.png); copy it to bench/results/<date>-h200/.
 set -uo pipefail
-phase=${1:?usage: scripts/gpu_session.sh tests|bench-z|bench-qwen-512|bench-qwen-1024|issue2}
+[ $# -gt 0 ] || { echo "usage: scripts/gpu_session.sh tests|bench-z|bench-qwen-512|bench-qwen-1024|issue2|demo ..." >&2; exit 2; }
 out=${OUT:-/tmp/bcg-out}
 mkdir -p "$out"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -23,6 +25,7 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/env.txt"
 python3 -c "import torch, diffusers, transformers; print('torch', torch.__version__, 'diffusers', diffusers.__version__, 'transformers', transformers.__version__)" | tee -a "$out/env.txt"
 
+for phase in "$@"; do
 case "$phase" in
   tests)
     timeout 200 python3 -m pytest -m cuda -q -rs -p no:cacheprovider --tb=short \
@@ -45,8 +48,13 @@ case "$phase" in
     timeout 570 python3 -m bench --preset issue2 --weights random-full --modes eager,bcg --runs 3 --profile \
       --no-progress --out "$out/bench-issue2" 2>&1 | tee "$out/bench-issue2.log" | tail -40
     ;;
+  demo)
+    timeout 300 python3 app.py --pipeline z-image --weights random-full --record "$out/demo-z-image" 2>&1 \
+      | tee "$out/demo-record.log" | tail -25
+    ;;
   *)
     echo "unknown phase $phase" >&2
     exit 2
     ;;
 esac
+done

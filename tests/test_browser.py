@@ -146,3 +146,28 @@ def test_generate_shows_both_images_the_timings_and_errors(server_url):
         finally:
             browser.close()
     assert not external, f"the page reached outside localhost: {external}"
+
+
+def test_replay_page_screenshot(tmp_path):
+    """Record a tiny generation, then screenshot the page replaying it (the H200 screenshot's path)."""
+    missing = _missing_browser()
+    if missing is not None:
+        if os.environ.get("BCG_REQUIRE_BROWSER") == "1":
+            pytest.fail(f"BCG_REQUIRE_BROWSER=1 but {missing}")
+        pytest.skip(missing)
+    recording = tmp_path / "recording"
+    command = [sys.executable, str(ROOT / "app.py"), "--weights", "tiny", "--device", "cpu", "--pipeline", "z-image"]
+    done = subprocess.run(
+        [*command, "--record", str(recording)], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    out = ARTIFACTS / "demo-replay.png"
+    shot = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "screenshot_replay.py"), str(recording), str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert shot.returncode == 0, shot.stderr[-2000:]
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
