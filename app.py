@@ -3,6 +3,8 @@
     python app.py                                            # tiny random pipelines; CPU unless a GPU is there
     python app.py --pipeline z-image --weights random-full   # full-size random weights (needs an NVIDIA GPU)
     python app.py --pipeline z-image --weights Tongyi-MAI/Z-Image-Turbo --port 7861 --share
+    python app.py --pipeline z-image --weights random-full --record DIR  # no page: save one generation
+    python app.py --replay DIR                                           # the page for that saved generation
 
 The logic lives in ``bcg_diffusion.demo``; this file parses options, lays out the page and wires it.
 """
