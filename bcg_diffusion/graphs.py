@@ -236,6 +236,12 @@ class _ExternalTensorTracker(TorchDispatchMode):
     reuse the memory and the graph would read garbage. It also notes every side stream an op ran on,
     so the capture can join them before a segment ends. Recording happens only while a segment is
     being captured; the cost is a Python call per op, paid at capture time only.
+
+    .. note::
+        ``torch.compile`` does not run compiled frames under a (non-infra) dispatch mode: with
+        ``fullgraph=True`` it raises "non-infra torch dispatch mode present", otherwise it silently runs
+        the frame eagerly (checked with torch 2.13). Capturing compiled regions therefore needs
+        ``track_external=False`` and another way to hold what they read.
     """
 
     def __init__(self, capture_stream: torch.cuda.Stream) -> None:
