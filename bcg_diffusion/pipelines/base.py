@@ -5,16 +5,19 @@ from __future__ import annotations
 from collections.abc import Callable, Hashable
 from typing import Any
 
+from diffusers.models.attention_dispatch import _AttentionBackendRegistry
+
 from ..patches import FunctionPatch
 
 __all__ = ["PipelineAdapter", "attention_backend_key", "vae_layout_key"]
 
 
 def attention_backend_key() -> Hashable:
-    """The globally active diffusers attention backend: changing it changes the kernels a forward runs."""
-    from diffusers.models.attention_dispatch import _AttentionBackendRegistry
+    """The globally active diffusers attention backend: changing it changes the kernels a forward runs.
 
-    return str(_AttentionBackendRegistry.get_active_backend()[0])
+    Called on every transformer call (it is part of the signature), so it returns the backend enum as is.
+    """
+    return _AttentionBackendRegistry.get_active_backend()[0]
 
 
 def vae_layout_key(vae: Any) -> Callable[[], Hashable]:
