@@ -137,23 +137,17 @@ def build_ui(backend: Any, warmup_status: Any, default_pipeline: str, banner: st
                 button = gr.Button("Generate", variant="primary", elem_id="generate")
             with gr.Column(scale=2):
                 with gr.Row():
-                    eager_image = gr.Image(
-                        label="Eager",
-                        type="pil",
-                        format="png",
-                        interactive=False,
-                        height=384,
-                        buttons=["download", "fullscreen"],
-                        elem_id="eager-image",
-                    )
-                    accelerated_image = gr.Image(
-                        label="Accelerated",
-                        type="pil",
-                        format="png",
-                        interactive=False,
-                        height=384,
-                        buttons=["download", "fullscreen"],
-                        elem_id="accelerated-image",
+                    eager_image, accelerated_image = (
+                        gr.Image(
+                            label=label,
+                            type="pil",
+                            format="png",
+                            interactive=False,
+                            height=384,
+                            buttons=["download", "fullscreen"],
+                            elem_id=f"{label.lower()}-image",
+                        )
+                        for label in ("Eager", "Accelerated")
                     )
                 report = gr.Markdown("Press **Generate**.", elem_id="report")
 
