@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -22,18 +21,12 @@ import pytest
 pytestmark = pytest.mark.browser
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "scripts"))
+import screenshot_replay  # noqa: E402 - the screenshot script and this test share the browser set-up
+
 ARTIFACTS = ROOT / "test-artifacts"
-CHROMIUM = Path("/usr/bin/chromium")
-CHROMIUM_ARGS = [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-]
+CHROMIUM = Path(screenshot_replay.CHROMIUM)
+CHROMIUM_ARGS = screenshot_replay.CHROMIUM_ARGS
 SERVER_START_S = 120
 GENERATE_S = 60
 PROMPT = "a lighthouse on a cliff at night"
@@ -49,10 +42,7 @@ def _missing_browser() -> str | None:
     return None
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
+_free_port = screenshot_replay._free_port
 
 
 def _log_tail(path: Path, lines: int = 40) -> str:
