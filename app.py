@@ -249,7 +249,8 @@ def serve_replay(args: argparse.Namespace) -> int:
     banner = (
         f"**Replay of a result recorded on {env.get('gpu') or backend.result.device}** ({env.get('date', '?')}, "
         f"torch {env.get('torch', '?')}, diffusers {env.get('diffusers', '?')}): Generate shows that run's "
-        "images and numbers; nothing is recomputed here."
+        "images and numbers; nothing is recomputed here. The recording is the second call at these settings: "
+        "the first one captured the graphs, so this one shows only replays."
     )
     page = build_ui(backend, demo.WarmupStatus(), backend.pipelines[0], banner)
     page.queue(default_concurrency_limit=args.concurrency)

@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from . import fast
 from .config import AccelerateConfig
 from .graphs import GraphPool
 from .hooks import MethodPatches, diffusers_hooks, serialise_calls, unserialise_calls, watch_component
@@ -42,6 +43,9 @@ class _PipelineState:
     runners: dict[str, GraphRunner] = field(default_factory=dict)
     patches_made: MethodPatches = field(default_factory=MethodPatches)
     patches: list[FunctionPatch] = field(default_factory=list)
+    compiled: fast.CompiledBlocks | None = None
+    scoped_patches: list[str] = field(default_factory=list)  # fast-mode patches applied to this model only
+    compiles_saved: int = 0  # state.compiled.compiles when the portable compile cache was last written
 
 
 def _check_pipeline(pipe: Any, caller: str) -> None:
@@ -101,7 +105,8 @@ def accelerate(pipe: P, config: AccelerateConfig | None = None, **options: Any) 
 
     Returns the same pipeline object, patched in place: every call then captures one graph per input
     signature (resolution, batch, text length, CFG mode) on first use and replays it afterwards, with
-    images byte-identical to eager in the default ``mode="exact"``.
+    images byte-identical to eager in the default ``mode="exact"``. ``mode="fast"`` also compiles the
+    transformer's repeated blocks with inductor and captures the compiled kernels (see :mod:`bcg_diffusion.fast`).
 
     Args:
         pipe: a diffusers pipeline with a ``transformer`` (Qwen-Image and Z-Image are tested; others
@@ -143,6 +148,8 @@ def accelerate(pipe: P, config: AccelerateConfig | None = None, **options: Any) 
     for patch in adapter.patches:
         if patch.apply():
             state.patches.append(patch)
+    if config.mode == "fast":
+        _compile_blocks(pipe, state)
     for component in config.components:
         method = adapter.targets.get(component)
         module = getattr(pipe, component, None)
@@ -156,6 +163,43 @@ def accelerate(pipe: P, config: AccelerateConfig | None = None, **options: Any) 
     serialise_calls(pipe, state.lock)
     object.__setattr__(pipe, _STATE_ATTR, state)
     return pipe
+
+
+def _compile_blocks(pipe: Any, state: _PipelineState) -> None:
+    """Fast mode: compile the transformer's repeated blocks (before its runner is installed, so that
+    warm-up compiles and captures record the compiled kernels). Without blocks to compile, the
+    pipeline keeps exact-mode graphs and says so."""
+    transformer = getattr(pipe, "transformer", None)
+    if state.config.compile_cache_dir is not None:
+        fast.use_compile_cache_dir(state.config.compile_cache_dir)
+    try:
+        if "transformer" not in state.config.components or not isinstance(transformer, torch.nn.Module):
+            raise ValueError("fast mode compiles the transformer, which is not among the accelerated components")
+        for patch in state.adapter.fast_patches:
+            try:
+                if patch.apply(transformer, state.patches_made):
+                    state.scoped_patches.append(patch.name)
+            except ValueError as exc:
+                warnings.warn(f"bcg-diffusion: fast-mode patch {patch.name} skipped: {exc}", BCGWarning, stacklevel=3)
+        state.compiled = fast.compile_repeated_blocks(transformer, state.patches_made)
+    except ValueError as exc:
+        warnings.warn(f"bcg-diffusion: mode='fast' falls back to exact-mode graphs: {exc}", BCGWarning, stacklevel=3)
+        return
+    logger.info("fast mode: compiling %d blocks of %s", len(state.compiled.names), type(transformer).__name__)
+
+
+def _save_compile_cache(state: _PipelineState) -> None:
+    """After a call that compiled something, keep a portable copy of the compile caches (fast mode)."""
+    compiled, directory = state.compiled, state.config.compile_cache_dir
+    if compiled is None or directory is None or compiled.compiles == state.compiles_saved:
+        return
+    state.compiles_saved = compiled.compiles
+    try:
+        fast.save_compile_cache(f"{directory}/{fast.ARTIFACTS_FILE}")
+    except OSError as exc:
+        warnings.warn(
+            f"bcg-diffusion: could not save the compile cache in {directory}: {exc}", BCGWarning, stacklevel=3
+        )
 
 
 def _install(state: _PipelineState, component: str, module: torch.nn.Module, method: str) -> None:
@@ -173,7 +217,10 @@ def _install(state: _PipelineState, component: str, module: torch.nn.Module, met
     )
 
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        return runner(*args, **kwargs)
+        result = runner(*args, **kwargs)
+        if state.compiled is not None:
+            _save_compile_cache(state)
+        return result
 
     functools.update_wrapper(wrapper, original)
     wrapper.__bcg_runner__ = runner  # type: ignore[attr-defined]
@@ -245,7 +292,8 @@ def stats(pipe: Any) -> dict[str, Any]:
     Keys: ``active`` (graphs in use), ``reason`` (why not), ``mode``, ``debug``, ``adapter``,
     ``captures``, ``replays``, ``eager_fallbacks``, ``invalidations`` (times the graphs were dropped
     because weights or settings changed), ``capture_seconds``, ``graph_memory_bytes`` (the
-    shared pool's size now), ``signatures`` (one dict per captured signature: component, signature,
+    shared pool's size now), ``compiled_blocks`` and ``compiles`` (fast mode: blocks compiled, and
+    dynamo compiles inside them, first compiles and recompiles; 0 in exact mode), ``signatures`` (one dict per captured signature: component, signature,
     status, reason, segments, breaks, memory_bytes, capture_seconds, replays), ``components``
     (counters per component) and ``patches``.
 
@@ -269,7 +317,9 @@ def stats(pipe: Any) -> dict[str, Any]:
         "invalidations": sum(c["invalidations"] for c in components.values()),
         "capture_seconds": sum(c["capture_seconds"] for c in components.values()),
         "graph_memory_bytes": pool_bytes,
+        "compiled_blocks": len(state.compiled.names) if state.compiled is not None else 0,
+        "compiles": state.compiled.compiles if state.compiled is not None else 0,
         "signatures": signatures,
         "components": components,
-        "patches": [patch.name for patch in state.patches],
+        "patches": [patch.name for patch in state.patches] + state.scoped_patches,
     }

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, fields
 from typing import Any
 
 __all__ = ["AccelerateConfig"]
 
-_MODES = ("exact",)
+_MODES = ("exact", "fast")
 _CAPTURE_ERROR_MODES = ("global", "thread_local", "relaxed")
 _KNOWN_COMPONENTS = ("transformer", "vae")
 
@@ -18,6 +19,10 @@ class AccelerateConfig:
 
     Attributes:
         mode: ``"exact"``: replayed graphs of the eager kernels, byte-identical to eager.
+            ``"fast"``: the transformer's repeated blocks are compiled by inductor (no CUDA graphs of
+            its own) and the whole forward, compiled blocks included, is captured as breakable graphs.
+            Byte-identical to the same compiled blocks run without graphs (``with eager(pipe):``), not
+            to eager: compiled kernels round differently (see the README for measured differences).
         debug: run the whole runner path (signatures, static buffers, copies, output clones,
             counters) eagerly, without CUDA graphs. Works on CPU; tells a capture bug from a model bug.
         components: which pipeline components to run as graphs: ``"transformer"`` (its forward)
@@ -28,6 +33,10 @@ class AccelerateConfig:
             lets other threads keep using CUDA while one captures; ``"global"`` is strictest.
         track_external_tensors: keep alive every tensor created outside a capture that the graph
             reads (see :mod:`bcg_diffusion.graphs`). Turn off only if you hold them yourself.
+        compile_cache_dir: ``mode="fast"`` only: where PyTorch keeps its compile caches (inductor, AOT
+            autograd, Triton; it sets ``TORCHINDUCTOR_CACHE_DIR`` for the process) and where we keep a
+            portable copy of them, so a later process (on this or another machine) starts warm. None:
+            PyTorch's default directory, which already makes later processes on this machine warm.
     """
 
     mode: str = "exact"
@@ -36,6 +45,7 @@ class AccelerateConfig:
     warmup_runs: int = 2
     capture_error_mode: str = "thread_local"
     track_external_tensors: bool = True
+    compile_cache_dir: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.mode, str) or self.mode not in _MODES:
@@ -58,6 +68,12 @@ class AccelerateConfig:
             raise TypeError(f"warmup_runs must be an int, got {type(self.warmup_runs).__name__}")
         if not 1 <= self.warmup_runs <= 10:
             raise ValueError(f"warmup_runs must be between 1 and 10, got {self.warmup_runs}")
+        if self.compile_cache_dir is not None:
+            if not isinstance(self.compile_cache_dir, (str, os.PathLike)):
+                raise TypeError(f"compile_cache_dir must be a path, got {type(self.compile_cache_dir).__name__}")
+            if self.mode != "fast":
+                raise ValueError("compile_cache_dir applies to mode='fast' only (exact mode compiles nothing)")
+            object.__setattr__(self, "compile_cache_dir", os.fspath(self.compile_cache_dir))
         if self.capture_error_mode not in _CAPTURE_ERROR_MODES:
             raise ValueError(
                 f"capture_error_mode must be one of {_CAPTURE_ERROR_MODES}, got {self.capture_error_mode!r}"

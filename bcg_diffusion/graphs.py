@@ -53,7 +53,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
 from torch.utils._pytree import tree_leaves
 
 from .tree import flatten, unflatten
@@ -62,6 +62,7 @@ __all__ = [
     "BreakResultMismatch",
     "BreakableGraph",
     "GraphPool",
+    "call_untracked",
     "capture_breakable",
     "eager_break",
     "is_capturing",
@@ -240,8 +241,9 @@ class _ExternalTensorTracker(TorchDispatchMode):
     .. note::
         ``torch.compile`` does not run compiled frames under a (non-infra) dispatch mode: with
         ``fullgraph=True`` it raises "non-infra torch dispatch mode present", otherwise it silently runs
-        the frame eagerly (checked with torch 2.13). Capturing compiled regions therefore needs
-        ``track_external=False`` and another way to hold what they read.
+        the frame eagerly (checked with torch 2.13). Compiled regions are therefore called through
+        :func:`call_untracked`, which records their tensor arguments and results at the boundary and
+        pauses the tracker inside.
     """
 
     def __init__(self, capture_stream: torch.cuda.Stream) -> None:
@@ -256,20 +258,58 @@ class _ExternalTensorTracker(TorchDispatchMode):
         kwargs = kwargs or {}
         if not self.recording:
             return func(*args, **kwargs)
-        stream = torch.cuda.current_stream()
-        if stream != self.capture_stream:
-            self.side_streams.add(stream)
-        for value in tree_leaves((args, kwargs)):
+        self.note_reads((args, kwargs))
+        out = func(*args, **kwargs)
+        self.note_produced(out)
+        return out
+
+    def note_reads(self, tree: Any) -> None:
+        """Keep the storages of the CUDA tensors in ``tree`` that the capture did not create; note the stream."""
+        stream_noted = False
+        for value in tree_leaves(tree):
             if isinstance(value, torch.Tensor) and value.device.type == "cuda":
+                if not stream_noted:
+                    stream = torch.cuda.current_stream()
+                    if stream != self.capture_stream:
+                        self.side_streams.add(stream)
+                    stream_noted = True
                 storage = value.untyped_storage()
                 pointer = storage.data_ptr()
                 if pointer and pointer not in self.produced and pointer not in self.kept:
                     self.kept[pointer] = storage
-        out = func(*args, **kwargs)
-        for value in tree_leaves(out):
+
+    def note_produced(self, tree: Any) -> None:
+        """Mark the CUDA tensors in ``tree`` as created by the capture (they live in its pool)."""
+        for value in tree_leaves(tree):
             if isinstance(value, torch.Tensor) and value.device.type == "cuda":
                 self.produced.add(value.untyped_storage().data_ptr())
-        return out
+
+
+def call_untracked(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """Call ``fn(*args, **kwargs)`` with the capture's external-tensor tracker paused.
+
+    For compiled regions, which ``torch.compile`` will not run under a dispatch mode. Outside a
+    capture, or when the tracker is off, it is a plain call. During a capture the tracker first keeps
+    ``fn``'s tensor arguments that the capture did not create (as it would for any op), marks ``fn``'s
+    tensor results as created by the capture, and is paused only in between. Needs: ``fn`` reads no
+    CUDA tensor from outside the capture except its arguments and what its owner holds for the
+    graph's whole life (a module's parameters and buffers, a compiled function's constants).
+    """
+    capture = _ACTIVE.get()
+    tracker = capture.tracker if capture is not None else None
+    if tracker is None or not tracker.recording:
+        return fn(*args, **kwargs)
+    if _get_current_dispatch_mode() is not tracker:
+        # Another mode sits above ours; popping ours would pop it instead. Let fn run under both.
+        return fn(*args, **kwargs)
+    tracker.note_reads((args, kwargs))
+    tracker.__exit__(None, None, None)
+    try:
+        result = fn(*args, **kwargs)
+    finally:
+        tracker.__enter__()
+    tracker.note_produced(result)
+    return result
 
 
 class _BreakableCapture:

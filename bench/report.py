@@ -38,6 +38,8 @@ def markdown(record: dict[str, Any]) -> str:
             same = (
                 "yes (md5)" if mode["identical"] else f"no: PSNR {mode['psnr_db']:.1f} dB, max {mode['max_abs']:.3g}"
             )
+            if "identical_to_reference" in mode:
+                same += f"; same as {mode['reference']}: {'yes' if mode['identical_to_reference'] else '**no**'}"
             speedup = mode.get("speedup")
             out.append(
                 f"| {name} | {latency['median']:.3f} | {latency['min']:.3f} / {latency['max']:.3f} | "
@@ -64,9 +66,10 @@ def verdict(case: dict[str, Any]) -> str:
         return "No mode completed."
     fastest = min(timed, key=timed.get)
     text = f"Fastest: **{fastest}** ({timed[fastest]:.3f} s)."
-    if "bcg" in timed and fastest != "bcg":
-        margin = (timed["bcg"] / timed[fastest] - 1) * 100
-        text += f" {fastest} beats bcg by {margin:.0f}%."
+    for ours in ("bcg", "fast"):
+        if ours in timed and fastest != ours:
+            margin = (timed[ours] / timed[fastest] - 1) * 100
+            text += f" {fastest} beats {ours} by {margin:.0f}%."
     return text
 
 

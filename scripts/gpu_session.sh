@@ -8,16 +8,20 @@
 # Then, with the device tool (carry [".whl"]):  bash scripts/gpu_session.sh PHASE [PHASE ...]
 #
 # Phases:
-#   tests       core + reliability + tiny-pipeline GPU tests, then full-size Qwen-Image and Z-Image equality
-#   bench-z          Z-Image-Turbo 512² and 1024², 8 steps, no CFG: all four modes, with the loop profile
-#   bench-qwen-512   Qwen-Image 512², 50 steps, true CFG 4: all four modes
-#   bench-qwen-1024  Qwen-Image 1024², 20 steps, true CFG 4: all four modes
+#   tests       core + reliability + tiny-pipeline GPU tests (incl. LoRA re-capture)
+#   tests-full  full-size (random-weight) Qwen-Image and Z-Image equality with eager
+#   tests-fast  fast mode (compiled blocks in graphs) against its compiled reference, tiny pipelines
+#   bench-z          Z-Image-Turbo 512² and 1024², 8 steps, no CFG: every mode, with the loop profile
+#   warm-start-z     fast mode's cold / warm / portable-cache start in fresh processes, Z-Image 512²
+#   bench-qwen       Qwen-Image 512² and 1024², 10 steps, true CFG 4: every mode
+#   bench-qwen-512   Qwen-Image 512², 50 steps, true CFG 4: every mode
+#   bench-qwen-1024  Qwen-Image 1024², 20 steps, true CFG 4: every mode
 #   issue2           python -m bench --preset issue2 --modes eager,bcg --profile
 #   demo             app.py --record: one side-by-side demo generation with full-size random Z-Image, saved
 #                    for `python scripts/screenshot_replay.py DIR OUT.png` here (the GPU machine has no browser)
 # Everything it writes is under $OUT (logs, results.json/.md/.png); copy it to bench/results/<date>-h200/.
 set -uo pipefail
-[ $# -gt 0 ] || { echo "usage: scripts/gpu_session.sh tests|bench-z|bench-qwen-512|bench-qwen-1024|issue2|demo ..." >&2; exit 2; }
+[ $# -gt 0 ] || { echo "usage: scripts/gpu_session.sh tests|tests-full|tests-fast|bench-z|warm-start-z|bench-qwen|bench-qwen-512|bench-qwen-1024|issue2|demo ..." >&2; exit 2; }
 out=${OUT:-/tmp/bcg-out}
 mkdir -p "$out"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -30,11 +34,26 @@ case "$phase" in
   tests)
     timeout 200 python3 -m pytest -m cuda -q -rs -p no:cacheprovider --tb=short \
       tests/test_graphs_cuda.py tests/test_reliability_cuda.py tests/test_pipelines_cuda.py 2>&1 | tee "$out/pytest-cuda-tiny.log" | tail -15
+    ;;
+  tests-fast)
+    timeout 120 python3 -m pytest -q -rs -p no:cacheprovider --tb=short tests/test_fast_cuda.py 2>&1 \
+      | tee "$out/pytest-fast-tiny.log" | tail -15
+    ;;
+  warm-start-z)
+    timeout 150 python3 -m bench.warm_start --pipeline z-image --weights random-full --out "$out/warm-start-z-image" \
+      2>&1 | tee "$out/warm-start-z-image.log" | tail -40
+    ;;
+  bench-qwen)
+    timeout 580 python3 -m bench --pipeline qwen-image --weights random-full --resolutions 512x512,1024x1024 \
+      --steps 10 --guidance 4 --warmup 0 --no-progress --out "$out/bench-qwen-image" 2>&1 \
+      | tee "$out/bench-qwen-image.log" | tail -40
+    ;;
+  tests-full)
     BCG_TEST_WEIGHTS=random-full timeout 330 python3 -m pytest -q -s -p no:cacheprovider --tb=short \
       tests/test_pipelines_cuda.py 2>&1 | tee "$out/pytest-cuda-random-full.log" | grep -v "^INFO" | tail -15
     ;;
   bench-z)
-    timeout 560 python3 -m bench --pipeline z-image --weights random-full --resolutions 512x512,1024x1024 \
+    timeout "${BENCH_Z_TIMEOUT:-560}" python3 -m bench --pipeline z-image --weights random-full --resolutions 512x512,1024x1024 \
       --steps 8 --guidance 0 --profile --no-progress --out "$out/bench-z-image" 2>&1 | tee "$out/bench-z-image.log" | tail -40
     ;;
   bench-qwen-512|bench-qwen-1024)

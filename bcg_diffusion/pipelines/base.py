@@ -8,6 +8,7 @@ from typing import Any
 from diffusers.models.attention_dispatch import _AttentionBackendRegistry
 
 from ..patches import FunctionPatch
+from ..patches.scoped import ProcessorGlobalsPatch
 
 __all__ = ["PipelineAdapter", "attention_backend_key", "vae_layout_key"]
 
@@ -35,7 +36,7 @@ class PipelineAdapter:
     Subclasses set ``name``, ``class_prefixes`` (pipeline class names they serve, matched as prefixes
     along the MRO) and ``tested_classes``, and add ``patches`` where a graph-hostile op has an exact
     device-side equivalent. Scheduler steps, CFG arithmetic and pipeline Python stay eager: only the
-    methods named in ``targets`` are replaced.
+    methods named in ``targets`` are replaced. ``fast_patches`` apply in fast mode only.
     """
 
     name: str = "generic"
@@ -43,6 +44,8 @@ class PipelineAdapter:
     tested_classes: tuple[str, ...] = ()
     targets: dict[str, str] = {"transformer": "forward", "vae": "decode"}
     patches: tuple[FunctionPatch, ...] = ()
+    # Fast mode only: patches that compile better but round differently, scoped to the accelerated model.
+    fast_patches: tuple[ProcessorGlobalsPatch, ...] = ()
 
     def matches(self, pipe: Any) -> bool:
         return (

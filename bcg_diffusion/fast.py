@@ -1,0 +1,179 @@
+"""Fast mode: the transformer's repeated blocks compiled by inductor, then captured as breakable graphs.
+
+Graphs remove launch gaps but replay the eager kernels; ``torch.compile`` fuses kernels but, in its
+``reduce-overhead`` mode, records its own CUDA graphs per shape after a long warm-up. Fast mode takes
+the fused kernels from inductor's default mode (no CUDA graphs of its own) for each block listed in the
+model's ``_repeated_blocks`` (one compiled graph serves every block of a class, as in diffusers'
+``compile_repeated_blocks``), and our runner captures the whole forward around them.
+
+What makes the two fit:
+
+* compiled code will not run under the capture's dispatch mode, so every block goes through
+  :func:`~bcg_diffusion.graphs.call_untracked`;
+* the runner's warm-up calls compile (and re-compile for a new shape) before any capture, so no
+  compilation, autotuning or module loading happens while a stream is capturing;
+* dynamo's automatic dynamic shapes make the second shape it sees symbolic, so new resolutions and
+  text lengths reuse one compiled graph instead of recompiling each time. Every dynamo compile inside
+  the blocks is counted (``stats(pipe)["compiles"]``).
+
+Warm starts come from PyTorch's own caches (FX graph, AOT autograd and Triton, on disk), optionally in
+a directory the user chooses, plus a portable copy (``torch.compiler.save_cache_artifacts``) written
+there after each compile, which a process on another machine loads at start.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import threading
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .graphs import call_untracked
+from .hooks import MethodPatches
+
+__all__ = ["ARTIFACTS_FILE", "CompiledBlocks", "compile_repeated_blocks", "load_compile_cache", "save_compile_cache"]
+
+logger = logging.getLogger(__name__)
+
+ARTIFACTS_FILE = "bcg-compile-artifacts.bin"
+
+# Compiles started in this thread, counted by a dynamo callback registered once per process. A block
+# call compares the count before and after, so compiles are attributed to the pipeline whose block
+# triggered them (compilation runs synchronously in the calling thread).
+_compiles_in_thread = threading.local()
+_counter_lock = threading.Lock()
+_counter_registered = False
+
+
+def _count_compile(*_: Any) -> None:
+    _compiles_in_thread.value = getattr(_compiles_in_thread, "value", 0) + 1
+
+
+def _register_compile_counter() -> None:
+    global _counter_registered
+    with _counter_lock:
+        if _counter_registered:
+            return
+        try:
+            from torch._dynamo.callback import on_compile_start
+        except ImportError:  # torch without compile callbacks: stats report 0 compiles
+            logger.warning("this torch has no dynamo compile callbacks; stats(pipe)['compiles'] will stay 0")
+        else:
+            on_compile_start(_count_compile)
+        _counter_registered = True
+
+
+def _compiles_so_far() -> int:
+    return getattr(_compiles_in_thread, "value", 0)
+
+
+@dataclass
+class CompiledBlocks:
+    """What :func:`compile_repeated_blocks` compiled: block names, and dynamo compiles seen inside them
+    (the first compile of each block class and variant, plus every recompile)."""
+
+    names: list[str] = field(default_factory=list)
+    compiles: int = 0
+
+
+def _compiled_forward(compiled: Callable[..., Any], record: CompiledBlocks) -> Callable[..., Any]:
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        before = _compiles_so_far()
+        try:
+            return call_untracked(compiled, *args, **kwargs)
+        finally:
+            record.compiles += _compiles_so_far() - before
+
+    return forward
+
+
+def compile_repeated_blocks(module: torch.nn.Module, patches: MethodPatches) -> CompiledBlocks:
+    """Replace the ``forward`` of every block of ``module._repeated_blocks`` by an inductor-compiled one.
+
+    Compiles with ``fullgraph=True`` (a graph break inside a block is an error at the first call, not a
+    silent slowdown) and inductor's default mode, which adds no CUDA graphs of its own. The patches
+    are recorded in ``patches`` (``patches.undo()`` gives the original forwards back).
+
+    Raises:
+        ValueError: ``module`` declares no ``_repeated_blocks``, or none of its submodules is one.
+    """
+    classes = tuple(getattr(module, "_repeated_blocks", None) or ())
+    if not classes:
+        raise ValueError(
+            f"{type(module).__name__} declares no _repeated_blocks: fast mode compiles those; use mode='exact'"
+        )
+    _register_compile_counter()
+    record = CompiledBlocks()
+    for name, block in module.named_modules():
+        if type(block).__name__ in classes:
+            compiled = torch.compile(block.forward, fullgraph=True)
+            patches.replace(block, "forward", functools.wraps(block.forward)(_compiled_forward(compiled, record)))
+            record.names.append(name)
+    if not record.names:
+        raise ValueError(f"{type(module).__name__} has no submodule of its _repeated_blocks classes {classes}")
+    return record
+
+
+def use_compile_cache_dir(directory: str) -> None:
+    """Point PyTorch's compile caches at ``directory`` and load the portable copy kept there, if any.
+
+    Sets ``TORCHINDUCTOR_CACHE_DIR`` for the whole process (PyTorch reads it at each compile); warns
+    when it was already set to another directory, which is then replaced.
+    """
+    path = Path(directory).expanduser().resolve()
+    path.mkdir(parents=True, exist_ok=True)
+    previous = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if previous is not None and Path(previous).resolve() != path:
+        warnings.warn(
+            f"bcg-diffusion: compile_cache_dir={str(path)!r} replaces TORCHINDUCTOR_CACHE_DIR={previous!r} "
+            "for this process",
+            stacklevel=3,
+        )
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(path)
+    load_compile_cache(path / ARTIFACTS_FILE)
+
+
+def load_compile_cache(file: str | os.PathLike[str]) -> bool:
+    """Load portable compile artifacts saved by :func:`save_compile_cache`; False when there are none.
+
+    A file this torch cannot read (another version) is reported with a warning and ignored: the next
+    compile then starts cold.
+    """
+    file = Path(file)
+    load = getattr(torch.compiler, "load_cache_artifacts", None)
+    if load is None or not file.is_file():
+        return False
+    try:
+        info = load(file.read_bytes())
+    except Exception as exc:  # a stale or foreign cache must not stop the pipeline; it only costs time
+        warnings.warn(f"bcg-diffusion: ignoring compile cache {file}: {type(exc).__name__}: {exc}", stacklevel=2)
+        return False
+    if info is None:  # torch logs why (a corrupted file, another version) and loads nothing
+        warnings.warn(f"bcg-diffusion: ignoring compile cache {file}: torch could not read it", stacklevel=2)
+        return False
+    logger.info("loaded compile cache artifacts from %s (%s)", file, info)
+    return True
+
+
+def save_compile_cache(file: str | os.PathLike[str]) -> bool:
+    """Write every compile artifact of this process to ``file`` (atomically); False when torch has
+    no portable cache API or nothing was compiled."""
+    save = getattr(torch.compiler, "save_cache_artifacts", None)
+    if save is None:
+        return False
+    artifacts = save()
+    if artifacts is None:
+        return False
+    file = Path(file)
+    partial = file.with_suffix(file.suffix + f".{os.getpid()}.tmp")
+    partial.write_bytes(artifacts[0])
+    partial.replace(file)
+    logger.info("saved compile cache artifacts to %s (%d bytes)", file, len(artifacts[0]))
+    return True

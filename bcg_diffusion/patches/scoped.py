@@ -1,0 +1,74 @@
+"""Patches scoped to one model's attention processors, for fast mode.
+
+A :class:`~bcg_diffusion.patches.FunctionPatch` swaps a module-level function for the whole process.
+That is right for exact device-side equivalents, but fast-mode patches change rounding, and an eager
+or exact-mode pipeline in the same process must keep diffusers' own arithmetic. So a
+:class:`ProcessorGlobalsPatch` gives each attention module of one model its own processor whose
+``__call__`` runs diffusers' code unchanged except that chosen global names resolve to our functions.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import types
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..hooks import MethodPatches
+
+__all__ = ["ProcessorGlobalsPatch"]
+
+
+def _with_globals(fn: types.FunctionType, replacements: dict[str, Any]) -> types.FunctionType:
+    """``fn``'s own code with a copy of its globals in which ``replacements`` are bound."""
+    namespace = dict(fn.__globals__)
+    namespace.update(replacements)
+    rebound = types.FunctionType(fn.__code__, namespace, fn.__name__, fn.__defaults__, fn.__closure__)
+    rebound.__kwdefaults__ = fn.__kwdefaults__
+    return functools.update_wrapper(rebound, fn)
+
+
+@dataclass(eq=False)
+class ProcessorGlobalsPatch:
+    """Give every attention processor of class ``processor_class`` inside a model a ``__call__`` whose
+    globals named in ``replacements`` are ours.
+
+    Args:
+        name: short name for logs and stats.
+        processor_class: the processor class name (as diffusers spells it) to patch.
+        replacements: global name in the processor's module -> our function.
+    """
+
+    name: str
+    processor_class: str
+    replacements: dict[str, Callable[..., Any]]
+    _subclasses: dict[type, type] = field(default_factory=dict, repr=False)
+
+    def _subclass(self, cls: type) -> type:
+        if cls not in self._subclasses:
+            missing = [n for n in self.replacements if n not in cls.__call__.__globals__]
+            if missing:
+                raise ValueError(f"{cls.__name__}.__call__ does not use {missing}: diffusers changed; patch skipped")
+            call = _with_globals(cls.__call__, self.replacements)
+            self._subclasses[cls] = type(cls.__name__, (cls,), {"__call__": call, "__module__": cls.__module__})
+        return self._subclasses[cls]
+
+    def apply(self, model: torch.nn.Module, patches: MethodPatches) -> int:
+        """Patch ``model``'s matching processors (recorded in ``patches``); returns how many.
+
+        Raises ValueError when the processor's code no longer uses the names we replace.
+        """
+        count = 0
+        for module in model.modules():
+            processor = module.__dict__.get("processor")
+            if processor is None or type(processor).__name__ != self.processor_class:
+                continue
+            scoped = copy.copy(processor)
+            scoped.__class__ = self._subclass(type(processor))
+            patches.replace(module, "processor", scoped)
+            count += 1
+        return count

@@ -1,0 +1,130 @@
+"""Cold and warm start of fast mode: time to the first image in a fresh process.
+
+    python -m bench.warm_start --pipeline z-image --weights random-full --out bench/results/warm-start
+
+Runs three child processes one after another, each building the pipeline, calling
+``accelerate(pipe, mode="fast", compile_cache_dir=...)`` and generating one image:
+
+* ``cold``: an empty compile cache directory (everything is compiled);
+* ``warm``: the same directory again (PyTorch's on-disk caches hit);
+* ``portable``: a new directory holding only the portable artifacts file the cold run wrote, as
+  when the cache is shipped to another machine.
+
+Each child reports its time from process start to the first image, split into start-up (imports,
+building the pipeline) and the first call (compiles or cache loads, warm-up, capture, the call).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+_STARTED = time.perf_counter()
+
+
+def _child(args: argparse.Namespace) -> None:
+    import torch
+
+    from bcg_diffusion import accelerate, stats
+    from bcg_diffusion.loading import build_pipeline
+
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else None
+    pipe = build_pipeline(args.pipeline, args.weights, device=device, dtype=dtype)
+    pipe.set_progress_bar_config(disable=True)
+    accelerate(pipe, mode="fast", compile_cache_dir=args.cache_dir, debug=device.type != "cuda")
+    ready = time.perf_counter()
+    scale = "true_cfg_scale" if args.pipeline == "qwen-image" else "guidance_scale"
+    kwargs = {
+        "prompt": "a lighthouse on a stormy coast at dusk",
+        "height": args.size,
+        "width": args.size,
+        "num_inference_steps": args.steps,
+        scale: 0.0,
+        "output_type": "pt",
+        "generator": torch.Generator("cpu").manual_seed(0),
+    }
+    pipe(**kwargs)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    done = time.perf_counter()
+    report = stats(pipe)
+    print(
+        "WARM_START "
+        + json.dumps(
+            {
+                "startup_s": ready - _STARTED,
+                "first_call_s": done - ready,
+                "to_first_image_s": done - _STARTED,
+                "compiles": report["compiles"],
+                "captures": report["captures"],
+            }
+        )
+    )
+
+
+def _run_child(args: argparse.Namespace, cache_dir: Path) -> dict[str, Any]:
+    command = [sys.executable, "-m", "bench.warm_start", "--child", "--cache-dir", str(cache_dir)]
+    command += ["--pipeline", args.pipeline, "--weights", args.weights, "--device", args.device]
+    command += ["--size", str(args.size), "--steps", str(args.steps)]
+    env = {k: v for k, v in os.environ.items() if k not in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")}
+    started = time.perf_counter()
+    done = subprocess.run(command, capture_output=True, text=True, env=env, check=False)
+    wall = time.perf_counter() - started
+    lines = [line for line in done.stdout.splitlines() if line.startswith("WARM_START ")]
+    if done.returncode != 0 or not lines:
+        return {"error": f"exit {done.returncode}: {done.stderr[-2000:]}", "process_wall_s": wall}
+    result = json.loads(lines[-1].removeprefix("WARM_START "))
+    result["process_wall_s"] = wall
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.warm_start", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--pipeline", default="z-image", choices=("z-image", "qwen-image"))
+    parser.add_argument("--weights", default="random-full")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--size", type=int, default=512)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--out", type=Path, help="folder for warm-start.json (default: print only)")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--cache-dir", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        _child(args)
+        return 0
+    from bcg_diffusion.fast import ARTIFACTS_FILE
+
+    results: dict[str, Any] = {
+        "command": "python -m bench.warm_start " + " ".join(sys.argv[1:] if argv is None else argv)
+    }
+    with tempfile.TemporaryDirectory(prefix="bcg-warm-start-") as root:
+        first, second = Path(root, "cache"), Path(root, "portable")
+        results["cold"] = _run_child(args, first)
+        results["warm"] = _run_child(args, first)
+        second.mkdir()
+        artifacts = first / ARTIFACTS_FILE
+        if artifacts.is_file():
+            shutil.copy(artifacts, second / ARTIFACTS_FILE)
+            results["portable_artifacts_bytes"] = artifacts.stat().st_size
+            results["portable"] = _run_child(args, second)
+        else:
+            results["portable"] = {"error": f"the cold run wrote no {ARTIFACTS_FILE} (torch without the API?)"}
+    text = json.dumps(results, indent=2)
+    print(text)
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "warm-start.json").write_text(text + "\n")
+    return 0 if all("error" not in results[k] for k in ("cold", "warm", "portable")) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

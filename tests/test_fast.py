@@ -1,0 +1,142 @@
+"""Fast mode on CPU: compiled blocks through the whole runner path (debug mode), its patches, its caches.
+
+Inductor compiles for the CPU here (needs a C++ compiler); the GPU side is ``test_fast_cuda.py``.
+"""
+
+from __future__ import annotations
+
+import shutil
+import warnings
+
+import pytest
+import torch
+from _cases import run_case
+
+from bcg_diffusion import AccelerateConfig, accelerate, eager, restore, stats
+from bcg_diffusion import graphs as graphs_module
+from bcg_diffusion.fast import load_compile_cache, save_compile_cache
+from bcg_diffusion.graphs import _ExternalTensorTracker, call_untracked
+from bcg_diffusion.hooks import MethodPatches
+from bcg_diffusion.loading import build_pipeline
+from bcg_diffusion.patches.rope import QWEN_REAL_ROPE_PATCH, apply_rotary_emb_qwen
+from bcg_diffusion.runner import BCGWarning
+
+needs_compiler = pytest.mark.skipif(shutil.which("g++") is None, reason="inductor on CPU needs a C++ compiler (g++)")
+
+
+def test_fast_mode_options_are_validated():
+    assert AccelerateConfig(mode="fast", compile_cache_dir="/tmp/x").compile_cache_dir == "/tmp/x"
+    with pytest.raises(ValueError, match="mode='fast' only"):
+        AccelerateConfig(compile_cache_dir="/tmp/x")
+    with pytest.raises(TypeError, match="compile_cache_dir must be a path"):
+        AccelerateConfig(mode="fast", compile_cache_dir=3)
+
+
+class _FakeCapture:
+    def __init__(self) -> None:
+        self.tracker = _ExternalTensorTracker(capture_stream=None)
+
+
+@needs_compiler
+def test_compiled_code_runs_through_call_untracked_while_the_tracker_records():
+    compiled = torch.compile(lambda x: (x * 2).sin(), fullgraph=True)
+    x = torch.randn(8)
+    capture = _FakeCapture()
+    token = graphs_module._ACTIVE.set(capture)
+    try:
+        with capture.tracker:
+            capture.tracker.recording = True
+            result = call_untracked(compiled, x)
+            assert torch.utils._python_dispatch._get_current_dispatch_mode() is capture.tracker  # re-entered
+            with pytest.raises(RuntimeError):
+                compiled(torch.randn(9))  # what call_untracked exists for: a compile under the mode refuses
+    finally:
+        graphs_module._ACTIVE.reset(token)
+    torch.testing.assert_close(result, (x * 2).sin())  # inductor's sin may round differently from eager's
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_real_rope_matches_the_complex_original(dtype):
+    from diffusers.models.transformers.transformer_qwenimage import apply_rotary_emb_qwen as diffusers_rope
+
+    assert diffusers_rope is not apply_rotary_emb_qwen  # the module global stays diffusers'
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 37, 4, 32, generator=generator).to(dtype)
+    freqs = torch.polar(torch.ones(37, 16), torch.randn(37, 16, generator=generator) * 10)
+    expected = diffusers_rope(x, freqs, use_real=False)
+    got = apply_rotary_emb_qwen(x, freqs, use_real=False)
+    assert got.dtype == expected.dtype and got.shape == expected.shape
+    # Same rotation; only the rounding of the float32 products may differ (by one bf16 step at most).
+    tolerance = {torch.float32: 1e-6, torch.bfloat16: 2**-7}[dtype]
+    torch.testing.assert_close(got.float(), expected.float(), atol=tolerance * 4, rtol=tolerance)
+    heads_first = x.transpose(1, 2)  # the real path (other models) is delegated unchanged
+    cos_sin = (torch.randn(37, 32), torch.randn(37, 32))
+    assert torch.equal(apply_rotary_emb_qwen(heads_first, cos_sin), diffusers_rope(heads_first, cos_sin))
+
+
+def test_scoped_rope_patch_touches_one_model_only():
+    first = build_pipeline("qwen-image", "tiny", device="cpu").transformer
+    second = build_pipeline("qwen-image", "tiny", device="cpu").transformer
+    processors = [m.processor for m in first.modules() if "processor" in m.__dict__]
+    patches = MethodPatches()
+    count = QWEN_REAL_ROPE_PATCH.apply(first, patches)
+    assert count == len(first.transformer_blocks) > 0
+    patched = [m.processor for m in first.modules() if "processor" in m.__dict__]
+    assert all(p.__call__.__globals__["apply_rotary_emb_qwen"] is apply_rotary_emb_qwen for p in patched)
+    untouched = [m.processor for m in second.modules() if "processor" in m.__dict__]
+    assert all(p.__call__.__globals__["apply_rotary_emb_qwen"] is not apply_rotary_emb_qwen for p in untouched)
+    patches.undo()
+    assert [m.processor for m in first.modules() if "processor" in m.__dict__] == processors
+
+
+@needs_compiler
+@pytest.mark.parametrize("name", ["z-image", "qwen-image"])
+def test_fast_debug_mode_equals_its_compiled_reference(name):
+    pipe = build_pipeline(name, "tiny", device="cpu")
+    pipe.set_progress_bar_config(disable=True)
+    case = "cfg" if name == "z-image" else "true_cfg"
+    expected = run_case(pipe, name, case, height=64, width=64)
+    accelerate(pipe, mode="fast", debug=True)
+    try:
+        first = run_case(pipe, name, case, height=64, width=64)
+        with eager(pipe):
+            reference = run_case(pipe, name, case, height=64, width=64)
+        assert torch.equal(first, reference)
+        assert torch.equal(run_case(pipe, name, case, height=64, width=64), first)
+        report = stats(pipe)
+        assert report["compiled_blocks"] > 0 and report["compiles"] > 0 and report["eager_fallbacks"] == 0
+        if name == "qwen-image":
+            assert QWEN_REAL_ROPE_PATCH.name in report["patches"]
+        torch.testing.assert_close(first, expected, atol=1e-4, rtol=0)  # float32: only rounding differs
+    finally:
+        restore(pipe)
+    assert torch.equal(run_case(pipe, name, case, height=64, width=64), expected)
+
+
+def test_fast_mode_without_repeated_blocks_keeps_exact_graphs():
+    pipe = build_pipeline("z-image", "tiny", device="cpu")
+    pipe.transformer._repeated_blocks = []
+    with pytest.warns(BCGWarning, match="falls back to exact-mode graphs"):
+        accelerate(pipe, mode="fast", debug=True)
+    try:
+        assert stats(pipe)["compiled_blocks"] == 0
+    finally:
+        restore(pipe)
+
+
+@needs_compiler
+def test_compile_cache_artifacts_round_trip(tmp_path):
+    compiled = torch.compile(lambda x: x.cos() + 1, fullgraph=True)
+    compiled(torch.randn(4))
+    file = tmp_path / "artifacts.bin"
+    if not hasattr(torch.compiler, "save_cache_artifacts"):
+        pytest.skip("this torch has no portable compile cache API")
+    assert save_compile_cache(file) and file.stat().st_size > 0
+    assert load_compile_cache(file)
+    garbage = tmp_path / "garbage.bin"
+    garbage.write_bytes(b"not a cache")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert not load_compile_cache(garbage)
+    assert any("ignoring compile cache" in str(w.message) for w in caught)
+    assert not load_compile_cache(tmp_path / "missing.bin")

@@ -1,0 +1,65 @@
+"""Fast mode on a GPU: compiled blocks captured as breakable graphs (marker: cuda).
+
+The reference for fast mode is the same compiled blocks run without graphs (``with eager(pipe):``); it
+must match byte for byte. Weights from ``BCG_TEST_WEIGHTS`` as in ``test_pipelines_cuda.py``.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+
+import pytest
+import torch
+from _cases import CASES, run_case
+
+from bcg_diffusion import accelerate, eager, restore, stats
+from bcg_diffusion.loading import build_pipeline
+
+pytestmark = pytest.mark.cuda
+
+WEIGHTS = [w.strip() for w in os.environ.get("BCG_TEST_WEIGHTS", "tiny").split(",") if w.strip()]
+RESOLUTIONS = {"tiny": ((64, 64), (48, 96), (96, 96)), "random-full": ((512, 512), (768, 1344), (1024, 1024))}
+
+
+@pytest.fixture(params=[(p, w) for w in WEIGHTS for p in ("qwen-image", "z-image")], ids=str)
+def pipeline(request):
+    name, weights = request.param
+    pipe = build_pipeline(name, weights, device="cuda", dtype=torch.bfloat16)
+    pipe.set_progress_bar_config(disable=True)
+    yield name, weights, pipe
+    del pipe
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch._dynamo.reset()
+
+
+def test_fast_mode_equals_its_compiled_reference_and_stops_compiling(pipeline):
+    name, weights, pipe = pipeline
+    resolutions = RESOLUTIONS[weights]
+    cases = list(CASES[name])
+    eager_images = {(c, r): run_case(pipe, name, c, height=r[0], width=r[1]) for c in cases for r in resolutions}
+    accelerate(pipe, mode="fast")
+    try:
+        for case in cases:
+            for height, width in resolutions:
+                image = run_case(pipe, name, case, height=height, width=width)
+                with eager(pipe):  # the compiled blocks without graphs
+                    reference = run_case(pipe, name, case, height=height, width=width)
+                assert torch.equal(image, reference), (case, height, width)
+                difference = (image.float() - eager_images[(case, (height, width))].float()).abs().max().item()
+                assert difference < 0.1, f"fast mode strays from eager by {difference} on {case} {height}x{width}"
+        warm = stats(pipe)
+        assert warm["compiled_blocks"] > 0 and warm["eager_fallbacks"] == 0, warm["signatures"]
+        # Automatic dynamic shapes: a handful of compiles, not one per resolution and text length.
+        assert 0 < warm["compiles"] <= 8, warm["compiles"]
+        for case in cases:  # replay everything again: no capture, no compile
+            for height, width in resolutions:
+                run_case(pipe, name, case, height=height, width=width)
+        again = stats(pipe)
+        assert (again["captures"], again["compiles"]) == (warm["captures"], warm["compiles"])
+    finally:
+        restore(pipe)
+    height, width = resolutions[0]
+    restored = run_case(pipe, name, cases[0], height=height, width=width)
+    assert torch.equal(restored, eager_images[(cases[0], resolutions[0])]), "restore must give eager back"
