@@ -292,8 +292,9 @@ def stats(pipe: Any) -> dict[str, Any]:
     Keys: ``active`` (graphs in use), ``reason`` (why not), ``mode``, ``debug``, ``adapter``,
     ``captures``, ``replays``, ``eager_fallbacks``, ``invalidations`` (times the graphs were dropped
     because weights or settings changed), ``capture_seconds``, ``graph_memory_bytes`` (the
-    shared pool's size now), ``compiled_blocks`` and ``compiles`` (fast mode: blocks compiled, and
-    dynamo compiles inside them, first compiles and recompiles; 0 in exact mode), ``signatures`` (one dict per captured signature: component, signature,
+    shared pool's size now), ``compiled_blocks``, ``compiles`` and ``compile_failure`` (fast mode:
+    blocks compiled, dynamo compiles inside them, first compiles and recompiles, and why the blocks
+    went back to eager forwards, if they did; 0 / None in exact mode), ``signatures`` (one dict per captured signature: component, signature,
     status, reason, segments, breaks, memory_bytes, capture_seconds, replays), ``components``
     (counters per component) and ``patches``.
 
@@ -319,6 +320,7 @@ def stats(pipe: Any) -> dict[str, Any]:
         "graph_memory_bytes": pool_bytes,
         "compiled_blocks": len(state.compiled.names) if state.compiled is not None else 0,
         "compiles": state.compiled.compiles if state.compiled is not None else 0,
+        "compile_failure": state.compiled.failure if state.compiled is not None else None,
         "signatures": signatures,
         "components": components,
         "patches": [patch.name for patch in state.patches] + state.scoped_patches,

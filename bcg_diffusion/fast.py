@@ -14,7 +14,8 @@ What makes the two fit:
   compilation, autotuning or module loading happens while a stream is capturing;
 * dynamo's automatic dynamic shapes make the second shape it sees symbolic, so new resolutions and
   text lengths reuse one compiled graph instead of recompiling each time. Every dynamo compile inside
-  the blocks is counted (``stats(pipe)["compiles"]``).
+  the blocks is counted (``stats(pipe)["compiles"]``); should compiling fail (a graph break, too many
+  variants), the blocks go back to their eager forwards with a warning, never to an error.
 
 Warm starts come from PyTorch's own caches (FX graph, AOT autograd and Triton, on disk), optionally in
 a directory the user chooses, plus a portable copy (``torch.compiler.save_cache_artifacts``) written
@@ -26,7 +27,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
-import threading
+import types
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -44,50 +45,78 @@ logger = logging.getLogger(__name__)
 
 ARTIFACTS_FILE = "bcg-compile-artifacts.bin"
 
-# Compiles started in this thread, counted by a dynamo callback registered once per process. A block
-# call compares the count before and after, so compiles are attributed to the pipeline whose block
-# triggered them (compilation runs synchronously in the calling thread).
-_compiles_in_thread = threading.local()
-_counter_lock = threading.Lock()
-_counter_registered = False
-
-
-def _count_compile(*_: Any) -> None:
-    _compiles_in_thread.value = getattr(_compiles_in_thread, "value", 0) + 1
-
-
-def _register_compile_counter() -> None:
-    global _counter_registered
-    with _counter_lock:
-        if _counter_registered:
-            return
-        try:
-            from torch._dynamo.callback import on_compile_start
-        except ImportError:  # torch without compile callbacks: stats report 0 compiles
-            logger.warning("this torch has no dynamo compile callbacks; stats(pipe)['compiles'] will stay 0")
-        else:
-            on_compile_start(_count_compile)
-        _counter_registered = True
-
 
 def _compiles_so_far() -> int:
-    return getattr(_compiles_in_thread, "value", 0)
+    """Graphs dynamo has compiled in this process. Sampled around each block call: compilation runs
+    synchronously in the calling thread, so the difference is what that call compiled (a compile in
+    another thread at the same moment would be counted too; the count is for information only).
+    Dynamo's counter rather than its compile callbacks, whose signature changed between releases."""
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
+
+
+# Compiled variants allowed per block class and pipeline. Each structural variant of a block call
+# (modulated or not, with or without an attention mask, batch 1 or more) is one dynamo compile, and the
+# first size change of each adds one more before dynamo makes that size symbolic: Z-Image needs about 10
+# with CFG, masks and several resolutions, above dynamo's default of 8.
+RECOMPILE_LIMIT = 32
+
+_COMPILE_ERRORS: tuple[type[BaseException], ...] = tuple(
+    cls
+    for cls in (
+        getattr(torch._dynamo.exc, "TorchDynamoException", None),
+        getattr(torch._dynamo.exc, "FailOnRecompileLimitHit", None),
+    )
+    if cls is not None
+)
 
 
 @dataclass
 class CompiledBlocks:
-    """What :func:`compile_repeated_blocks` compiled: block names, and dynamo compiles seen inside them
-    (the first compile of each block class and variant, plus every recompile)."""
+    """What :func:`compile_repeated_blocks` compiled: block names, dynamo compiles seen inside them
+    (the first compile of each block class and variant, plus every recompile), and why the blocks went
+    back to their eager forwards, if they did."""
 
     names: list[str] = field(default_factory=list)
     compiles: int = 0
+    failure: str | None = None
 
 
-def _compiled_forward(compiled: Callable[..., Any], record: CompiledBlocks) -> Callable[..., Any]:
+def _private_copy(function: types.FunctionType) -> types.FunctionType:
+    """``function`` with a code object of its own. Dynamo caches compiled code per code object, so
+    the blocks of one pipeline share their compiles, while another pipeline or a peer's
+    ``compile_repeated_blocks`` neither reuses nor evicts them (and the benchmark's first calls stay
+    fair)."""
+    copy = types.FunctionType(
+        function.__code__.replace(),
+        function.__globals__,
+        function.__name__,
+        function.__defaults__,
+        function.__closure__,
+    )
+    copy.__kwdefaults__ = function.__kwdefaults__
+    return functools.update_wrapper(copy, function)
+
+
+def _compiled_forward(
+    compiled: Callable[..., Any], original: Callable[..., Any], record: CompiledBlocks
+) -> Callable[..., Any]:
     def forward(*args: Any, **kwargs: Any) -> Any:
+        if record.failure is not None:
+            return original(*args, **kwargs)
         before = _compiles_so_far()
         try:
-            return call_untracked(compiled, *args, **kwargs)
+            with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+                return call_untracked(compiled, *args, **kwargs)
+        except _COMPILE_ERRORS as exc:
+            record.failure = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            warnings.warn(
+                f"bcg-diffusion: fast mode could not compile a block ({record.failure}); every block of this "
+                "pipeline runs its eager forward from now on (graphs still capture them)",
+                stacklevel=2,
+            )
+            return original(*args, **kwargs)
         finally:
             record.compiles += _compiles_so_far() - before
 
@@ -109,13 +138,22 @@ def compile_repeated_blocks(module: torch.nn.Module, patches: MethodPatches) -> 
         raise ValueError(
             f"{type(module).__name__} declares no _repeated_blocks: fast mode compiles those; use mode='exact'"
         )
-    _register_compile_counter()
     record = CompiledBlocks()
+    private_forwards: dict[type, types.FunctionType] = {}
     for name, block in module.named_modules():
-        if type(block).__name__ in classes:
-            compiled = torch.compile(block.forward, fullgraph=True)
-            patches.replace(block, "forward", functools.wraps(block.forward)(_compiled_forward(compiled, record)))
-            record.names.append(name)
+        if type(block).__name__ not in classes:
+            continue
+        original = block.forward
+        function = getattr(original, "__func__", None)
+        if isinstance(function, types.FunctionType) and "forward" not in block.__dict__:
+            if type(block) not in private_forwards:
+                private_forwards[type(block)] = _private_copy(function)
+            target = types.MethodType(private_forwards[type(block)], block)
+        else:  # an instance-level forward someone else installed: compile it as it is
+            target = original
+        compiled = torch.compile(target, fullgraph=True)
+        patches.replace(block, "forward", functools.wraps(original)(_compiled_forward(compiled, original, record)))
+        record.names.append(name)
     if not record.names:
         raise ValueError(f"{type(module).__name__} has no submodule of its _repeated_blocks classes {classes}")
     return record

@@ -19,6 +19,7 @@ import shlex
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -29,7 +30,7 @@ from bcg_diffusion.loading import PIPELINE_NAMES, build_pipeline
 
 from . import measure, report
 from .cases import PRESETS, PROMPT_SETS, Case
-from .modes import DESCRIPTIONS, EXACT, MODES, OURS, PreparedMode, prepare
+from .modes import DESCRIPTIONS, EXACT, MODES, OURS, SEPARATE, PreparedMode, prepare
 
 logger = logging.getLogger("bench")
 
@@ -96,22 +97,57 @@ def _progress(total: int, disable: bool) -> Any:
     return tqdm(total=total, desc="bench", unit="call", disable=disable, file=sys.stderr)
 
 
-def run_case(base: Any, case: Case, args: argparse.Namespace, progress: Any) -> dict[str, Any]:
-    """Time every mode on ``case``; a mode that fails is recorded with its error, the others go on."""
+def run_case(
+    base: Any,
+    case: Case,
+    args: argparse.Namespace,
+    progress: Any,
+    result: dict[str, Any] | None = None,
+    checkpoint: Callable[[], None] | None = None,
+) -> dict[str, Any]:
+    """Time every mode on ``case``; a mode that fails is recorded with its error, the others go on.
+
+    Modes run interleaved in one group, except those in ``modes.SEPARATE`` (peers with CUDA graphs
+    of their own), which run afterwards, interleaved with a fresh eager, once our graphs are freed:
+    their speed-up is over that eager, measured side by side with them. Fills and returns ``result``
+    (a new dict if None) group by group and calls ``checkpoint`` after each, so a cut-short run
+    keeps every group that finished.
+    """
+    result = {} if result is None else result
+    result.update(label=case.label, case=asdict(case), modes={})
+    together = [name for name in args.modes if name not in SEPARATE]
+    for group in [together] + [["eager", name] for name in args.modes if name in SEPARATE]:
+        entries = _time_group(base, case, group, args, progress)
+        for name, entry in entries.items():
+            if name in result["modes"]:  # the second eager of a separate peer's group
+                continue
+            if group is not together and "eager" in entries:
+                entry["eager_same_group_s"] = entries["eager"].get("latency_s")
+            result["modes"][name] = entry
+        if checkpoint is not None:
+            checkpoint()
+    return result
+
+
+def _time_group(
+    base: Any, case: Case, names: list[str], args: argparse.Namespace, progress: Any
+) -> dict[str, dict[str, Any]]:
     device = args.device
-    result: dict[str, Any] = {"label": case.label, "case": asdict(case), "modes": {}}
+    entries: dict[str, dict[str, Any]] = {}
     prepared, calls, images = {}, {}, {}
-    for name in args.modes:
+    for name in names:
         progress.set_postfix_str(f"{case.label}: {name} first call")
         entry: dict[str, Any] = {"description": DESCRIPTIONS[name]}
-        result["modes"][name] = entry
+        entries[name] = entry
         try:
             mode = prepare(name, base, device)
             prepared[name] = mode
             entry["note"] = mode.note
             _reset_peak(device)
+            logger.info("%s: %s first call", case.label, name)
             first = measure.timed_call(mode.pipe, case, device)
             entry["first_call_s"] = first.total_s
+            logger.info("%s: %s first call took %.2f s", case.label, name, first.total_s)
             for _ in range(args.warmup):
                 measure.timed_call(mode.pipe, case, device)
             progress.update(1 + args.warmup)
@@ -131,7 +167,7 @@ def run_case(base: Any, case: Case, args: argparse.Namespace, progress: Any) -> 
                 timing = measure.timed_call(prepared[name].pipe, case, device)
             except Exception as exc:
                 logger.exception("mode %s failed on %s", name, case.label)
-                result["modes"][name]["error"] = f"{type(exc).__name__}: {exc}"
+                entries[name]["error"] = f"{type(exc).__name__}: {exc}"
                 del calls[name]
                 continue
             calls[name].append((timing, _peak(device)))
@@ -140,7 +176,7 @@ def run_case(base: Any, case: Case, args: argparse.Namespace, progress: Any) -> 
     reference = images.get("eager")
     eager_median = statistics.median(t.total_s for t, _ in calls["eager"]) if "eager" in calls else None
     for name, timings in calls.items():
-        entry = result["modes"][name]
+        entry = entries[name]
         latencies = [t.total_s for t, _ in timings]
         entry["runs_s"] = latencies
         entry["latency_s"] = measure.summary(latencies)
@@ -162,7 +198,7 @@ def run_case(base: Any, case: Case, args: argparse.Namespace, progress: Any) -> 
         _compare_with_reference(prepared[name], case, device, entry, images[name])
     for mode in prepared.values():
         mode.teardown()
-    return result
+    return entries
 
 
 def _compare_with_reference(
@@ -198,7 +234,8 @@ def _profile_case(base: Any, case: Case, args: argparse.Namespace, result: dict[
 
 
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logger.setLevel(logging.INFO)
     args = parse_args(argv)
     cases = _cases(args)
     if not cases:
@@ -219,7 +256,8 @@ def main(argv: list[str] | None = None) -> int:
     by_pipeline: dict[str, list[Case]] = {}
     for case in cases:
         by_pipeline.setdefault(case.pipeline, []).append(case)
-    total = len(cases) * len(args.modes) * (1 + args.warmup + args.runs)
+    calls_per_case = len(args.modes) + sum(1 for m in args.modes if m in SEPARATE)  # a fresh eager with each
+    total = len(cases) * calls_per_case * (1 + args.warmup + args.runs)
     with _progress(total, args.no_progress) as progress:
         for phase in ("time", "profile"):
             if phase == "profile" and not args.profile:
@@ -231,7 +269,10 @@ def main(argv: list[str] | None = None) -> int:
                 logger.info("built %s (%s) in %.1f s", name, args.weights, time.perf_counter() - started)
                 for case in pipeline_cases:
                     if phase == "time":
-                        record["cases"].append(run_case(base, case, args, progress))
+                        record["cases"].append({})
+                        run_case(
+                            base, case, args, progress, record["cases"][-1], lambda: report.write(record, args.out)
+                        )
                     elif case.profile:
                         result = next(r for r in record["cases"] if r["label"] == case.label)
                         _profile_case(base, case, args, result)

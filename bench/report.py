@@ -48,6 +48,15 @@ def markdown(record: dict[str, Any]) -> str:
                 f"{_mib(mode['peak_memory_bytes'])} | {_mib(graphs.get('graph_memory_bytes'))} | "
                 f"{graphs.get('captures', '–')} / {graphs.get('replays', '–')} | {same} |"
             )
+        separate = [n for n, m in case["modes"].items() if m.get("eager_same_group_s")]
+        if separate:
+            out += [
+                "",
+                f"{', '.join(separate)} ran after the other modes were freed, interleaved with a fresh eager "
+                "(its speed-up is over that eager: "
+                + ", ".join(f"{case['modes'][n]['eager_same_group_s']['median']:.3f} s" for n in separate)
+                + "); peers with CUDA graphs of their own do not share a process with live graphs of ours.",
+            ]
         out += ["", verdict(case), ""]
         profiles = {n: m["denoise_profile"] for n, m in case["modes"].items() if m.get("denoise_profile")}
         if profiles:

@@ -25,7 +25,7 @@ set -uo pipefail
 out=${OUT:-/tmp/bcg-out}
 mkdir -p "$out"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/env.txt"
 python3 -c "import torch, diffusers, transformers; print('torch', torch.__version__, 'diffusers', diffusers.__version__, 'transformers', transformers.__version__)" | tee -a "$out/env.txt"
 
@@ -54,7 +54,7 @@ case "$phase" in
     ;;
   bench-z)
     timeout "${BENCH_Z_TIMEOUT:-560}" python3 -m bench --pipeline z-image --weights random-full --resolutions 512x512,1024x1024 \
-      --steps 8 --guidance 0 --profile --no-progress --out "$out/bench-z-image" 2>&1 | tee "$out/bench-z-image.log" | tail -40
+      --steps 8 --guidance 0 --warmup 0 --profile --no-progress --out "$out/bench-z-image" 2>&1 | tee "$out/bench-z-image.log" | tail -40
     ;;
   bench-qwen-512|bench-qwen-1024)
     size=${phase#bench-qwen-}
