@@ -12,8 +12,9 @@ What makes the two fit:
   :func:`~bcg_diffusion.graphs.call_untracked`;
 * the runner's warm-up calls compile (and re-compile for a new shape) before any capture, so no
   compilation, autotuning or module loading happens while a stream is capturing;
-* dynamo's automatic dynamic shapes make the second shape it sees symbolic, so new resolutions and
-  text lengths reuse one compiled graph instead of recompiling each time. Every dynamo compile inside
+* blocks compile with dynamic shapes (and no duck sizing), so new resolutions and text lengths reuse
+  one compiled graph instead of recompiling each time, and each call has exactly one compiled entry:
+  the kernels it runs do not depend on what was compiled before. Every dynamo compile inside
   the blocks is counted (``stats(pipe)["compiles"]``); should compiling fail (a graph break, too many
   variants), the blocks go back to their eager forwards with a warning, never to an error.
 
@@ -24,6 +25,7 @@ there after each compile, which a process on another machine loads at start.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -83,6 +85,24 @@ class CompiledBlocks:
     failure: str | None = None
 
 
+def _compile_settings() -> contextlib.AbstractContextManager[Any]:
+    """Dynamo settings for our blocks' compiles: a higher recompile limit, and no duck sizing.
+
+    Duck sizing makes two sizes that happen to be equal at the first compile equal by guard, so a later
+    call where they differ compiles a second, more general entry; which entry then serves a call would
+    depend on what was compiled before, and so could the kernels and the image. Without it (and with
+    ``dynamic=True``) entries differ only by mutually exclusive structure (a mask or none, batch 1 or
+    more): each call has exactly one entry, whatever came before.
+    """
+    stack = contextlib.ExitStack()
+    stack.enter_context(torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT))
+    from torch.fx.experimental import _config as shape_config
+
+    if hasattr(shape_config, "use_duck_shape"):
+        stack.enter_context(shape_config.patch(use_duck_shape=False))
+    return stack
+
+
 def _private_copy(function: types.FunctionType) -> types.FunctionType:
     """``function`` with a code object of its own. Dynamo caches compiled code per code object, so
     the blocks of one pipeline share their compiles, while another pipeline or a peer's
@@ -107,7 +127,7 @@ def _compiled_forward(
             return original(*args, **kwargs)
         before = _compiles_so_far()
         try:
-            with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+            with _compile_settings():
                 return call_untracked(compiled, *args, **kwargs)
         except _COMPILE_ERRORS as exc:
             record.failure = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
@@ -151,7 +171,7 @@ def compile_repeated_blocks(module: torch.nn.Module, patches: MethodPatches) -> 
             target = types.MethodType(private_forwards[type(block)], block)
         else:  # an instance-level forward someone else installed: compile it as it is
             target = original
-        compiled = torch.compile(target, fullgraph=True)
+        compiled = torch.compile(target, fullgraph=True, dynamic=True)
         patches.replace(block, "forward", functools.wraps(original)(_compiled_forward(compiled, original, record)))
         record.names.append(name)
     if not record.names:

@@ -21,7 +21,7 @@
 #                    for `python scripts/screenshot_replay.py DIR OUT.png` here (the GPU machine has no browser)
 # Everything it writes is under $OUT (logs, results.json/.md/.png); copy it to bench/results/<date>-h200/.
 set -uo pipefail
-[ $# -gt 0 ] || { echo "usage: scripts/gpu_session.sh tests|tests-full|tests-fast|bench-z|warm-start-z|bench-qwen|bench-qwen-512|bench-qwen-1024|issue2|demo ..." >&2; exit 2; }
+[ $# -gt 0 ] || { echo "usage: scripts/gpu_session.sh tests|tests-full|tests-fast|fast-check|bench-z|warm-start-z|bench-qwen|bench-qwen-512|bench-qwen-1024|issue2|demo ..." >&2; exit 2; }
 out=${OUT:-/tmp/bcg-out}
 mkdir -p "$out"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -53,6 +53,16 @@ case "$phase" in
       --resolutions 512x512,1024x1024 --steps 10 --guidance 4 --warmup 0 --modes compile-max --no-progress \
       --out "$out/bench-qwen-image-compile-max" 2>&1 | tee "$out/bench-qwen-image-compile-max.log" \
       | grep -v "^DEBUG" | tail -40
+    ;;
+  fast-check)
+    # Fast mode only, next to eager, full size: timing and byte-equality with its compiled reference.
+    for pipeline in qwen-image z-image; do
+      guidance=$([ "$pipeline" = qwen-image ] && echo 4 || echo 0)
+      steps=$([ "$pipeline" = qwen-image ] && echo 10 || echo 8)
+      timeout 110 python3 -m bench --pipeline "$pipeline" --weights random-full --resolutions 512x512 \
+        --steps "$steps" --guidance "$guidance" --warmup 0 --modes eager,fast --no-progress \
+        --out "$out/fast-check-$pipeline" 2>&1 | tee "$out/fast-check-$pipeline.log" | grep -v "^DEBUG" | tail -14
+    done
     ;;
   tests-full)
     BCG_TEST_WEIGHTS=random-full timeout 330 python3 -m pytest -q -s -p no:cacheprovider --tb=short \
