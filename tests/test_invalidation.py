@@ -113,3 +113,61 @@ def test_pipelines_with_diffusers_hooks_are_left_eager():
         assert not stats(pipe)["active"] and "fbc" in stats(pipe)["reason"]
     finally:
         restore(pipe)
+
+
+def _lora_state_dict(pipe, peft):
+    """A random LoRA for the pipeline's transformer, in the layout ``load_lora_weights`` reads."""
+    donor = build_pipeline("qwen-image", "tiny", device="cpu").transformer
+    config = peft.LoraConfig(r=2, lora_alpha=2, target_modules=["to_q", "to_k", "to_v"], init_lora_weights=False)
+    donor.add_adapter(config, adapter_name="donor")
+    state = peft.get_peft_model_state_dict(donor, adapter_name="donor")
+    return {f"transformer.{key}": value.clone() for key, value in state.items()}
+
+
+def test_pipeline_lora_loading_fusing_and_scale_follow_eager(pipe):
+    peft = pytest.importorskip("peft")
+    plain = _call(pipe)
+    pipe.load_lora_weights(_lora_state_dict(pipe, peft), adapter_name="style")
+    with_lora = _call(pipe)
+    assert not torch.equal(with_lora, plain), "the random LoRA should change the result"
+    assert torch.equal(with_lora, _eager(pipe))
+    before = stats(pipe)["invalidations"]
+    pipe.fuse_lora(lora_scale=0.5)
+    assert stats(pipe)["invalidations"] > before
+    fused = _call(pipe)
+    assert torch.equal(fused, _eager(pipe))
+    assert not torch.equal(fused, with_lora)
+    pipe.unfuse_lora()
+    # Unfusing subtracts the delta it added, which rounds: compare with eager after the same steps.
+    assert torch.equal(_call(pipe), _eager(pipe))
+    pipe.unload_lora_weights()
+    unloaded = _call(pipe)
+    assert torch.equal(unloaded, _eager(pipe))
+    torch.testing.assert_close(unloaded, plain)  # back to the base weights, up to the unfuse rounding
+    assert stats(pipe)["eager_fallbacks"] == 0
+
+
+def test_lora_scale_per_call_is_part_of_the_signature(pipe):
+    peft = pytest.importorskip("peft")
+    pipe.load_lora_weights(_lora_state_dict(pipe, peft), adapter_name="style")
+
+    def call(scale):
+        return pipe(
+            prompt="a red fox",
+            height=32,
+            width=32,
+            num_inference_steps=2,
+            output_type="latent",
+            attention_kwargs={"scale": scale},
+            generator=torch.Generator().manual_seed(0),
+        ).images
+
+    half, full = call(0.5), call(1.0)
+    assert not torch.equal(half, full)
+    signatures = {s["signature"] for s in stats(pipe)["signatures"] if s["component"] == "transformer"}
+    assert len(signatures) == 2, signatures
+    restore(pipe)
+    try:
+        assert torch.equal(call(0.5), half) and torch.equal(call(1.0), full)
+    finally:
+        accelerate(pipe, debug=True)
