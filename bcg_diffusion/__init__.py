@@ -8,6 +8,7 @@ from .api import accelerate, eager, restore, stats
 from .config import AccelerateConfig
 from .graphs import BreakResultMismatch, eager_break
 from .runner import BCGWarning
+from .warmup import warm_up
 
 __all__ = [
     "AccelerateConfig",
@@ -18,6 +19,7 @@ __all__ = [
     "eager_break",
     "restore",
     "stats",
+    "warm_up",
 ]
 
 __version__ = "0.1.0"

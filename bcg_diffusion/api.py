@@ -148,6 +148,11 @@ def accelerate(pipe: P, config: AccelerateConfig | None = None, **options: Any) 
     for patch in adapter.patches:
         if patch.apply():
             state.patches.append(patch)
+    if config.text_buckets is not None:
+        try:
+            adapter.install_text_buckets(pipe, config.text_buckets, state.patches_made)
+        except ValueError as exc:
+            warnings.warn(f"bcg-diffusion: text_buckets ignored: {exc}", BCGWarning, stacklevel=2)
     if config.mode == "fast":
         _compile_blocks(pipe, state)
     for component in config.components:
@@ -162,6 +167,10 @@ def accelerate(pipe: P, config: AccelerateConfig | None = None, **options: Any) 
         )
     serialise_calls(pipe, state.lock)
     object.__setattr__(pipe, _STATE_ATTR, state)
+    if config.warmup:
+        from .warmup import warm_up
+
+        warm_up(pipe, config.warmup, cfg=config.warmup_cfg)
     return pipe
 
 
@@ -214,6 +223,7 @@ def _install(state: _PipelineState, component: str, module: torch.nn.Module, met
         capture_error_mode=state.config.capture_error_mode,
         track_external_tensors=state.config.track_external_tensors,
         state_key=state.adapter.state_key(component, module),
+        capture_new=state.config.lazy_capture,
     )
 
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -290,7 +300,8 @@ def stats(pipe: Any) -> dict[str, Any]:
     """Counters and per-signature records of an accelerated pipeline.
 
     Keys: ``active`` (graphs in use), ``reason`` (why not), ``mode``, ``debug``, ``adapter``,
-    ``captures``, ``replays``, ``eager_fallbacks``, ``invalidations`` (times the graphs were dropped
+    ``captures``, ``replays``, ``eager_fallbacks``, ``misses`` (calls of a signature never captured
+    while ``lazy_capture`` is off; they ran eagerly), ``invalidations`` (times the graphs were dropped
     because weights or settings changed), ``capture_seconds``, ``graph_memory_bytes`` (the
     shared pool's size now), ``compiled_blocks``, ``compiles`` and ``compile_failure`` (fast mode:
     blocks compiled, dynamo compiles inside them, first compiles and recompiles, and why the blocks
@@ -315,6 +326,7 @@ def stats(pipe: Any) -> dict[str, Any]:
         "captures": sum(c["captures"] for c in components.values()),
         "replays": sum(c["replays"] for c in components.values()),
         "eager_fallbacks": sum(c["eager_fallbacks"] for c in components.values()),
+        "misses": sum(c["misses"] for c in components.values()),
         "invalidations": sum(c["invalidations"] for c in components.values()),
         "capture_seconds": sum(c["capture_seconds"] for c in components.values()),
         "graph_memory_bytes": pool_bytes,

@@ -37,6 +37,18 @@ class AccelerateConfig:
             autograd, Triton; it sets ``TORCHINDUCTOR_CACHE_DIR`` for the process) and where we keep a
             portable copy of them, so a later process (on this or another machine) starts warm. None:
             PyTorch's default directory, which already makes later processes on this machine warm.
+        text_buckets: Qwen-Image only: pad prompt embeddings and mask to the next of these token
+            lengths (e.g. ``(64, 128, 256, 512)``), so one capture serves every prompt up to a bucket.
+            Not byte-identical to the unpadded call (the masked attention path rounds differently; see
+            :mod:`bcg_diffusion.buckets`). None (default): exact, no padding.
+        warmup: resolutions ``(width, height)`` to capture when :func:`~bcg_diffusion.accelerate`
+            returns, by calling the pipeline once per resolution and CFG mode (see
+            :func:`~bcg_diffusion.warm_up`, which also warms up later).
+        warmup_cfg: the CFG modes to warm up: ``False`` (no CFG) and/or ``True`` (CFG).
+        lazy_capture: capture a signature the first time a call needs it (single-user use). Turn off
+            for serving after a warm-up: a call of a signature never captured then runs eagerly (counted
+            in ``stats()["misses"]`` and logged once with what differs from the nearest captured one),
+            so no request waits for a capture.
     """
 
     mode: str = "exact"
@@ -46,11 +58,15 @@ class AccelerateConfig:
     capture_error_mode: str = "thread_local"
     track_external_tensors: bool = True
     compile_cache_dir: str | None = None
+    text_buckets: tuple[int, ...] | None = None
+    warmup: tuple[tuple[int, int], ...] = ()
+    warmup_cfg: tuple[bool, ...] = (False, True)
+    lazy_capture: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.mode, str) or self.mode not in _MODES:
             raise ValueError(f"mode must be one of {_MODES}, got {self.mode!r}")
-        for name in ("debug", "track_external_tensors"):
+        for name in ("debug", "track_external_tensors", "lazy_capture"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {type(getattr(self, name)).__name__}")
         components = self.components
@@ -74,6 +90,17 @@ class AccelerateConfig:
             if self.mode != "fast":
                 raise ValueError("compile_cache_dir applies to mode='fast' only (exact mode compiles nothing)")
             object.__setattr__(self, "compile_cache_dir", os.fspath(self.compile_cache_dir))
+        if self.text_buckets is not None:
+            from .buckets import validate_buckets
+
+            object.__setattr__(self, "text_buckets", validate_buckets(self.text_buckets))
+        object.__setattr__(self, "warmup", resolution_pairs(self.warmup))
+        cfg_modes = self.warmup_cfg
+        if isinstance(cfg_modes, bool) or not isinstance(cfg_modes, (tuple, list)):
+            raise TypeError(f"warmup_cfg must be a tuple of bools such as (False, True), got {cfg_modes!r}")
+        if not cfg_modes or not all(isinstance(c, bool) for c in cfg_modes):
+            raise ValueError(f"warmup_cfg must name at least one CFG mode (False and/or True), got {cfg_modes!r}")
+        object.__setattr__(self, "warmup_cfg", tuple(dict.fromkeys(cfg_modes)))
         if self.capture_error_mode not in _CAPTURE_ERROR_MODES:
             raise ValueError(
                 f"capture_error_mode must be one of {_CAPTURE_ERROR_MODES}, got {self.capture_error_mode!r}"
@@ -91,3 +118,21 @@ class AccelerateConfig:
         values = {f.name: getattr(config, f.name) for f in fields(cls)} if config is not None else {}
         values.update(options)
         return cls(**values)
+
+
+def resolution_pairs(value: Any) -> tuple[tuple[int, int], ...]:
+    """``[(1024, 1024), (512, 768)]`` as a tuple of ``(width, height)`` pairs of positive ints."""
+    if not isinstance(value, (tuple, list)):
+        raise TypeError(f"warmup must be a list of (width, height) pairs, got {value!r}")
+    pairs = []
+    for item in value:
+        if (
+            not isinstance(item, (tuple, list))
+            or len(item) != 2
+            or not all(isinstance(v, int) and not isinstance(v, bool) for v in item)
+        ):
+            raise TypeError(f"warmup entries must be (width, height) pairs of ints, got {item!r}")
+        if min(item) <= 0:
+            raise ValueError(f"warmup resolution {item!r} must be positive")
+        pairs.append((item[0], item[1]))
+    return tuple(dict.fromkeys(pairs))

@@ -42,6 +42,7 @@ class RunnerCounters:
     eager_fallbacks: int = 0
     invalidations: int = 0
     capture_seconds: float = 0.0
+    misses: int = 0  # calls of an uncaptured signature while capture_new is off (they ran eagerly)
 
 
 @dataclass
@@ -107,6 +108,8 @@ class GraphRunner:
         warmup_runs, capture_error_mode, track_external_tensors: see :class:`AccelerateConfig`.
         state_key: returns extra hashable state that changes what ``fn`` computes but is not in its
             arguments (VAE tiling flags, the attention backend); it becomes part of the signature.
+        capture_new: capture a signature seen for the first time (lazy capture). When False (serving
+            after a warm-up), such a call runs eagerly, is counted in ``misses`` and logged once.
 
     Thread safety: calls are serialised by ``lock``; the static buffers are shared, so two replays of
     one graph must never overlap.
@@ -124,6 +127,7 @@ class GraphRunner:
         capture_error_mode: str = "thread_local",
         track_external_tensors: bool = True,
         state_key: Callable[[], Hashable] | None = None,
+        capture_new: bool = True,
     ) -> None:
         if pool is None and not debug:
             raise ValueError("a GraphRunner needs a GraphPool unless debug=True")
@@ -136,9 +140,11 @@ class GraphRunner:
         self.capture_error_mode = capture_error_mode
         self.track_external_tensors = track_external_tensors
         self.state_key = state_key
+        self.capture_new = capture_new
         self.counters = RunnerCounters()
         self._entries: dict[Hashable, _Entry] = {}
         self._warned: set[str] = set()
+        self._missed: set[Hashable] = set()
         self.closed = False
         self.bypass = 0  # > 0 inside bcg_diffusion.eager(pipe): plain calls, graphs kept
         self.suspended: str | None = None  # why every call currently runs eagerly (e.g. a cache hook)
@@ -168,11 +174,21 @@ class GraphRunner:
         with self.lock:
             entry = self._entries.get(key)
             if entry is None:
+                if not self.capture_new:
+                    return self._miss(key, spec, args, kwargs)
                 return self._capture(key, spec, leaves, args, kwargs)
             if entry.graph is None:
                 self.counters.eager_fallbacks += 1
                 return self.fn(*args, **kwargs)
             return self._replay(entry, leaves, args, kwargs)
+
+    def _miss(self, key: Hashable, spec: Hashable, args: tuple, kwargs: dict) -> Any:
+        """A signature never captured while capture is off: run eagerly; log it the first time."""
+        self.counters.misses += 1
+        if key not in self._missed:
+            self._missed.add(key)
+            self._log_miss(key, spec, captured=False)
+        return self.fn(*args, **kwargs)
 
     def _eager(self, warn_key: str, reason: str, args: tuple, kwargs: dict) -> Any:
         self._warn_once(warn_key, f"bcg-diffusion: {self.name} runs eagerly for this call: {reason}")
@@ -247,8 +263,15 @@ class GraphRunner:
         )
         return self._cloned_outputs(entry)
 
-    def _log_miss(self, key: Hashable, spec: Hashable) -> None:
+    def _log_miss(self, key: Hashable, spec: Hashable, captured: bool = True) -> None:
         """Say what is new about this signature, against the nearest one already captured."""
+        if not captured:
+            # Serving with capture off: a miss is slower, so it is worth more than an INFO line.
+            logger.warning(
+                "%s: signature %s was not warmed up; it runs eagerly (capture of new signatures is off)",
+                self.name,
+                describe(spec),
+            )
         if not self._entries or not logger.isEnabledFor(logging.INFO):
             return
         candidates = []
@@ -271,9 +294,9 @@ class GraphRunner:
                 line = re.sub(pattern, replacement, line)
             nearest.append(line)
         logger.info(
-            "%s: new signature #%d; the nearest captured one differs in: %s",
+            "%s: %s; the nearest captured one differs in: %s",
             self.name,
-            len(self._entries) + 1,
+            f"new signature #{len(self._entries) + 1}" if captured else "missed signature",
             "; ".join(nearest[:4]) + (f" (+{len(nearest) - 4} more)" if len(nearest) > 4 else ""),
         )
 

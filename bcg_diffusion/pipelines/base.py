@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 from diffusers.models.attention_dispatch import _AttentionBackendRegistry
 
+from ..hooks import MethodPatches
 from ..patches import FunctionPatch
 from ..patches.scoped import ProcessorGlobalsPatch
 
@@ -56,6 +57,36 @@ class PipelineAdapter:
 
     def is_tested(self, pipe: Any) -> bool:
         return type(pipe).__name__ in self.tested_classes
+
+    # Warm-up calls: the keyword that switches CFG on and off, and its two values.
+    guidance_argument: str = "guidance_scale"
+    guidance_values: tuple[float, float] = (1.0, 4.0)  # (no CFG, CFG)
+
+    def install_text_buckets(self, pipe: Any, buckets: tuple[int, ...], patches: MethodPatches) -> None:
+        """Pad prompts to ``buckets`` (see :mod:`bcg_diffusion.buckets`). Raises ValueError where the
+        model's own padding would make that change the image."""
+        raise ValueError(f"text buckets are not supported for the {self.name} adapter (Qwen-Image only)")
+
+    def warmup_calls(
+        self, pipe: Any, width: int, height: int, cfg: bool, prompts: Sequence[str], buckets: tuple[int, ...] | None
+    ) -> list[dict[str, Any]]:
+        """Keyword arguments of the warm-up calls for one resolution and CFG mode: one per prompt."""
+        return [self.warmup_kwargs(width, height, cfg, prompt) for prompt in prompts]
+
+    def warmup_kwargs(self, width: int, height: int, cfg: bool, prompt: str) -> dict[str, Any]:
+        """Pipeline arguments of one warm-up call: every signature a normal call at this resolution
+        and CFG mode needs (transformer per step, VAE decode) with two denoising steps."""
+        kwargs = {
+            "prompt": prompt,
+            "width": width,
+            "height": height,
+            "num_inference_steps": 2,
+            "output_type": "pil",
+            self.guidance_argument: self.guidance_values[cfg],
+        }
+        if cfg:
+            kwargs["negative_prompt"] = " "
+        return kwargs
 
     def state_key(self, component: str, module: Any) -> Callable[[], Hashable] | None:
         """Extra signature state for ``component`` (None: its arguments say everything)."""

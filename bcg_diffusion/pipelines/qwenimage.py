@@ -11,6 +11,13 @@ capture fails and they run eagerly with a warning.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from ..buckets import text_buckets_wrapper
+from ..hooks import MethodPatches
 from ..patches.qwenimage import TEXT_SEQ_LEN_PATCH
 from ..patches.rope import QWEN_REAL_ROPE_PATCH
 from .base import PipelineAdapter
@@ -21,4 +28,28 @@ class QwenImageAdapter(PipelineAdapter):
     class_prefixes = ("QwenImage",)
     tested_classes = ("QwenImagePipeline",)
     patches = (TEXT_SEQ_LEN_PATCH,)
+    guidance_argument = "true_cfg_scale"  # true CFG: a second transformer call per step when > 1
     fast_patches = (QWEN_REAL_ROPE_PATCH,)
+
+    def install_text_buckets(self, pipe: Any, buckets: tuple[int, ...], patches: MethodPatches) -> None:
+        patches.replace(pipe, "encode_prompt", text_buckets_wrapper(pipe.encode_prompt, buckets))
+
+    def warmup_calls(
+        self, pipe: Any, width: int, height: int, cfg: bool, prompts: Sequence[str], buckets: tuple[int, ...] | None
+    ) -> list[dict[str, Any]]:
+        """With buckets, one call per bucket with zero embeddings of exactly that length: cond and uncond
+        then share the transformer signature, so the CFG mode adds nothing to capture."""
+        if buckets is None:
+            return super().warmup_calls(pipe, width, height, cfg, prompts, buckets)
+        transformer = pipe.transformer
+        dtype = pipe.text_encoder.dtype if getattr(pipe, "text_encoder", None) is not None else transformer.dtype
+        calls = []
+        for length in buckets:
+            kwargs = self.warmup_kwargs(width, height, False, "")
+            del kwargs["prompt"]
+            kwargs["prompt_embeds"] = torch.zeros(
+                1, length, transformer.config.joint_attention_dim, dtype=dtype, device=transformer.device
+            )
+            kwargs["prompt_embeds_mask"] = torch.ones(1, length, dtype=torch.long, device=transformer.device)
+            calls.append(kwargs)
+        return calls

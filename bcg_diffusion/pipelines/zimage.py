@@ -16,3 +16,4 @@ class ZImageAdapter(PipelineAdapter):
     name = "z-image"
     class_prefixes = ("ZImage",)
     tested_classes = ("ZImagePipeline",)
+    guidance_values = (0.0, 4.0)  # CFG when guidance_scale > 0
