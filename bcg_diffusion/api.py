@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 import torch
 
 from . import fast
+from .budget import SignatureBudget
 from .config import AccelerateConfig
 from .graphs import GraphPool
 from .hooks import MethodPatches, diffusers_hooks, serialise_calls, unserialise_calls, watch_component
@@ -44,6 +45,7 @@ class _PipelineState:
     patches_made: MethodPatches = field(default_factory=MethodPatches)
     patches: list[FunctionPatch] = field(default_factory=list)
     compiled: fast.CompiledBlocks | None = None
+    budget: SignatureBudget | None = None
     scoped_patches: list[str] = field(default_factory=list)  # fast-mode patches applied to this model only
     compiles_saved: int = 0  # state.compiled.compiles when the portable compile cache was last written
 
@@ -145,6 +147,8 @@ def accelerate(pipe: P, config: AccelerateConfig | None = None, **options: Any) 
 
     if not config.debug:
         state.pool = GraphPool(device)
+    if config.max_signatures is not None:
+        state.budget = SignatureBudget(config.max_signatures)
     for patch in adapter.patches:
         if patch.apply():
             state.patches.append(patch)
@@ -224,6 +228,7 @@ def _install(state: _PipelineState, component: str, module: torch.nn.Module, met
         track_external_tensors=state.config.track_external_tensors,
         state_key=state.adapter.state_key(component, module),
         capture_new=state.config.lazy_capture,
+        budget=state.budget,
     )
 
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -301,7 +306,8 @@ def stats(pipe: Any) -> dict[str, Any]:
 
     Keys: ``active`` (graphs in use), ``reason`` (why not), ``mode``, ``debug``, ``adapter``,
     ``captures``, ``replays``, ``eager_fallbacks``, ``misses`` (calls of a signature never captured
-    while ``lazy_capture`` is off; they ran eagerly), ``invalidations`` (times the graphs were dropped
+    while ``lazy_capture`` is off; they ran eagerly), ``evictions`` (signatures dropped to stay within
+    ``max_signatures``), ``invalidations`` (times the graphs were dropped
     because weights or settings changed), ``capture_seconds``, ``graph_memory_bytes`` (the
     shared pool's size now), ``compiled_blocks``, ``compiles`` and ``compile_failure`` (fast mode:
     blocks compiled, dynamo compiles inside them, first compiles and recompiles, and why the blocks
@@ -327,6 +333,7 @@ def stats(pipe: Any) -> dict[str, Any]:
         "replays": sum(c["replays"] for c in components.values()),
         "eager_fallbacks": sum(c["eager_fallbacks"] for c in components.values()),
         "misses": sum(c["misses"] for c in components.values()),
+        "evictions": sum(c["evictions"] for c in components.values()),
         "invalidations": sum(c["invalidations"] for c in components.values()),
         "capture_seconds": sum(c["capture_seconds"] for c in components.values()),
         "graph_memory_bytes": pool_bytes,

@@ -41,6 +41,9 @@ class AccelerateConfig:
             lengths (e.g. ``(64, 128, 256, 512)``), so one capture serves every prompt up to a bucket.
             Not byte-identical to the unpadded call (the masked attention path rounds differently; see
             :mod:`bcg_diffusion.buckets`). None (default): exact, no padding.
+        max_signatures: at most this many captured signatures per pipeline (all components together);
+            capturing one more first evicts the one replayed longest ago, whose graph memory returns to
+            the shared pool. None: no limit.
         warmup: resolutions ``(width, height)`` to capture when :func:`~bcg_diffusion.accelerate`
             returns, by calling the pipeline once per resolution and CFG mode (see
             :func:`~bcg_diffusion.warm_up`, which also warms up later).
@@ -59,6 +62,7 @@ class AccelerateConfig:
     track_external_tensors: bool = True
     compile_cache_dir: str | None = None
     text_buckets: tuple[int, ...] | None = None
+    max_signatures: int | None = None
     warmup: tuple[tuple[int, int], ...] = ()
     warmup_cfg: tuple[bool, ...] = (False, True)
     lazy_capture: bool = True
@@ -90,6 +94,11 @@ class AccelerateConfig:
             if self.mode != "fast":
                 raise ValueError("compile_cache_dir applies to mode='fast' only (exact mode compiles nothing)")
             object.__setattr__(self, "compile_cache_dir", os.fspath(self.compile_cache_dir))
+        if self.max_signatures is not None:
+            if isinstance(self.max_signatures, bool) or not isinstance(self.max_signatures, int):
+                raise TypeError(f"max_signatures must be an int or None, got {type(self.max_signatures).__name__}")
+            if self.max_signatures < 1:
+                raise ValueError(f"max_signatures must be at least 1, got {self.max_signatures}")
         if self.text_buckets is not None:
             from .buckets import validate_buckets
 

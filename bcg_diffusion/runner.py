@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from . import graphs
+from .budget import SignatureBudget
 from .graphs import BreakableGraph, BreakResultMismatch, GraphPool, capture_breakable
 from .tree import UnsupportedValue, describe, differences, flatten, unflatten
 
@@ -43,6 +44,7 @@ class RunnerCounters:
     invalidations: int = 0
     capture_seconds: float = 0.0
     misses: int = 0  # calls of an uncaptured signature while capture_new is off (they ran eagerly)
+    evictions: int = 0  # signatures dropped to stay within max_signatures
 
 
 @dataclass
@@ -110,6 +112,8 @@ class GraphRunner:
             arguments (VAE tiling flags, the attention backend); it becomes part of the signature.
         capture_new: capture a signature seen for the first time (lazy capture). When False (serving
             after a warm-up), such a call runs eagerly, is counted in ``misses`` and logged once.
+        budget: the pipeline's :class:`~bcg_diffusion.budget.SignatureBudget` (``max_signatures``),
+            shared by its runners; None: no limit.
 
     Thread safety: calls are serialised by ``lock``; the static buffers are shared, so two replays of
     one graph must never overlap.
@@ -128,6 +132,7 @@ class GraphRunner:
         track_external_tensors: bool = True,
         state_key: Callable[[], Hashable] | None = None,
         capture_new: bool = True,
+        budget: SignatureBudget | None = None,
     ) -> None:
         if pool is None and not debug:
             raise ValueError("a GraphRunner needs a GraphPool unless debug=True")
@@ -141,6 +146,7 @@ class GraphRunner:
         self.track_external_tensors = track_external_tensors
         self.state_key = state_key
         self.capture_new = capture_new
+        self.budget = budget
         self.counters = RunnerCounters()
         self._entries: dict[Hashable, _Entry] = {}
         self._warned: set[str] = set()
@@ -180,7 +186,9 @@ class GraphRunner:
             if entry.graph is None:
                 self.counters.eager_fallbacks += 1
                 return self.fn(*args, **kwargs)
-            return self._replay(entry, leaves, args, kwargs)
+            if self.budget is not None:
+                self.budget.touch(self, key)
+            return self._replay(key, entry, leaves, args, kwargs)
 
     def _miss(self, key: Hashable, spec: Hashable, args: tuple, kwargs: dict) -> Any:
         """A signature never captured while capture is off: run eagerly; log it the first time."""
@@ -201,13 +209,15 @@ class GraphRunner:
             warnings.warn(message, BCGWarning, stacklevel=4)
 
     # --------------------------------------------------------------------------------------- replay
-    def _replay(self, entry: _Entry, leaves: list[torch.Tensor], args: tuple, kwargs: dict) -> Any:
+    def _replay(self, key: Hashable, entry: _Entry, leaves: list[torch.Tensor], args: tuple, kwargs: dict) -> Any:
         for static, fresh in zip(entry.static_inputs, leaves):
             static.copy_(fresh)
         try:
             entry.graph.replay()
         except BreakResultMismatch as exc:
             self._disable(entry, f"{type(exc).__name__}: {exc}")
+            if self.budget is not None:
+                self.budget.forget(self, key)
             self.counters.eager_fallbacks += 1
             return self.fn(*args, **kwargs)
         entry.record.replays += 1
@@ -250,6 +260,8 @@ class GraphRunner:
             del self._entries[key]
             raise
         record.capture_seconds = time.perf_counter() - started
+        if self.budget is not None:
+            self.budget.admit(self, key)
         self.counters.captures += 1
         self.counters.capture_seconds += record.capture_seconds
         logger.info(
@@ -361,6 +373,20 @@ class GraphRunner:
     def graph_memory_bytes(self) -> int:
         return sum(entry.record.memory_bytes for entry in self._entries.values() if entry.graph is not None)
 
+    def evict(self, key: Hashable) -> None:
+        """Drop one captured signature to make room (called by the budget, under the lock); a later
+        call of it captures again."""
+        entry = self._entries.pop(key, None)
+        if entry is None:
+            return
+        if entry.graph is not None:
+            entry.graph.reset()
+        entry.graph = None
+        entry.outputs = None
+        entry.static_inputs = []
+        self.counters.evictions += 1
+        logger.info("%s: evicted %s", self.name, entry.record.signature)
+
     def invalidate(self, reason: str) -> None:
         """Drop every graph: they bake in weight addresses and Python values that ``reason`` changed.
         The next call of each signature captures again (failed signatures get another try)."""
@@ -377,6 +403,8 @@ class GraphRunner:
             self._free_entries()
 
     def _free_entries(self) -> None:
+        if self.budget is not None:
+            self.budget.forget(self)
         for entry in self._entries.values():
             if entry.graph is not None:
                 entry.graph.reset()
