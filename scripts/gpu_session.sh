@@ -8,7 +8,7 @@
 # Then, with the device tool (carry [".whl"]):  bash scripts/gpu_session.sh PHASE [PHASE ...]
 #
 # Phases:
-#   tests       core + reliability + tiny-pipeline GPU tests (incl. LoRA re-capture)
+#   tests       core + reliability + tiny-pipeline GPU tests (incl. LoRA re-capture, warm-up, buckets, eviction)
 #   tests-full  full-size (random-weight) Qwen-Image and Z-Image equality with eager
 #   tests-fast  fast mode (compiled blocks in graphs) against its compiled reference, tiny pipelines
 #   bench-z          Z-Image-Turbo 512² and 1024², 8 steps, no CFG: every mode, with the loop profile
@@ -33,7 +33,8 @@ for phase in "$@"; do
 case "$phase" in
   tests)
     timeout 200 python3 -m pytest -m cuda -q -rs -p no:cacheprovider --tb=short \
-      tests/test_graphs_cuda.py tests/test_reliability_cuda.py tests/test_pipelines_cuda.py 2>&1 | tee "$out/pytest-cuda-tiny.log" | tail -15
+      tests/test_graphs_cuda.py tests/test_reliability_cuda.py tests/test_pipelines_cuda.py tests/test_serving_cuda.py \
+      2>&1 | tee "$out/pytest-cuda-tiny.log" | tail -15
     ;;
   tests-fast)
     timeout 120 python3 -m pytest -q -rs -p no:cacheprovider --tb=short tests/test_fast_cuda.py 2>&1 \

@@ -1,0 +1,122 @@
+"""Serving on a GPU: warm-up, no capture afterwards, text buckets, eviction (marker: cuda).
+
+Weights from ``BCG_TEST_WEIGHTS`` (default ``tiny``), as in ``test_pipelines_cuda.py``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import os
+import random
+
+import pytest
+import torch
+
+from bcg_diffusion import accelerate, eager, restore, stats
+from bcg_diffusion.loading import build_pipeline
+
+pytestmark = pytest.mark.cuda
+
+WEIGHTS = [w.strip() for w in os.environ.get("BCG_TEST_WEIGHTS", "tiny").split(",") if w.strip()]
+RESOLUTIONS = {"tiny": [(64, 64), (48, 96)], "random-full": [(512, 512), (768, 1344)]}
+WORDS = [
+    "a",
+    "red",
+    "fox",
+    "lighthouse",
+    "coast",
+    "dusk",
+    "painting",
+    "snow",
+    "river",
+    "mountain",
+    "old",
+    "city",
+    "night",
+    "rain",
+    "cat",
+]
+
+
+def _random_prompt(rng):
+    return " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 40)))
+
+
+@pytest.fixture(params=WEIGHTS)
+def qwen(request):
+    pipe = build_pipeline("qwen-image", request.param, device="cuda", dtype=torch.bfloat16)
+    pipe.set_progress_bar_config(disable=True)
+    yield request.param, pipe
+    del pipe
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def _call(pipe, prompt, size, cfg):
+    width, height = size
+    return pipe(
+        prompt=prompt,
+        negative_prompt="ugly" if cfg else None,
+        true_cfg_scale=4.0 if cfg else 1.0,
+        width=width,
+        height=height,
+        num_inference_steps=2,
+        output_type="pt",
+        generator=torch.Generator("cpu").manual_seed(0),
+    ).images
+
+
+@contextlib.contextmanager
+def _unpadded(pipe):
+    """Eager calls without the bucket padding (the pipeline's own ``encode_prompt``)."""
+    padded = pipe.__dict__.pop("encode_prompt")
+    try:
+        with eager(pipe):
+            yield
+    finally:
+        pipe.__dict__["encode_prompt"] = padded
+
+
+def test_bucketed_serving_never_captures_after_warm_up(qwen):
+    weights, pipe = qwen
+    resolutions = RESOLUTIONS[weights]
+    accelerate(pipe, text_buckets=(64, 128), warmup=resolutions, lazy_capture=False)
+    try:
+        warmed = stats(pipe)
+        rng = random.Random(0)
+        worst = 0.0
+        for _ in range(20):
+            prompt, size, cfg = _random_prompt(rng), rng.choice(resolutions), rng.random() < 0.5
+            image = _call(pipe, prompt, size, cfg)
+            with eager(pipe):  # eager with the same padding: the graphs must match it exactly
+                assert torch.equal(image, _call(pipe, prompt, size, cfg))
+            with _unpadded(pipe):
+                unpadded = _call(pipe, prompt, size, cfg)
+            worst = max(worst, (image.float() - unpadded.float()).abs().max().item())
+        served = stats(pipe)
+        assert served["captures"] == warmed["captures"] and served["misses"] == 0, served
+        print(f"\nbuckets vs unpadded, {weights}: max abs difference {worst:.4g} over 20 calls")
+        assert worst < 0.1, worst  # bf16 masked vs unmasked attention; recorded under bench/results
+    finally:
+        restore(pipe)
+
+
+def test_eviction_returns_pool_memory_for_reuse(qwen):
+    weights, pipe = qwen
+    sizes = RESOLUTIONS[weights]
+    accelerate(pipe, max_signatures=2)
+    try:
+        pool = []
+        for _ in range(3):
+            for size in sizes:
+                image = _call(pipe, "a red fox", size, cfg=False)
+                with eager(pipe):
+                    assert torch.equal(image, _call(pipe, "a red fox", size, cfg=False))
+            pool.append(stats(pipe)["graph_memory_bytes"])
+        report = stats(pipe)
+        assert report["evictions"] > 0 and len(report["signatures"]) <= 2
+        print(f"\npool with max_signatures=2 after each cycle over {sizes}: {[p / 2**20 for p in pool]} MiB")
+        assert pool[-1] <= pool[0] * 1.1, pool  # evicted blocks are reused by the next captures
+    finally:
+        restore(pipe)
