@@ -105,11 +105,12 @@ def _loop_inputs(pipe: Any, case: Case) -> dict[str, Any]:
 
 
 def _loop_wall_and_kernel(pipe: Any, kwargs: dict[str, Any], device: torch.device) -> tuple[float, float]:
-    """(wall seconds after one warm-up, GPU kernel seconds from one profiled run) of one call."""
+    """(median wall seconds of 3 runs after one warm-up, GPU kernel seconds from one profiled run) of
+    one call. The median matters: the per-step figure is a difference of two such walls."""
     from torch.profiler import ProfilerActivity, profile
 
     walls = []
-    for _ in range(2):
+    for _ in range(4):
         kwargs["generator"] = torch.Generator("cpu").manual_seed(0)
         _sync(device)
         start = time.perf_counter()
@@ -122,7 +123,7 @@ def _loop_wall_and_kernel(pipe: Any, kwargs: dict[str, Any], device: torch.devic
         pipe(**kwargs)
         _sync(device)
     kernel_us = sum(e.device_time for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
-    return walls[-1], kernel_us / 1e6
+    return statistics.median(walls[1:]), kernel_us / 1e6
 
 
 def denoise_profile(pipe: Any, case: Case, device: torch.device) -> dict[str, float]:

@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
+import gc
+import os
+from collections.abc import Iterator
 from typing import Any
 
 import torch
+
+from bcg_diffusion.loading import build_pipeline
 
 SHORT = "a red fox in the snow"
 LONG = (
@@ -50,3 +56,22 @@ def run_case(
     )
     images = out.images
     return images.detach().cpu() if isinstance(images, torch.Tensor) else torch.stack([i.cpu() for i in images])
+
+
+# GPU tests: which weights to build (``BCG_TEST_WEIGHTS``, comma-separated; ``random-full`` builds the
+# real architectures with random weights and needs ~60 GB of GPU memory for Qwen-Image).
+GPU_WEIGHTS = [w.strip() for w in os.environ.get("BCG_TEST_WEIGHTS", "tiny").split(",") if w.strip()]
+
+
+@contextlib.contextmanager
+def cuda_pipeline(name: str, weights: str) -> Iterator[Any]:
+    """A bf16 pipeline on the GPU, freed (and dynamo's compiled code dropped) afterwards."""
+    pipe = build_pipeline(name, weights, device="cuda", dtype=torch.bfloat16)
+    pipe.set_progress_bar_config(disable=True)
+    try:
+        yield pipe
+    finally:
+        del pipe
+        gc.collect()
+        torch.cuda.empty_cache()
+        torch._dynamo.reset()

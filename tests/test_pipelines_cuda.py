@@ -6,31 +6,23 @@ real architectures with random weights (needs ~60 GB of GPU memory for Qwen-Imag
 
 from __future__ import annotations
 
-import gc
-import os
-
 import pytest
 import torch
-from _cases import CASES, run_case
+from _cases import CASES, GPU_WEIGHTS, cuda_pipeline, run_case
 
 from bcg_diffusion import accelerate, restore, stats
 from bcg_diffusion.loading import build_pipeline
 
 pytestmark = pytest.mark.cuda
 
-WEIGHTS = [w.strip() for w in os.environ.get("BCG_TEST_WEIGHTS", "tiny").split(",") if w.strip()]
 RESOLUTIONS = {"tiny": ((64, 64), (48, 96)), "random-full": ((512, 512), (768, 1344))}
 
 
-@pytest.fixture(scope="module", params=[(p, w) for w in WEIGHTS for p in ("qwen-image", "z-image")], ids=str)
+@pytest.fixture(scope="module", params=[(p, w) for w in GPU_WEIGHTS for p in ("qwen-image", "z-image")], ids=str)
 def pipeline(request):
     name, weights = request.param
-    pipe = build_pipeline(name, weights, device="cuda", dtype=torch.bfloat16)
-    pipe.set_progress_bar_config(disable=True)
-    yield name, weights, pipe
-    del pipe
-    gc.collect()
-    torch.cuda.empty_cache()
+    with cuda_pipeline(name, weights) as pipe:
+        yield name, weights, pipe
 
 
 def _calls(name, weights):

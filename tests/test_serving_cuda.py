@@ -6,19 +6,16 @@ Weights from ``BCG_TEST_WEIGHTS`` (default ``tiny``), as in ``test_pipelines_cud
 from __future__ import annotations
 
 import contextlib
-import gc
-import os
 import random
 
 import pytest
 import torch
+from _cases import GPU_WEIGHTS, cuda_pipeline
 
 from bcg_diffusion import accelerate, eager, restore, stats
-from bcg_diffusion.loading import build_pipeline
 
 pytestmark = pytest.mark.cuda
 
-WEIGHTS = [w.strip() for w in os.environ.get("BCG_TEST_WEIGHTS", "tiny").split(",") if w.strip()]
 RESOLUTIONS = {"tiny": [(64, 64), (48, 96)], "random-full": [(512, 512), (768, 1344)]}
 WORDS = [
     "a",
@@ -43,14 +40,10 @@ def _random_prompt(rng):
     return " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 40)))
 
 
-@pytest.fixture(params=WEIGHTS)
+@pytest.fixture(params=GPU_WEIGHTS)
 def qwen(request):
-    pipe = build_pipeline("qwen-image", request.param, device="cuda", dtype=torch.bfloat16)
-    pipe.set_progress_bar_config(disable=True)
-    yield request.param, pipe
-    del pipe
-    gc.collect()
-    torch.cuda.empty_cache()
+    with cuda_pipeline("qwen-image", request.param) as pipe:
+        yield request.param, pipe
 
 
 def _call(pipe, prompt, size, cfg):
