@@ -107,8 +107,10 @@ def accelerate(pipe: P, config: AccelerateConfig | None = None, **options: Any) 
 
     Returns the same pipeline object, patched in place: every call then captures one graph per input
     signature (resolution, batch, text length, CFG mode) on first use and replays it afterwards, with
-    images byte-identical to eager in the default ``mode="exact"``. ``mode="fast"`` also compiles the
-    transformer's repeated blocks with inductor and captures the compiled kernels (see :mod:`bcg_diffusion.fast`).
+    images byte-identical to eager in the default ``mode="exact"``. ``mode="fast"`` also compiles
+    the transformer's repeated blocks with inductor and captures the compiled kernels (see
+    :mod:`bcg_diffusion.fast`). ``warmup=[(w, h), ...]`` captures before returning (see
+    :func:`~bcg_diffusion.warm_up`).
 
     Args:
         pipe: a diffusers pipeline with a ``transformer`` (Qwen-Image and Z-Image are tested; others
@@ -306,14 +308,14 @@ def stats(pipe: Any) -> dict[str, Any]:
 
     Keys: ``active`` (graphs in use), ``reason`` (why not), ``mode``, ``debug``, ``adapter``,
     ``captures``, ``replays``, ``eager_fallbacks``, ``misses`` (calls of a signature never captured
-    while ``lazy_capture`` is off; they ran eagerly), ``evictions`` (signatures dropped to stay within
-    ``max_signatures``), ``invalidations`` (times the graphs were dropped
-    because weights or settings changed), ``capture_seconds``, ``graph_memory_bytes`` (the
-    shared pool's size now), ``compiled_blocks``, ``compiles`` and ``compile_failure`` (fast mode:
-    blocks compiled, dynamo compiles inside them, first compiles and recompiles, and why the blocks
-    went back to eager forwards, if they did; 0 / None in exact mode), ``signatures`` (one dict per captured signature: component, signature,
-    status, reason, segments, breaks, memory_bytes, capture_seconds, replays), ``components``
-    (counters per component) and ``patches``.
+    while ``lazy_capture`` is off; they ran eagerly), ``evictions`` (signatures dropped to stay
+    within ``max_signatures``), ``invalidations`` (times the graphs were dropped because weights or
+    settings changed), ``capture_seconds``, ``graph_memory_bytes`` (the shared pool's size now),
+    ``compiled_blocks``, ``compiles`` and ``compile_failure`` (fast mode: blocks compiled, dynamo
+    compiles inside them, first compiles and recompiles, and why the blocks went back to eager
+    forwards, if they did; 0 / None in exact mode), ``signatures`` (one dict per captured signature:
+    component, signature, status, reason, segments, breaks, memory_bytes, capture_seconds,
+    replays), ``components`` (counters per component) and ``patches``.
 
     Raises:
         ValueError: the pipeline was never accelerated.

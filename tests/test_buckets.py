@@ -85,3 +85,16 @@ def test_buckets_are_refused_for_z_image():
         assert "encode_prompt" not in pipe.__dict__
     finally:
         restore(pipe)
+
+
+def test_a_bucketed_warm_up_with_cfg_also_covers_calls_without():
+    pipe = build_pipeline("qwen-image", "tiny", device="cpu")
+    pipe.set_progress_bar_config(disable=True)
+    accelerate(pipe, debug=True, text_buckets=(32,), warmup=[(64, 64)], warmup_cfg=(True,), lazy_capture=False)
+    try:
+        for prompt in PROMPTS:
+            pipe(prompt=prompt, height=64, width=64, num_inference_steps=2, output_type="pt")
+        report = stats(pipe)
+        assert report["captures"] == 2 and report["misses"] == 0, report["signatures"]
+    finally:
+        restore(pipe)

@@ -3,8 +3,8 @@
 Per denoising step the pipeline calls the transformer once, or twice with true CFG (cond and
 uncond, each with its own text length, so two signatures). When prompts in a batch differ in length
 it passes a text mask: the masked path's only host copy (``compute_text_seq_len_from_mask``) is
-patched to a device-side fill. RoPE tables are built and cached during warm-up, before capture. In fast mode the blocks apply RoPE
-in real arithmetic (inductor does not compile complex multiplication).
+patched to a device-side fill. RoPE tables are built and cached during warm-up, before capture. In
+fast mode the blocks apply RoPE in real arithmetic (inductor does not compile complex multiplication).
 The Edit variants build a tensor from a Python list inside the forward (``zero_cond_t``); their
 capture fails and they run eagerly with a warning.
 """
@@ -37,19 +37,23 @@ class QwenImageAdapter(PipelineAdapter):
     def warmup_calls(
         self, pipe: Any, width: int, height: int, cfg: bool, prompts: Sequence[str], buckets: tuple[int, ...] | None
     ) -> list[dict[str, Any]]:
-        """With buckets, one call per bucket with zero embeddings of exactly that length: cond and uncond
-        then share the transformer signature, so the CFG mode adds nothing to capture."""
+        """With buckets, one call per bucket with zero embeddings of exactly that length (the negative
+        prompt too, with CFG). Cond and uncond then share the transformer signature of their bucket,
+        so CFG adds nothing to capture; its calls cost replays only."""
         if buckets is None:
             return super().warmup_calls(pipe, width, height, cfg, prompts, buckets)
         transformer = pipe.transformer
         dtype = pipe.text_encoder.dtype if getattr(pipe, "text_encoder", None) is not None else transformer.dtype
         calls = []
         for length in buckets:
-            kwargs = self.warmup_kwargs(width, height, False, "")
+            kwargs = self.warmup_kwargs(width, height, cfg, "")
             del kwargs["prompt"]
-            kwargs["prompt_embeds"] = torch.zeros(
-                1, length, transformer.config.joint_attention_dim, dtype=dtype, device=transformer.device
-            )
-            kwargs["prompt_embeds_mask"] = torch.ones(1, length, dtype=torch.long, device=transformer.device)
+            kwargs.pop("negative_prompt", None)
+            shape, device = (1, length, transformer.config.joint_attention_dim), transformer.device
+            kwargs["prompt_embeds"] = torch.zeros(shape, dtype=dtype, device=device)
+            kwargs["prompt_embeds_mask"] = torch.ones(1, length, dtype=torch.long, device=device)
+            if cfg:
+                kwargs["negative_prompt_embeds"] = torch.zeros(shape, dtype=dtype, device=device)
+                kwargs["negative_prompt_embeds_mask"] = torch.ones(1, length, dtype=torch.long, device=device)
             calls.append(kwargs)
         return calls
