@@ -17,11 +17,12 @@
 #   bench-qwen-512   Qwen-Image 512², 50 steps, true CFG 4: every mode
 #   bench-qwen-1024  Qwen-Image 1024², 20 steps, true CFG 4: every mode
 #   issue2           python -m bench --preset issue2 --modes eager,bcg --profile
+#   memory-z         graph memory of 4 resolutions x 2 CFG modes against one, peak replay vs eager (Z-Image)
 #   demo             app.py --record: one side-by-side demo generation with full-size random Z-Image, saved
 #                    for `python scripts/screenshot_replay.py DIR OUT.png` here (the GPU machine has no browser)
 # Everything it writes is under $OUT (logs, results.json/.md/.png); copy it to bench/results/<date>-h200/.
 set -uo pipefail
-[ $# -gt 0 ] || { echo "usage: scripts/gpu_session.sh tests|tests-full|tests-fast|fast-check|bench-z|warm-start-z|bench-qwen|bench-qwen-512|bench-qwen-1024|issue2|demo ..." >&2; exit 2; }
+[ $# -gt 0 ] || { echo "usage: scripts/gpu_session.sh tests|tests-full|tests-fast|fast-check|memory-z|bench-z|warm-start-z|bench-qwen|bench-qwen-512|bench-qwen-1024|issue2|demo ..." >&2; exit 2; }
 out=${OUT:-/tmp/bcg-out}
 mkdir -p "$out"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -64,6 +65,11 @@ case "$phase" in
         --steps "$steps" --guidance "$guidance" --warmup 0 --modes eager,fast --no-progress \
         --out "$out/fast-check-$pipeline" 2>&1 | tee "$out/fast-check-$pipeline.log" | grep -v "^DEBUG" | tail -14
     done
+    ;;
+  memory-z)
+    timeout 300 python3 -m bench.memory --pipeline z-image --weights random-full \
+      --resolutions 512x512,768x768,1024x1024,768x1344 --out "$out/memory-z-image" 2>&1 \
+      | tee "$out/memory-z-image.log" | grep -v "^DEBUG" | tail -30
     ;;
   tests-full)
     BCG_TEST_WEIGHTS=random-full timeout 330 python3 -m pytest -q -s -p no:cacheprovider --tb=short \

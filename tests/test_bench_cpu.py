@@ -57,3 +57,18 @@ def test_bad_arguments_exit_with_a_message(argv, capsys):
     with pytest.raises(SystemExit):
         cli.parse_args(argv)
     assert "error" in capsys.readouterr().err
+
+
+def test_memory_report_fields(tmp_path):
+    from bench import memory
+
+    assert (
+        memory.main(["--weights", "tiny", "--device", "cpu", "--resolutions", "64x64,48x96", "--out", str(tmp_path)])
+        == 0
+    )
+    result = json.loads((tmp_path / "memory.json").read_text())
+    assert result["largest_resolution"] == [48, 96]
+    # Per resolution: the VAE and a transformer signature per CFG mode (Z-Image's CFG doubles the batch).
+    assert result["single"]["signatures"] == 2 and result["all"]["signatures"] == 6
+    assert {"pool_bytes", "per_signature_bytes"} <= set(result["all"])
+    assert {"peak_eager_bytes", "peak_replay_bytes", "pool_ratio_all_over_single"} <= set(result)
