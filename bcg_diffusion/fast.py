@@ -59,19 +59,18 @@ def _compiles_so_far() -> int:
 
 
 # Compiled variants allowed per block class and pipeline. Each structural variant of a block call
-# (modulated or not, with or without an attention mask, batch 1 or more) is one dynamo compile, and the
-# first size change of each adds one more before dynamo makes that size symbolic: Z-Image needs about 10
-# with CFG, masks and several resolutions, above dynamo's default of 8.
+# (modulated or not, with or without an attention mask, batch 1 or more) is one dynamo compile: tiny
+# Z-Image needs 8 over CFG, masks and three resolutions, which is dynamo's whole default limit.
 RECOMPILE_LIMIT = 32
 
-_COMPILE_ERRORS: tuple[type[BaseException], ...] = tuple(
-    cls
-    for cls in (
-        getattr(torch._dynamo.exc, "TorchDynamoException", None),
-        getattr(torch._dynamo.exc, "FailOnRecompileLimitHit", None),
-    )
-    if cls is not None
-)
+
+def _compile_errors() -> tuple[type[BaseException], ...]:
+    """Dynamo's errors for a block it cannot compile (looked up when one is raised: importing dynamo
+    costs seconds, which ``import bcg_diffusion`` should not pay)."""
+    from torch._dynamo import exc
+
+    names = ("TorchDynamoException", "FailOnRecompileLimitHit")
+    return tuple(getattr(exc, name) for name in names if hasattr(exc, name))
 
 
 @dataclass
@@ -129,7 +128,7 @@ def _compiled_forward(
         try:
             with _compile_settings():
                 return call_untracked(compiled, *args, **kwargs)
-        except _COMPILE_ERRORS as exc:
+        except _compile_errors() as exc:
             record.failure = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
             warnings.warn(
                 f"bcg-diffusion: fast mode could not compile a block ({record.failure}); every block of this "

@@ -11,9 +11,6 @@ it, and only inside the accelerated model (:mod:`bcg_diffusion.patches.scoped`).
 from __future__ import annotations
 
 import torch
-from diffusers.models.transformers.transformer_qwenimage import (
-    apply_rotary_emb_qwen as _diffusers_apply_rotary_emb_qwen,
-)
 
 from .scoped import ProcessorGlobalsPatch
 
@@ -32,7 +29,9 @@ def apply_rotary_emb_qwen(
     ``x``: ``[B, S, H, D]``; ``freqs_cis``: complex ``[S, D/2]``. Returns ``x`` rotated, in ``x``'s dtype.
     """
     if use_real:
-        return _diffusers_apply_rotary_emb_qwen(x, freqs_cis, use_real, use_real_unbind_dim)
+        from diffusers.models.transformers.transformer_qwenimage import apply_rotary_emb_qwen as original
+
+        return original(x, freqs_cis, use_real, use_real_unbind_dim)
     pairs = x.float().unflatten(-1, (-1, 2))
     real, imag = pairs[..., 0], pairs[..., 1]
     freqs = torch.view_as_real(freqs_cis).unsqueeze(1)  # [S, 1, D/2, 2], broadcast over heads
