@@ -40,7 +40,8 @@ def warm_up(
     Returns ``{"calls", "captures", "seconds"}``: pipeline calls made, signatures captured, wall time.
 
     Raises:
-        ValueError: the pipeline was never accelerated, or a resolution is not a positive pair.
+        ValueError: the pipeline was never accelerated, or a resolution is not positive.
+        TypeError: a resolution is not a ``(width, height)`` pair of ints.
 
     >>> pipe = accelerate(pipe, lazy_capture=False)               # doctest: +SKIP
     >>> warm_up(pipe, [(1024, 1024), (512, 512)], cfg=(True,))     # doctest: +SKIP

@@ -121,7 +121,7 @@ def run_case(
         for name, entry in entries.items():
             if name in result["modes"]:  # the second eager of a separate peer's group
                 continue
-            if group is not together and "eager" in entries:
+            if name in SEPARATE and "eager" in entries:
                 entry["eager_same_group_s"] = entries["eager"].get("latency_s")
             result["modes"][name] = entry
         if checkpoint is not None:
