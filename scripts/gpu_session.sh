@@ -17,12 +17,13 @@
 #   bench-qwen-512   Qwen-Image 512², 50 steps, true CFG 4: every mode
 #   bench-qwen-1024  Qwen-Image 1024², 20 steps, true CFG 4: every mode
 #   issue2           python -m bench --preset issue2 --modes eager,bcg --profile
+#   profile-qwen     Qwen-Image 512², 50 steps, true CFG: eager and bcg with the per-step loop profile
 #   memory-z         graph memory of 4 resolutions x 2 CFG modes against one, peak replay vs eager (Z-Image)
 #   demo             app.py --record: one side-by-side demo generation with full-size random Z-Image, saved
 #                    for `python scripts/screenshot_replay.py DIR OUT.png` here (the GPU machine has no browser)
 # Everything it writes is under $OUT (logs, results.json/.md/.png); copy it to bench/results/<date>-h200/.
 set -uo pipefail
-[ $# -gt 0 ] || { echo "usage: scripts/gpu_session.sh tests|tests-full|tests-fast|fast-check|memory-z|bench-z|warm-start-z|bench-qwen|bench-qwen-512|bench-qwen-1024|issue2|demo ..." >&2; exit 2; }
+[ $# -gt 0 ] || { echo "usage: scripts/gpu_session.sh tests|tests-full|tests-fast|fast-check|profile-qwen|memory-z|bench-z|warm-start-z|bench-qwen|bench-qwen-512|bench-qwen-1024|issue2|demo ..." >&2; exit 2; }
 out=${OUT:-/tmp/bcg-out}
 mkdir -p "$out"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -65,6 +66,12 @@ case "$phase" in
         --steps "$steps" --guidance "$guidance" --warmup 0 --modes eager,fast --no-progress \
         --out "$out/fast-check-$pipeline" 2>&1 | tee "$out/fast-check-$pipeline.log" | grep -v "^DEBUG" | tail -14
     done
+    ;;
+  profile-qwen)
+    # Issue 2's remaining figure: Qwen-Image 512² denoising loop, wall over GPU kernel time per step.
+    timeout 560 python3 -m bench --pipeline qwen-image --weights random-full --resolutions 512x512 --steps 50 \
+      --guidance 4 --modes eager,bcg --runs 3 --profile --no-progress --out "$out/profile-qwen-image-512" 2>&1 \
+      | tee "$out/profile-qwen-image-512.log" | grep -v "^DEBUG" | tail -20
     ;;
   memory-z)
     timeout 300 python3 -m bench.memory --pipeline z-image --weights random-full \
