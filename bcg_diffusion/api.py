@@ -21,6 +21,7 @@ from .config import AccelerateConfig
 from .graphs import GraphPool
 from .hooks import MethodPatches, diffusers_hooks, serialise_calls, unserialise_calls, watch_component
 from .patches import FunctionPatch
+from .patches.text_encoder import CAUSAL_MASK_PATCH
 from .pipelines import PipelineAdapter, adapter_for
 from .runner import BCGWarning, GraphRunner
 
@@ -151,7 +152,8 @@ def accelerate(pipe: P, config: AccelerateConfig | None = None, **options: Any) 
         state.pool = GraphPool(device)
     if config.max_signatures is not None:
         state.budget = SignatureBudget(config.max_signatures)
-    for patch in adapter.patches:
+    patches = adapter.patches + ((CAUSAL_MASK_PATCH,) if "text_encoder" in config.components else ())
+    for patch in patches:
         if patch.apply():
             state.patches.append(patch)
     if config.text_buckets is not None:
@@ -220,7 +222,7 @@ def _save_compile_cache(state: _PipelineState) -> None:
 def _install(state: _PipelineState, component: str, module: torch.nn.Module, method: str) -> None:
     original = getattr(module, method)
     runner = GraphRunner(
-        original,
+        state.adapter.runner_callable(component, original),
         name=component,
         pool=state.pool,
         lock=state.lock,
@@ -229,6 +231,7 @@ def _install(state: _PipelineState, component: str, module: torch.nn.Module, met
         capture_error_mode=state.config.capture_error_mode,
         track_external_tensors=state.config.track_external_tensors,
         state_key=state.adapter.state_key(component, module),
+        call_key=state.adapter.call_key(component),
         capture_new=state.config.lazy_capture,
         budget=state.budget,
     )

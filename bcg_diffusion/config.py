@@ -10,7 +10,7 @@ __all__ = ["AccelerateConfig"]
 
 _MODES = ("exact", "fast")
 _CAPTURE_ERROR_MODES = ("global", "thread_local", "relaxed")
-_KNOWN_COMPONENTS = ("transformer", "vae")
+_KNOWN_COMPONENTS = ("transformer", "vae", "text_encoder")
 
 
 @dataclass(frozen=True)
@@ -25,8 +25,10 @@ class AccelerateConfig:
             to eager: compiled kernels round differently (see the README for measured differences).
         debug: run the whole runner path (signatures, static buffers, copies, output clones,
             counters) eagerly, without CUDA graphs. Works on CPU; tells a capture bug from a model bug.
-        components: which pipeline components to run as graphs: ``"transformer"`` (its forward)
-            and/or ``"vae"`` (its ``decode``).
+        components: which pipeline components to run as graphs: ``"transformer"`` (its forward),
+            ``"vae"`` (its ``decode``) and, opt-in, ``"text_encoder"`` (its forward; built for
+            Z-Image's Qwen3 encoder, whose prompts are always padded to 512 tokens: one capture serves
+            every prompt. Not yet measured on a GPU).
         warmup_runs: eager runs on the capture stream before each capture (cuBLAS workspaces,
             lazily built caches such as RoPE tables). At least 1.
         capture_error_mode: ``cudaStreamCaptureMode`` for captures: ``"thread_local"`` (default)

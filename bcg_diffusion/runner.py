@@ -110,6 +110,9 @@ class GraphRunner:
         warmup_runs, capture_error_mode, track_external_tensors: see :class:`AccelerateConfig`.
         state_key: returns extra hashable state that changes what ``fn`` computes but is not in its
             arguments (VAE tiling flags, the attention backend); it becomes part of the signature.
+        call_key: ``call_key(args, kwargs)`` returns a decision about the call's *values* that changes
+            which code path ``fn`` takes (a text encoder's "no token is padded"); it becomes part of
+            the signature, so each path gets its own graph.
         capture_new: capture a signature seen for the first time (lazy capture). When False (serving
             after a warm-up), such a call runs eagerly, is counted in ``misses`` and logged once.
         budget: the pipeline's :class:`~bcg_diffusion.budget.SignatureBudget` (``max_signatures``),
@@ -131,6 +134,7 @@ class GraphRunner:
         capture_error_mode: str = "thread_local",
         track_external_tensors: bool = True,
         state_key: Callable[[], Hashable] | None = None,
+        call_key: Callable[[tuple, dict], Hashable] | None = None,
         capture_new: bool = True,
         budget: SignatureBudget | None = None,
     ) -> None:
@@ -145,6 +149,8 @@ class GraphRunner:
         self.capture_error_mode = capture_error_mode
         self.track_external_tensors = track_external_tensors
         self.state_key = state_key
+        self.call_key = call_key
+        self._keyed = state_key is not None or call_key is not None
         self.capture_new = capture_new
         self.budget = budget
         self.counters = RunnerCounters()
@@ -176,7 +182,7 @@ class GraphRunner:
             leaves, spec = flatten((args, kwargs))
         except UnsupportedValue as exc:
             return self._eager(f"unsupported:{exc}", str(exc), args, kwargs)
-        key = (spec, self.state_key()) if self.state_key is not None else spec
+        key = (spec, self._state(args, kwargs)) if self._keyed else spec
         with self.lock:
             entry = self._entries.get(key)
             if entry is None:
@@ -189,6 +195,12 @@ class GraphRunner:
             if self.budget is not None:
                 self.budget.touch(self, key)
             return self._replay(key, entry, leaves, args, kwargs)
+
+    def _state(self, args: tuple, kwargs: dict) -> Hashable:
+        return (
+            self.state_key() if self.state_key is not None else None,
+            self.call_key(args, kwargs) if self.call_key is not None else None,
+        )
 
     def _miss(self, key: Hashable, spec: Hashable, args: tuple, kwargs: dict) -> Any:
         """A signature never captured while capture is off: run eagerly; log it the first time."""
@@ -288,9 +300,9 @@ class GraphRunner:
             return
         candidates = []
         for other_key in self._entries:
-            other_spec, other_state = other_key if self.state_key is not None else (other_key, None)
+            other_spec, other_state = other_key if self._keyed else (other_key, None)
             found = differences(other_spec, spec)
-            if self.state_key is not None and other_state != key[1]:
+            if self._keyed and other_state != key[1]:
                 found.append(f"component state: {other_state!r} -> {key[1]!r}")
             candidates.append(found)
         # Specs are of (args, kwargs): "0.2.x" is positional argument 2, "1.mask" the keyword "mask".

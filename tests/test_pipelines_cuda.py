@@ -94,3 +94,34 @@ def test_lora_changes_recapture_and_follow_the_lora():
         assert all(s["status"] == "captured" for s in report["signatures"])
     finally:
         restore(pipe)
+
+
+@pytest.mark.parametrize("weights", GPU_WEIGHTS)
+def test_z_image_text_encoder_graphs_equal_eager(weights):
+    """Opt-in text encoder capture: the mask preparation is an eager break, decided as eager decides."""
+    prompts = ["a red fox in the snow", "fox " * 600]  # padded to 512 tokens, and filling all 512
+    with cuda_pipeline("z-image", weights) as pipe:
+
+        def call(prompt):
+            return pipe(
+                prompt=prompt,
+                height=64 if weights == "tiny" else 512,
+                width=64 if weights == "tiny" else 512,
+                num_inference_steps=2,
+                guidance_scale=0.0,
+                output_type="pt",
+                generator=torch.Generator("cpu").manual_seed(0),
+            ).images.cpu()
+
+        expected = [call(p) for p in prompts]
+        accelerate(pipe, components=("transformer", "vae", "text_encoder"))
+        try:
+            for _ in range(2):  # capture, then replay
+                for prompt, image in zip(prompts, expected):
+                    assert torch.equal(call(prompt), image)
+            report = stats(pipe)
+            encoder = [s for s in report["signatures"] if s["component"] == "text_encoder"]
+            assert len(encoder) == 2 and all(s["status"] == "captured" and s["breaks"] == 1 for s in encoder), encoder
+            assert report["eager_fallbacks"] == 0
+        finally:
+            restore(pipe)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
@@ -43,7 +44,7 @@ class PipelineAdapter:
     name: str = "generic"
     class_prefixes: tuple[str, ...] = ()
     tested_classes: tuple[str, ...] = ()
-    targets: dict[str, str] = {"transformer": "forward", "vae": "decode"}
+    targets: dict[str, str] = {"transformer": "forward", "vae": "decode", "text_encoder": "forward"}
     patches: tuple[FunctionPatch, ...] = ()
     # Fast mode only: patches that compile better but round differently, scoped to the accelerated model.
     fast_patches: tuple[ProcessorGlobalsPatch, ...] = ()
@@ -61,6 +62,33 @@ class PipelineAdapter:
     # Warm-up calls: the keyword that switches CFG on and off, and its two values.
     guidance_argument: str = "guidance_scale"
     guidance_values: tuple[float, float] = (1.0, 4.0)  # (no CFG, CFG)
+
+    def runner_callable(self, component: str, method: Callable[..., Any]) -> Callable[..., Any]:
+        """What the runner of ``component`` calls: ``method`` itself, except for a text encoder, which is
+        called with ``use_cache=False`` (a key/value cache object is not a tensor output a graph can
+        return, and encoding a prompt once never reads it)."""
+        if component != "text_encoder":
+            return method
+
+        @functools.wraps(method)
+        def without_cache(*args: Any, **kwargs: Any) -> Any:
+            kwargs.setdefault("use_cache", False)
+            return method(*args, **kwargs)
+
+        return without_cache
+
+    def call_key(self, component: str) -> Callable[[tuple, dict], Hashable] | None:
+        """A decision about a call's values that picks a code path, made eagerly and put in the
+        signature (None: shapes say everything). For a text encoder: whether every token is valid, which
+        decides whether transformers builds an attention mask at all."""
+        if component != "text_encoder":
+            return None
+
+        def all_tokens_valid(args: tuple, kwargs: dict) -> bool:
+            mask = kwargs.get("attention_mask")
+            return mask is None or bool(mask.all())  # a host sync, once per prompt encoding
+
+        return all_tokens_valid
 
     def install_text_buckets(self, pipe: Any, buckets: tuple[int, ...], patches: MethodPatches) -> None:
         """Pad prompts to ``buckets`` (see :mod:`bcg_diffusion.buckets`). Raises ValueError where the
