@@ -48,6 +48,9 @@ class PipelineAdapter:
     patches: tuple[FunctionPatch, ...] = ()
     # Fast mode only: patches that compile better but round differently, scoped to the accelerated model.
     fast_patches: tuple[ProcessorGlobalsPatch, ...] = ()
+    # Warm-up calls: the keyword that switches CFG on and off, and its two values.
+    guidance_argument: str = "guidance_scale"
+    guidance_values: tuple[float, float] = (1.0, 4.0)  # (no CFG, CFG)
 
     def matches(self, pipe: Any) -> bool:
         return (
@@ -58,10 +61,6 @@ class PipelineAdapter:
 
     def is_tested(self, pipe: Any) -> bool:
         return type(pipe).__name__ in self.tested_classes
-
-    # Warm-up calls: the keyword that switches CFG on and off, and its two values.
-    guidance_argument: str = "guidance_scale"
-    guidance_values: tuple[float, float] = (1.0, 4.0)  # (no CFG, CFG)
 
     def runner_callable(self, component: str, method: Callable[..., Any]) -> Callable[..., Any]:
         """What the runner of ``component`` calls: ``method`` itself, except for a text encoder, which is
@@ -85,7 +84,7 @@ class PipelineAdapter:
             return None
 
         def all_tokens_valid(args: tuple, kwargs: dict) -> bool:
-            mask = kwargs.get("attention_mask")
+            mask = kwargs.get("attention_mask", args[1] if len(args) > 1 else None)  # forward(input_ids, mask)
             return mask is None or bool(mask.all())  # a host sync, once per prompt encoding
 
         return all_tokens_valid
