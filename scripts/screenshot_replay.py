@@ -31,13 +31,15 @@ CHROMIUM_ARGS = [
 ]
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A localhost TCP port nothing listens on now."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
 
 
-def _wait_until_serving(url: str, server: subprocess.Popen, seconds: float = 120) -> None:
+def wait_until_serving(url: str, server: subprocess.Popen, seconds: float = 120) -> None:
+    """Return once ``url`` answers 200. Raises RuntimeError if ``server`` exits or ``seconds`` pass first."""
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         if server.poll() is not None:
@@ -54,12 +56,12 @@ def _wait_until_serving(url: str, server: subprocess.Popen, seconds: float = 120
 def screenshot(recording: Path, out: Path) -> None:
     from playwright.sync_api import sync_playwright
 
-    port = _free_port()
+    port = free_port()
     command = [sys.executable, str(ROOT / "app.py"), "--replay", str(recording), "--port", str(port)]
     server = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         url = f"http://127.0.0.1:{port}/"
-        _wait_until_serving(url, server)
+        wait_until_serving(url, server)
         with sync_playwright() as playwright:
             browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
             try:
@@ -74,11 +76,17 @@ def screenshot(recording: Path, out: Path) -> None:
             finally:
                 browser.close()
     finally:
-        server.terminate()
-        try:
-            server.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            server.kill()
+        stop_server(server)
+
+
+def stop_server(server: subprocess.Popen) -> None:
+    """Terminate ``server``, and kill it if it has not exited 10 s later."""
+    server.terminate()
+    try:
+        server.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        server.kill()
+        server.wait(timeout=10)
 
 
 def main(argv: list[str]) -> int:

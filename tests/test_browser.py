@@ -10,9 +10,6 @@ import importlib.util
 import os
 import subprocess
 import sys
-import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -42,27 +39,16 @@ def _missing_browser() -> str | None:
     return None
 
 
-_free_port = screenshot_replay._free_port
-
-
 def _log_tail(path: Path, lines: int = 40) -> str:
     text = path.read_text(errors="replace") if path.exists() else ""
     return "\n".join(text.splitlines()[-lines:])
 
 
 def _wait_until_serving(url: str, server: subprocess.Popen, log: Path) -> None:
-    deadline = time.monotonic() + SERVER_START_S
-    while time.monotonic() < deadline:
-        if server.poll() is not None:
-            pytest.fail(f"app.py exited with {server.returncode}:\n{_log_tail(log)}")
-        try:
-            with urllib.request.urlopen(url, timeout=2) as response:
-                if response.status == 200:
-                    return
-        except (urllib.error.URLError, OSError):
-            pass
-        time.sleep(0.5)
-    pytest.fail(f"app.py did not serve {url} within {SERVER_START_S} s:\n{_log_tail(log)}")
+    try:
+        screenshot_replay.wait_until_serving(url, server, SERVER_START_S)
+    except RuntimeError as exc:
+        pytest.fail(f"{exc}:\n{_log_tail(log)}")
 
 
 @pytest.fixture
@@ -75,7 +61,7 @@ def server_url():
         pytest.skip(missing)
     ARTIFACTS.mkdir(exist_ok=True)
     log = ARTIFACTS / "demo-server.log"
-    port = _free_port()
+    port = screenshot_replay.free_port()
     command = [sys.executable, str(ROOT / "app.py"), "--weights", "tiny", "--device", "cpu", "--port", str(port)]
     command += ["--warmup", "64x64"]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -86,12 +72,7 @@ def server_url():
         _wait_until_serving(url, server, log)
         yield url
     finally:
-        server.terminate()
-        try:
-            server.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait(timeout=10)
+        screenshot_replay.stop_server(server)
 
 
 def test_generate_shows_both_images_the_timings_and_errors(server_url):
