@@ -143,7 +143,7 @@ def _time_group(
             mode = prepare(name, base, device)
             prepared[name] = mode
             entry["note"] = mode.note
-            _reset_peak(device)
+            measure.reset_peak(device)
             logger.info("%s: %s first call", case.label, name)
             first = measure.timed_call(mode.pipe, case, device)
             entry["first_call_s"] = first.total_s
@@ -163,14 +163,14 @@ def _time_group(
                 continue
             progress.set_postfix_str(f"{case.label}: {name} run {run + 1}")
             try:
-                _reset_peak(device)
+                measure.reset_peak(device)
                 timing = measure.timed_call(prepared[name].pipe, case, device)
             except Exception as exc:
                 logger.exception("mode %s failed on %s", name, case.label)
                 entries[name]["error"] = f"{type(exc).__name__}: {exc}"
                 del calls[name]
                 continue
-            calls[name].append((timing, _peak(device)))
+            calls[name].append((timing, measure.peak_allocated(device)))
             images.setdefault(name, timing.images)
             progress.update(1)
     reference = images.get("eager")
@@ -211,15 +211,6 @@ def _compare_with_reference(
         reference = measure.timed_call(mode.pipe, case, device).images
     entry["reference"] = mode.reference_name
     entry["identical_to_reference"] = torch.equal(images, reference)
-
-
-def _reset_peak(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-
-
-def _peak(device: torch.device) -> int:
-    return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
 
 
 def _profile_case(base: Any, case: Case, args: argparse.Namespace, result: dict[str, Any]) -> None:

@@ -18,9 +18,20 @@ import torch
 from .cases import Case
 
 
-def _sync(device: torch.device) -> None:
+def synchronize(device: torch.device) -> None:
+    """Wait for ``device``'s queued work (nothing to wait for on a CPU)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def reset_peak(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_allocated(device: torch.device) -> int:
+    """Peak allocated bytes since the last :func:`reset_peak` (0 on a CPU)."""
+    return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
 
 
 @dataclass
@@ -43,26 +54,26 @@ def timed_call(pipe: Any, case: Case, device: torch.device, seed: int = 0) -> Ca
     original_encode = pipe.encode_prompt
 
     def encode_prompt(*args: Any, **kwargs: Any) -> Any:
-        _sync(device)
+        synchronize(device)
         start = time.perf_counter()
         result = original_encode(*args, **kwargs)
-        _sync(device)
+        synchronize(device)
         encode_time[0] += time.perf_counter() - start
         marks["encoded"] = time.perf_counter()
         return result
 
     def on_step_end(pipeline: Any, step: int, timestep: Any, callback_kwargs: dict) -> dict:
         if step == case.steps - 1:
-            _sync(device)
+            synchronize(device)
             marks["denoised"] = time.perf_counter()
         return {}
 
     pipe.encode_prompt = encode_prompt
     try:
-        _sync(device)
+        synchronize(device)
         start = time.perf_counter()
         images = pipe(**case.kwargs(seed=seed), callback_on_step_end=on_step_end).images
-        _sync(device)
+        synchronize(device)
         end = time.perf_counter()
     finally:
         del pipe.encode_prompt
@@ -112,16 +123,16 @@ def _loop_wall_and_kernel(pipe: Any, kwargs: dict[str, Any], device: torch.devic
     walls = []
     for _ in range(4):
         kwargs["generator"] = torch.Generator("cpu").manual_seed(0)
-        _sync(device)
+        synchronize(device)
         start = time.perf_counter()
         pipe(**kwargs)
-        _sync(device)
+        synchronize(device)
         walls.append(time.perf_counter() - start)
     kwargs["generator"] = torch.Generator("cpu").manual_seed(0)
     activities = [ProfilerActivity.CUDA] if device.type == "cuda" else [ProfilerActivity.CPU]
     with profile(activities=activities) as prof:
         pipe(**kwargs)
-        _sync(device)
+        synchronize(device)
     kernel_us = sum(e.device_time for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
     return statistics.median(walls[1:]), kernel_us / 1e6
 

@@ -25,18 +25,16 @@ from bcg_diffusion.loading import PIPELINE_NAMES, build_pipeline
 from bcg_diffusion.pipelines import adapter_for
 
 from .cli import _resolutions
+from .measure import peak_allocated, reset_peak, synchronize
 from .modes import pipeline_copy
 
 
 def _peak_of(pipe: Any, kwargs: dict[str, Any], device: torch.device) -> int:
-    if device.type != "cuda":
-        pipe(**kwargs)
-        return 0
-    torch.cuda.synchronize(device)
-    torch.cuda.reset_peak_memory_stats(device)
+    synchronize(device)
+    reset_peak(device)
     pipe(**kwargs)
-    torch.cuda.synchronize(device)
-    return torch.cuda.max_memory_allocated(device)
+    synchronize(device)
+    return peak_allocated(device)
 
 
 def measure(pipe: Any, resolutions: list[tuple[int, int]], device: torch.device) -> dict[str, Any]:

@@ -36,25 +36,17 @@ def _child(args: argparse.Namespace) -> None:
     from bcg_diffusion import accelerate, stats
     from bcg_diffusion.loading import build_pipeline
 
+    from .cases import Case
+    from .measure import synchronize
+
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else None
     pipe = build_pipeline(args.pipeline, args.weights, device=device, dtype=dtype)
     pipe.set_progress_bar_config(disable=True)
     accelerate(pipe, mode="fast", compile_cache_dir=args.cache_dir, debug=device.type != "cuda")
     ready = time.perf_counter()
-    scale = "true_cfg_scale" if args.pipeline == "qwen-image" else "guidance_scale"
-    kwargs = {
-        "prompt": "a lighthouse on a stormy coast at dusk",
-        "height": args.size,
-        "width": args.size,
-        "num_inference_steps": args.steps,
-        scale: 0.0,
-        "output_type": "pt",
-        "generator": torch.Generator("cpu").manual_seed(0),
-    }
-    pipe(**kwargs)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    pipe(**Case(args.pipeline, args.size, args.size, args.steps, guidance=0.0).kwargs())
+    synchronize(device)
     done = time.perf_counter()
     report = stats(pipe)
     print(
