@@ -206,11 +206,12 @@ def _compile_blocks(pipe: Any, state: _PipelineState) -> None:
 
 
 def _save_compile_cache(state: _PipelineState) -> None:
-    """After a call that compiled something, keep a portable copy of the compile caches (fast mode)."""
-    compiled, directory = state.compiled, state.config.compile_cache_dir
-    if compiled is None or directory is None or compiled.compiles == state.compiles_saved:
+    """After a call that compiled something, keep a portable copy of the compile caches (fast mode).
+    The caller checks that something was compiled, so a replayed step pays one comparison."""
+    directory = state.config.compile_cache_dir
+    state.compiles_saved = state.compiled.compiles
+    if directory is None:
         return
-    state.compiles_saved = compiled.compiles
     try:
         fast.save_compile_cache(f"{directory}/{fast.ARTIFACTS_FILE}")
     except OSError as exc:
@@ -238,7 +239,7 @@ def _install(state: _PipelineState, component: str, module: torch.nn.Module, met
 
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         result = runner(*args, **kwargs)
-        if state.compiled is not None:
+        if state.compiled is not None and state.compiled.compiles != state.compiles_saved:
             _save_compile_cache(state)
         return result
 

@@ -85,6 +85,7 @@ class _EagerReplay:
 
 @dataclass
 class _Entry:
+    key: Hashable
     record: SignatureRecord
     static_inputs: list[torch.Tensor]
     graph: BreakableGraph | _EagerReplay | None = None
@@ -194,7 +195,7 @@ class GraphRunner:
                 return self.fn(*args, **kwargs)
             if self.budget is not None:
                 self.budget.touch(self, key)
-            return self._replay(key, entry, leaves, args, kwargs)
+            return self._replay(entry, leaves, args, kwargs)
 
     def _state(self, args: tuple, kwargs: dict) -> Hashable:
         return (
@@ -221,15 +222,13 @@ class GraphRunner:
             warnings.warn(message, BCGWarning, stacklevel=4)
 
     # --------------------------------------------------------------------------------------- replay
-    def _replay(self, key: Hashable, entry: _Entry, leaves: list[torch.Tensor], args: tuple, kwargs: dict) -> Any:
+    def _replay(self, entry: _Entry, leaves: list[torch.Tensor], args: tuple, kwargs: dict) -> Any:
         for static, fresh in zip(entry.static_inputs, leaves):
             static.copy_(fresh)
         try:
             entry.graph.replay()
         except BreakResultMismatch as exc:
             self._disable(entry, f"{type(exc).__name__}: {exc}")
-            if self.budget is not None:
-                self.budget.forget(self, key)
             self.counters.eager_fallbacks += 1
             return self.fn(*args, **kwargs)
         entry.record.replays += 1
@@ -246,7 +245,7 @@ class GraphRunner:
             component=self.name, signature=describe(spec), status="debug" if self.debug else "captured"
         )
         self._log_miss(key, spec)
-        entry = _Entry(record=record, static_inputs=[])
+        entry = _Entry(key=key, record=record, static_inputs=[])
         self._entries[key] = entry
         if not self.debug:
             misplaced = sorted({str(leaf.device) for leaf in leaves if leaf.device != self.pool.device})
@@ -365,6 +364,8 @@ class GraphRunner:
         return True
 
     def _disable(self, entry: _Entry, reason: str) -> None:
+        if self.budget is not None:  # a disabled signature holds no graph: nothing left to evict
+            self.budget.forget(self, entry.key)
         if entry.graph is not None:
             entry.graph.reset()
         entry.graph = None
