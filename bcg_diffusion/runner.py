@@ -383,9 +383,6 @@ class GraphRunner:
     def records(self) -> list[SignatureRecord]:
         return [entry.record for entry in self._entries.values()]
 
-    def graph_memory_bytes(self) -> int:
-        return sum(entry.record.memory_bytes for entry in self._entries.values() if entry.graph is not None)
-
     def evict(self, key: Hashable) -> None:
         """Drop one captured signature to make room (called by the budget, under the lock); a later
         call of it captures again."""
