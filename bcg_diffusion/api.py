@@ -15,12 +15,13 @@ from typing import Any, TypeVar
 
 import torch
 
-from . import fast
+from . import fast, parallel
 from .budget import SignatureBudget
 from .config import AccelerateConfig
 from .graphs import GraphPool
 from .hooks import MethodPatches, diffusers_hooks, serialise_calls, unserialise_calls, watch_component
 from .patches import FunctionPatch
+from .patches.collectives import COLLECTIVES_PATCH, MASK_GATHER_PATCH
 from .patches.text_encoder import CAUSAL_MASK_PATCH
 from .pipelines import PipelineAdapter, adapter_for
 from .runner import BCGWarning, GraphRunner
@@ -49,6 +50,8 @@ class _PipelineState:
     budget: SignatureBudget | None = None
     scoped_patches: list[str] = field(default_factory=list)  # fast-mode patches applied to this model only
     compiles_saved: int = 0  # state.compiled.compiles when the portable compile cache was last written
+    layout: parallel.ParallelLayout | None = None  # the transformer's context parallelism, if any
+    consensus: parallel.CaptureConsensus | None = None  # keeps the ranks' captures in step
 
 
 def _check_pipeline(pipe: Any, caller: str) -> None:
@@ -153,6 +156,10 @@ def accelerate(pipe: P, config: AccelerateConfig | None = None, **options: Any) 
     if config.max_signatures is not None:
         state.budget = SignatureBudget(config.max_signatures)
     patches = adapter.patches + ((CAUSAL_MASK_PATCH,) if "text_encoder" in config.components else ())
+    state.layout = parallel.layout_of(getattr(pipe, "transformer", None))
+    if state.layout is not None:
+        state.consensus = parallel.CaptureConsensus(state.layout.group)
+        patches += (COLLECTIVES_PATCH, MASK_GATHER_PATCH)
     for patch in patches:
         if patch.apply():
             state.patches.append(patch)
@@ -187,6 +194,15 @@ def _compile_blocks(pipe: Any, state: _PipelineState) -> None:
     warm-up compiles and captures record the compiled kernels). Without blocks to compile, the
     pipeline keeps exact-mode graphs and says so."""
     transformer = getattr(pipe, "transformer", None)
+    if state.layout is not None:
+        # Compiled blocks would trace diffusers' collectives into their code, and so into our graphs.
+        warnings.warn(
+            "bcg-diffusion: mode='fast' does not support context parallelism yet (compiled blocks would "
+            "hold the collectives, which must stay eager breaks); using exact-mode graphs",
+            BCGWarning,
+            stacklevel=3,
+        )
+        return
     if state.config.compile_cache_dir is not None:
         fast.use_compile_cache_dir(state.config.compile_cache_dir)
     try:
@@ -222,8 +238,12 @@ def _save_compile_cache(state: _PipelineState) -> None:
 
 def _install(state: _PipelineState, component: str, module: torch.nn.Module, method: str) -> None:
     original = getattr(module, method)
+    fn = state.adapter.runner_callable(component, original)
+    state_key = state.adapter.state_key(component, module)
+    if component == "transformer":
+        fn, state_key = parallel.guarded(fn, state_key, module, state.layout)
     runner = GraphRunner(
-        state.adapter.runner_callable(component, original),
+        fn,
         name=component,
         pool=state.pool,
         lock=state.lock,
@@ -231,11 +251,14 @@ def _install(state: _PipelineState, component: str, module: torch.nn.Module, met
         warmup_runs=state.config.warmup_runs,
         capture_error_mode=state.config.capture_error_mode,
         track_external_tensors=state.config.track_external_tensors,
-        state_key=state.adapter.state_key(component, module),
+        state_key=state_key,
         call_key=state.adapter.call_key(component),
         capture_new=state.config.lazy_capture,
         budget=state.budget,
+        consensus=state.consensus,
     )
+    if component == "transformer" and state.layout is not None and state.layout.anything:
+        runner.suspended = "diffusers' ulysses_anything / ring_anything gather sizes on the host (not supported)"
 
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         result = runner(*args, **kwargs)
@@ -318,8 +341,9 @@ def stats(pipe: Any) -> dict[str, Any]:
     ``compiled_blocks``, ``compiles`` and ``compile_failure`` (fast mode: blocks compiled, dynamo
     compiles inside them, first compiles and recompiles, and why the blocks went back to eager
     forwards, if they did; 0 / None in exact mode), ``signatures`` (one dict per captured signature:
-    component, signature, status, reason, segments, breaks, memory_bytes, capture_seconds,
-    replays), ``components`` (counters per component) and ``patches``.
+    component, signature, status, state (what keys it besides the arguments: attention backend,
+    parallel layout...), reason, segments, breaks, memory_bytes, capture_seconds, replays),
+    ``components`` (counters per component) and ``patches``.
 
     Raises:
         ValueError: the pipeline was never accelerated.

@@ -94,11 +94,14 @@ def eager_break(fn: F) -> F:
     Use it for code that cannot be captured: host syncs (``.item()``, ``.tolist()``, ``nonzero``),
     copies from host memory, data-dependent shapes, collectives. It can decorate a function or wrap
     one in place (``module.fn = eager_break(module.fn)``); ``functools.wraps`` keeps its metadata and
-    ``__wrapped__`` gives back the original.
+    ``__wrapped__`` gives back the original. In code that ``torch.compile`` traces it is a plain call
+    too: compiled code runs inside a graph whole or not at all.
     """
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling():
+            return fn(*args, **kwargs)
         capture = _ACTIVE.get()
         if capture is None:
             return fn(*args, **kwargs)
@@ -315,8 +318,10 @@ def call_untracked(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
 class _BreakableCapture:
     """State of one capture in progress. Created and driven by :func:`capture_breakable` only."""
 
-    def __init__(self, pool: GraphPool, capture_error_mode: str, track_external: bool) -> None:
+    def __init__(self, pool: GraphPool, capture_error_mode: str, track_external: bool, consensus: Any) -> None:
         self.pool = pool
+        self.consensus = consensus
+        self.peer_failed = False
         self.capture_error_mode = capture_error_mode
         self.steps: list[_GraphStep | _EagerStep] = []
         self.current: torch.cuda.CUDAGraph | None = None
@@ -376,9 +381,20 @@ class _BreakableCapture:
         if stream != self.pool.stream:
             self.side_streams.add(stream)
 
+    def agree(self) -> None:
+        """With a consensus (context parallelism), vote that this rank is still capturing; raise
+        :class:`~bcg_diffusion.parallel.PeerCaptureFailed` if another rank's capture failed. Only
+        between segments: the vote is a collective and must not be captured."""
+        if self.consensus is not None and not self.consensus.vote(True):
+            from .parallel import PeerCaptureFailed
+
+            self.peer_failed = True
+            raise PeerCaptureFailed("another rank's capture of this signature failed")
+
     def run_break(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         self.note_stream()
         self.end_segment()
+        self.agree()
         # Nested breaks (a break calling another) run as plain calls inside the outer one.
         token = _ACTIVE.set(None)
         try:
@@ -423,12 +439,21 @@ class _BreakableCapture:
         return clean
 
 
+def _vote_failure(consensus: Any, cause: Exception) -> None:
+    """Tell the other ranks this capture failed (they wait in their next vote and stop too)."""
+    try:
+        consensus.vote(False)
+    except Exception as exc:  # the capture's own error matters more; say what else went wrong
+        logger.warning("telling the other ranks that a capture failed (%r) failed too: %r", cause, exc)
+
+
 def capture_breakable(
     fn: Callable[[], Any],
     pool: GraphPool,
     *,
     capture_error_mode: str = "thread_local",
     track_external: bool = True,
+    consensus: Any = None,
 ) -> tuple[BreakableGraph, Any]:
     """Capture ``fn()`` as a :class:`BreakableGraph` and return it with ``fn``'s (real) result.
 
@@ -440,7 +465,12 @@ def capture_breakable(
     Returns ``(graph, result)``; ``result``'s tensors live in the pool and are rewritten by every
     replay. Because each segment is replayed as soon as it is captured, ``result`` holds real values.
 
-    Raises whatever ``fn`` raised (the capture is closed first, never left half-open) and
+    With ``consensus`` (a :class:`~bcg_diffusion.parallel.CaptureConsensus`, for context-parallel
+    models whose breaks are collectives), every rank of its group votes at each break and at the end,
+    and the capture succeeds on all ranks or on none.
+
+    Raises whatever ``fn`` raised (the capture is closed first, never left half-open),
+    :class:`~bcg_diffusion.parallel.PeerCaptureFailed` when another rank's capture failed, and
     :class:`RuntimeError` if called while another capture is active in this context.
     """
     if _ACTIVE.get() is not None:
@@ -449,7 +479,7 @@ def capture_breakable(
         raise RuntimeError(
             "capture_breakable must run on the pool's capture stream: wrap it in torch.cuda.stream(pool.stream)"
         )
-    capture = _BreakableCapture(pool, capture_error_mode, track_external)
+    capture = _BreakableCapture(pool, capture_error_mode, track_external, consensus)
     token = _ACTIVE.set(capture)
     try:
         if capture.tracker is not None:
@@ -462,12 +492,15 @@ def capture_breakable(
         finally:
             if capture.tracker is not None:
                 capture.tracker.__exit__(None, None, None)
-    except BaseException:
+        capture.agree()
+    except BaseException as exc:
         if not capture.abort():
             pool.renew()
         for step in capture.steps:
             if isinstance(step, _GraphStep):
                 step.graph.reset()
+        if consensus is not None and not capture.peer_failed and isinstance(exc, Exception):
+            _vote_failure(consensus, exc)
         raise
     finally:
         _ACTIVE.reset(token)

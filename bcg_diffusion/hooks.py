@@ -94,14 +94,20 @@ class MethodPatches:
         self._patches.clear()
 
 
+# diffusers' context-parallel hooks split inputs on the device and gather outputs with a collective
+# that runs as an eager break (bcg_diffusion.parallel): graphs can hold them.
+_GRAPH_SAFE_HOOK_PREFIXES = ("cp_input---", "cp_output---")
+
+
 def diffusers_hooks(module: torch.nn.Module) -> list[str]:
-    """Names of the diffusers hooks (cache, layerwise casting, group offload...) on ``module``'s tree."""
+    """Names of the diffusers hooks on ``module``'s tree that graphs cannot hold (cache, layerwise
+    casting, group offload...): every hook but context parallelism's."""
     names: set[str] = set()
     for submodule in module.modules():
         registry = getattr(submodule, "_diffusers_hook", None)
         if registry is not None:
             names.update(getattr(registry, "hooks", {}))
-    return sorted(names)
+    return sorted(name for name in names if not name.startswith(_GRAPH_SAFE_HOOK_PREFIXES))
 
 
 def _invalidating(method: Callable[..., Any], runner: GraphRunner, reason: str) -> Callable[..., Any]:

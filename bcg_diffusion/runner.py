@@ -54,6 +54,7 @@ class SignatureRecord:
     component: str
     signature: str
     status: str  # "captured", "debug" or "failed"
+    state: str = ""  # what keys the signature besides the arguments (attention backend, parallel layout...)
     reason: str | None = None
     segments: int = 0
     breaks: int = 0
@@ -118,6 +119,8 @@ class GraphRunner:
             after a warm-up), such a call runs eagerly, is counted in ``misses`` and logged once.
         budget: the pipeline's :class:`~bcg_diffusion.budget.SignatureBudget` (``max_signatures``),
             shared by its runners; None: no limit.
+        consensus: a :class:`~bcg_diffusion.parallel.CaptureConsensus` when the ranks of a
+            context-parallel model must keep or abandon each capture together; None otherwise.
 
     Thread safety: calls are serialised by ``lock``; the static buffers are shared, so two replays of
     one graph must never overlap.
@@ -138,6 +141,7 @@ class GraphRunner:
         call_key: Callable[[tuple, dict], Hashable] | None = None,
         capture_new: bool = True,
         budget: SignatureBudget | None = None,
+        consensus: Any = None,
     ) -> None:
         if pool is None and not debug:
             raise ValueError("a GraphRunner needs a GraphPool unless debug=True")
@@ -154,6 +158,7 @@ class GraphRunner:
         self._keyed = state_key is not None or call_key is not None
         self.capture_new = capture_new
         self.budget = budget
+        self.consensus = consensus
         self.counters = RunnerCounters()
         self._entries: dict[Hashable, _Entry] = {}
         self._warned: set[str] = set()
@@ -242,7 +247,10 @@ class GraphRunner:
     # -------------------------------------------------------------------------------------- capture
     def _capture(self, key: Hashable, spec: Hashable, leaves: list[torch.Tensor], args: tuple, kwargs: dict) -> Any:
         record = SignatureRecord(
-            component=self.name, signature=describe(spec), status="debug" if self.debug else "captured"
+            component=self.name,
+            signature=describe(spec),
+            status="debug" if self.debug else "captured",
+            state=repr(key[1]) if self._keyed else "",
         )
         self._log_miss(key, spec)
         entry = _Entry(key=key, record=record, static_inputs=[])
@@ -350,6 +358,7 @@ class GraphRunner:
                     pool,
                     capture_error_mode=self.capture_error_mode,
                     track_external=self.track_external_tensors,
+                    consensus=self.consensus,
                 )
             outputs, output_spec = flatten(result)
         except Exception as exc:  # any capture failure: fall back for this signature, say why

@@ -214,7 +214,7 @@ def _compare_with_reference(
 
 
 def _profile_case(base: Any, case: Case, args: argparse.Namespace, result: dict[str, Any]) -> None:
-    for name in ("eager", "bcg", "fast"):
+    for name in ("eager", "bcg", "fast"):  # the profile's prompt embeddings are precomputed: no "-te" modes
         if name not in args.modes or result["modes"].get(name, {}).get("error"):
             continue
         mode = prepare(name, base, args.device)

@@ -20,16 +20,21 @@ from bcg_diffusion import accelerate, eager, restore, stats
 
 logger = logging.getLogger(__name__)
 
-MODES: tuple[str, ...] = ("eager", "bcg", "fast", "compile", "compile-max")
+MODES: tuple[str, ...] = ("eager", "bcg", "bcg-te", "fast", "fast-te", "compile", "compile-max")
 DESCRIPTIONS = {
     "eager": "diffusers as is",
     "bcg": "bcg-diffusion accelerate(pipe), exact mode (debug mode on CPU: no graphs, timings not meaningful)",
+    "bcg-te": "bcg with the text encoder captured too (components transformer, vae, text_encoder)",
     "fast": 'bcg-diffusion accelerate(pipe, mode="fast"): compiled repeated blocks inside breakable graphs',
+    "fast-te": "fast with the text encoder captured too (components transformer, vae, text_encoder)",
     "compile": "diffusers regional compile: transformer.compile_repeated_blocks(fullgraph=True)",
     "compile-max": 'torch.compile(transformer, mode="reduce-overhead") (inductor with its own CUDA graphs)',
 }
-EXACT = {"eager": True, "bcg": True, "fast": False, "compile": False, "compile-max": False}
-OURS = ("bcg", "fast")
+EXACT = {"eager": True, "bcg": True, "bcg-te": True, "fast": False, "fast-te": False}
+EXACT.update({"compile": False, "compile-max": False})
+OURS = ("bcg", "bcg-te", "fast", "fast-te")
+FAST = ("fast", "fast-te")
+WITH_TEXT_ENCODER = ("transformer", "vae", "text_encoder")
 # Peers that record CUDA graphs of their own (inductor's cudagraph trees) run in a group of their own,
 # after ours are freed: on the H200 (torch 2.11) a replay of our graphs crashed the process (segfault
 # inside CUDAGraph.replay) once reduce-overhead had recorded in it. Not root-caused yet; cudagraph trees
@@ -44,10 +49,10 @@ def weight_sharing_copy(module: torch.nn.Module) -> torch.nn.Module:
 
 
 def pipeline_copy(pipe: Any) -> Any:
-    """A new pipeline of the same class sharing all weights, with its own transformer, VAE and scheduler
-    objects (the parts that modes patch or that hold per-call state)."""
+    """A new pipeline of the same class sharing all weights, with its own transformer, VAE, text encoder
+    and scheduler objects (the parts that modes patch or that hold per-call state)."""
     components = dict(pipe.components)
-    for name in ("transformer", "vae"):
+    for name in ("transformer", "vae", "text_encoder"):
         if components.get(name) is not None:
             components[name] = weight_sharing_copy(components[name])
     components["scheduler"] = copy.deepcopy(components["scheduler"])
@@ -72,7 +77,7 @@ class PreparedMode:
             return {}
         report = stats(self.pipe)
         keys = ("captures", "replays", "eager_fallbacks", "graph_memory_bytes", "capture_seconds", "active")
-        keys += ("compiles", "compiled_blocks") if self.name == "fast" else ()
+        keys += ("compiles", "compiled_blocks") if self.name in FAST else ()
         return {key: report[key] for key in keys}
 
 
@@ -85,11 +90,12 @@ def prepare(name: str, base: Any, device: torch.device) -> PreparedMode:
         return PreparedMode(name, pipe, lambda: None)
     debug = device.type != "cuda"
     note = "debug mode (CPU)" if debug else ""
-    if name == "bcg":
-        accelerate(pipe, debug=debug)
+    components = WITH_TEXT_ENCODER if name.endswith("-te") else ("transformer", "vae")
+    if name in ("bcg", "bcg-te"):
+        accelerate(pipe, components=components, debug=debug)
         return PreparedMode(name, pipe, lambda: restore(pipe), note)
-    if name == "fast":
-        accelerate(pipe, mode="fast", debug=debug)
+    if name in FAST:
+        accelerate(pipe, mode="fast", components=components, debug=debug)
 
         def teardown() -> None:
             restore(pipe)

@@ -7,6 +7,8 @@ import math
 from pathlib import Path
 from typing import Any
 
+from .modes import OURS
+
 
 def _fmt_s(value: float | None) -> str:
     return "–" if value is None else f"{value:.3f}"
@@ -75,7 +77,7 @@ def verdict(case: dict[str, Any]) -> str:
         return "No mode completed."
     fastest = min(timed, key=timed.get)
     text = f"Fastest: **{fastest}** ({timed[fastest]:.3f} s)."
-    for ours in ("bcg", "fast"):
+    for ours in OURS:
         if ours in timed and fastest != ours:
             margin = (timed[ours] / timed[fastest] - 1) * 100
             text += f" {fastest} beats {ours} by {margin:.0f}%."

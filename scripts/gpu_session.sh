@@ -12,6 +12,7 @@
 #   tests-full  full-size (random-weight) Qwen-Image and Z-Image equality with eager
 #   tests-fast  fast mode (compiled blocks in graphs) against its compiled reference, tiny pipelines
 #   bench-z          Z-Image-Turbo 512² and 1024², 8 steps, no CFG: every mode, with the loop profile
+#   te-z             Z-Image-Turbo 512², 8 steps: eager and our modes with and without the text encoder captured
 #   warm-start-z     fast mode's cold / warm / portable-cache start in fresh processes, Z-Image 512²
 #   bench-qwen       Qwen-Image 512² and 1024², 10 steps, true CFG 4: every mode
 #   bench-qwen-512   Qwen-Image 512², 50 steps, true CFG 4: every mode
@@ -19,11 +20,13 @@
 #   issue2           python -m bench --preset issue2 --modes eager,bcg --profile
 #   profile-qwen     Qwen-Image 512², 50 steps, true CFG: eager and bcg with the per-step loop profile
 #   memory-z         graph memory of 4 resolutions x 2 CFG modes against one, peak replay vs eager (Z-Image)
+#   parallel         (two GPUs) context parallelism: tests/test_parallel_cuda.py (tiny: ulysses and ring;
+#                    full size: ulysses at 512² and 1024²), then torchrun -m bench.parallel (one GPU against two)
 #   demo             app.py --record: one side-by-side demo generation with full-size random Z-Image, saved
 #                    for `python scripts/screenshot_replay.py DIR OUT.png` here (the GPU machine has no browser)
 # Everything it writes is under $OUT (logs, results.json/.md/.png); copy it to bench/results/<date>-h200/.
 set -uo pipefail
-[ $# -gt 0 ] || { echo "usage: scripts/gpu_session.sh tests|tests-full|tests-fast|fast-check|profile-qwen|memory-z|bench-z|warm-start-z|bench-qwen|bench-qwen-512|bench-qwen-1024|issue2|demo ..." >&2; exit 2; }
+[ $# -gt 0 ] || { echo "usage: scripts/gpu_session.sh tests|tests-full|tests-fast|te-z|fast-check|profile-qwen|memory-z|bench-z|warm-start-z|bench-qwen|bench-qwen-512|bench-qwen-1024|issue2|parallel|demo ..." >&2; exit 2; }
 out=${OUT:-/tmp/bcg-out}
 mkdir -p "$out"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -57,9 +60,14 @@ case "$phase" in
       --out "$out/bench-qwen-image-compile-max" 2>&1 | tee "$out/bench-qwen-image-compile-max.log" \
       | grep -v "^DEBUG" | tail -40
     ;;
+  te-z)
+    timeout 200 python3 -m bench --pipeline z-image --weights random-full --resolutions 512x512 --steps 8 \
+      --guidance 0 --modes eager,bcg,bcg-te,fast,fast-te --no-progress --out "$out/bench-z-image-te" 2>&1 \
+      | tee "$out/bench-z-image-te.log" | grep -v "^DEBUG" | tail -16
+    ;;
   fast-check)
     # Fast mode only, next to eager, full size: timing and byte-equality with its compiled reference.
-    for pipeline in qwen-image z-image; do
+    for pipeline in ${FAST_CHECK_PIPELINES:-qwen-image z-image}; do
       guidance=$([ "$pipeline" = qwen-image ] && echo 4 || echo 0)
       steps=$([ "$pipeline" = qwen-image ] && echo 10 || echo 8)
       timeout 110 python3 -m bench --pipeline "$pipeline" --weights random-full --resolutions 512x512 \
@@ -96,6 +104,16 @@ case "$phase" in
   issue2)
     timeout 570 python3 -m bench --preset issue2 --weights random-full --modes eager,bcg --runs 3 --profile \
       --no-progress --out "$out/bench-issue2" 2>&1 | tee "$out/bench-issue2.log" | tail -40
+    ;;
+  parallel)
+    timeout 100 python3 -m pytest -q -rs -p no:cacheprovider --tb=short tests/test_parallel_cuda.py 2>&1 \
+      | tee "$out/pytest-parallel-tiny.log" | tail -8
+    [ -n "${PARALLEL_SKIP_FULL_TESTS:-}" ] || BCG_TEST_WEIGHTS=random-full BCG_PARALLEL_KINDS=ulysses timeout 200 python3 -m pytest -q -rs -p no:cacheprovider \
+      --tb=short tests/test_parallel_cuda.py 2>&1 | tee "$out/pytest-parallel-random-full.log" | tail -8
+    timeout "${PARALLEL_BENCH_TIMEOUT:-330}" python3 -m torch.distributed.run --nproc_per_node=2 -m bench.parallel --weights random-full \
+      --resolutions "${PARALLEL_RESOLUTIONS:-512x512,1024x1024}" --single-modes "${PARALLEL_SINGLE_MODES-eager,bcg}" \
+      --steps 50 --guidance 4 --runs 2 --out "$out/parallel-qwen-image" 2>&1 \
+      | tee "$out/parallel-qwen-image.log" | grep -v "Warning\|warn(" | tail -20
     ;;
   demo)
     timeout 300 python3 app.py --pipeline z-image --weights random-full --record "$out/demo-z-image" 2>&1 \

@@ -72,3 +72,27 @@ def test_memory_report_fields(tmp_path):
     assert result["single"]["signatures"] == 2 and result["all"]["signatures"] == 6
     assert {"pool_bytes", "per_signature_bytes"} <= set(result["all"])
     assert {"peak_eager_bytes", "peak_replay_bytes", "pool_ratio_all_over_single"} <= set(result)
+
+
+def test_parallel_bench_under_torchrun(tmp_path):
+    """``torchrun -m bench.parallel`` on two CPU processes (gloo, debug mode): the launch recipe works,
+    both layouts are measured, bcg equals eager in each, and rank 0 writes the report."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "-m", "bench.parallel"]
+    command += ["--weights", "tiny", "--resolutions", "64x64", "--steps", "2", "--runs", "1", "--forward-runs", "2"]
+    command += ["--out", str(tmp_path)]
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
+    run = subprocess.run(command, timeout=300, cwd=root, env=env, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-4000:]
+    result = json.loads((tmp_path / "parallel.json").read_text())
+    assert result["layout"] == "ulysses=2" and result["world_size"] == 2
+    for layout in ("single", "parallel"):
+        case = result[layout]["64x64"]
+        assert case["bcg"]["images_equal"] and case["bcg"]["forward_equal"], case
+        assert case["bcg"]["graphs"]["eager_fallbacks"] == 0
+    assert (tmp_path / "parallel.md").read_text().startswith("`torchrun -m bench.parallel")

@@ -1,0 +1,291 @@
+"""``torchrun -m bench.parallel``: Qwen-Image on one GPU against N GPUs with diffusers' context parallelism.
+
+    torchrun --nproc_per_node=2 -m bench.parallel --weights random-full --out bench/results/parallel
+    torchrun --nproc_per_node=2 -m bench.parallel --parallel ring=2 --resolutions 1024x1024 --steps 50
+
+Every rank builds the pipeline. First rank 0 alone measures it without parallelism (the others wait),
+then every rank measures a copy split with ``transformer.enable_parallelism`` (``--parallel
+ulysses=N`` or ``ring=N``, N = the number of processes). For each, eager and bcg (``accelerate``):
+
+* the transformer forward alone, on the inputs of the pipeline's first denoising step (median of
+  ``--forward-runs`` synchronised calls; on N GPUs the slowest rank's time);
+* the whole pipeline call (text encoder, ``--steps`` steps with true CFG ``--guidance``, VAE decode),
+  median of ``--runs`` calls after a first one.
+
+bcg is checked byte-equal to eager of the same layout (one GPU and N GPUs give different bytes: the
+attention is split differently). Rank 0 writes ``parallel.json`` and ``parallel.md`` to ``--out``.
+Prompts must tokenize to a length that divides by N (diffusers splits text and image tokens evenly).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import logging
+import os
+import shlex
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from bcg_diffusion import accelerate, restore, stats
+from bcg_diffusion.loading import build_pipeline
+
+from . import measure
+from .modes import pipeline_copy
+
+logger = logging.getLogger("bench.parallel")
+
+MODES = ("eager", "bcg")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="torchrun --nproc_per_node=N -m bench.parallel", description=__doc__)
+    parser.add_argument("--weights", default="random-full", help="tiny | random-full | hub id | local path")
+    parser.add_argument("--parallel", default=None, help="ulysses=N or ring=N (default: ulysses=WORLD_SIZE)")
+    parser.add_argument("--resolutions", default="512x512,1024x1024", help="e.g. 512x512,1024x1024")
+    parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--guidance", type=float, default=4.0, help="true_cfg_scale (> 1: two forwards per step)")
+    parser.add_argument("--prompt", default="a red fox", help="8 tokens with the offline tokenizer")
+    parser.add_argument("--negative-prompt", default="blurry, low quality", help="20 tokens, likewise")
+    parser.add_argument("--runs", type=int, default=3, help="timed pipeline calls per mode after the first")
+    parser.add_argument("--forward-runs", type=int, default=20, help="timed transformer forwards per mode")
+    parser.add_argument("--single-modes", default="eager,bcg", help="modes measured on one GPU ('' for none)")
+    parser.add_argument("--out", type=Path, default=Path("bench/results/parallel"))
+    args = parser.parse_args(argv)
+    world = dist.get_world_size()
+    kind, _, degree = (args.parallel or f"ulysses={world}").partition("=")
+    if kind not in ("ulysses", "ring") or not degree.isdigit() or int(degree) != world:
+        parser.error(f"--parallel must be ulysses={world} or ring={world} (one split over all {world} processes)")
+    args.kind = kind
+    args.single_modes = [m for m in args.single_modes.split(",") if m]
+    if any(m not in MODES for m in args.single_modes):
+        parser.error(f"--single-modes takes modes from {MODES}")
+    args.resolutions = [tuple(int(v) for v in r.split("x")) for r in args.resolutions.split(",")]
+    return args
+
+
+def _max_over_ranks(value: float, device: torch.device) -> float:
+    tensor = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return float(tensor.item())
+
+
+def _call_kwargs(args: argparse.Namespace, width: int, height: int) -> dict[str, Any]:
+    cfg = args.guidance > 1
+    return {
+        "prompt": args.prompt,
+        "negative_prompt": args.negative_prompt if cfg else None,
+        "true_cfg_scale": args.guidance,
+        "width": width,
+        "height": height,
+        "num_inference_steps": args.steps,
+        "output_type": "pt",
+    }
+
+
+def _first_forward_inputs(pipe: Any, kwargs: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    """The transformer's keyword arguments at the first denoising step of a two-step call (one step
+    gives the scheduler's terminal shift a zero division, hence NaN timesteps)."""
+    seen: dict[str, Any] = {}
+
+    def record(module: Any, args: Any, call_kwargs: dict[str, Any]) -> None:
+        if not seen:
+            seen.update({k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in call_kwargs.items()})
+
+    handle = pipe.transformer.register_forward_pre_hook(record, with_kwargs=True)
+    try:
+        pipe(**{**kwargs, "num_inference_steps": 2}, generator=torch.Generator(device).manual_seed(0))
+    finally:
+        handle.remove()
+    return seen
+
+
+def _time_forward(
+    pipe: Any, inputs: dict[str, Any], runs: int, parallel: bool, device: torch.device
+) -> dict[str, Any]:
+    with torch.no_grad():
+        reference = pipe.transformer(**inputs)[0].clone()
+        times = []
+        for _ in range(runs):
+            measure.synchronize(device)
+            start = time.perf_counter()
+            output = pipe.transformer(**inputs)[0]
+            measure.synchronize(device)
+            times.append(time.perf_counter() - start)
+    median = statistics.median(times)
+    return {
+        "median_s": _max_over_ranks(median, device) if parallel else median,
+        "min_s": min(times),
+        "output": reference,
+        "deterministic": torch.equal(output, reference),
+    }
+
+
+def _time_pipeline(
+    pipe: Any, kwargs: dict[str, Any], runs: int, parallel: bool, device: torch.device
+) -> dict[str, Any]:
+    walls, images = [], None
+    for _ in range(runs + 1):
+        measure.synchronize(device)
+        start = time.perf_counter()
+        images = pipe(**kwargs, generator=torch.Generator(device).manual_seed(0)).images
+        measure.synchronize(device)
+        walls.append(time.perf_counter() - start)
+    timed = walls[1:] or walls
+    median = statistics.median(timed)
+    return {
+        "first_call_s": walls[0],
+        "median_s": _max_over_ranks(median, device) if parallel else median,
+        "min_s": min(timed),
+        "max_s": max(timed),
+        "images": images,
+    }
+
+
+def measure_layout(
+    base: Any,
+    args: argparse.Namespace,
+    device: torch.device,
+    parallel: bool,
+    results: dict[str, Any],
+    on_case: Callable[[], None],
+    modes: tuple[str, ...] = MODES,
+) -> None:
+    """``modes`` on a copy of ``base`` (split over every rank when ``parallel``), every resolution, into
+    ``results`` (one entry per resolution); ``on_case()`` after each, so a cut-short run keeps its figures."""
+    for width, height in args.resolutions:
+        label = f"{width}x{height}"
+        kwargs = _call_kwargs(args, width, height)
+        case: dict[str, Any] = {}
+        for mode in modes:
+            pipe = pipeline_copy(base)
+            if parallel:
+                from diffusers import ContextParallelConfig
+
+                degree = dist.get_world_size()
+                config = ContextParallelConfig(**{f"{args.kind}_degree": degree})
+                pipe.transformer.enable_parallelism(config=config)
+            if mode == "bcg":
+                accelerate(pipe, debug=device.type != "cuda")
+            inputs = _first_forward_inputs(pipe, kwargs, device)
+            forward = _time_forward(pipe, inputs, args.forward_runs, parallel, device)
+            call = _time_pipeline(pipe, kwargs, args.runs, parallel, device)
+            entry = {k: v for k, v in forward.items() if k != "output"}
+            case[mode] = {"forward": entry, "pipeline": {k: v for k, v in call.items() if k != "images"}}
+            case[mode]["_forward_output"], case[mode]["_images"] = forward["output"], call["images"]
+            if mode == "bcg":
+                report = stats(pipe)
+                case[mode]["graphs"] = {k: report[k] for k in ("captures", "replays", "eager_fallbacks")}
+                restore(pipe)
+            del pipe
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            logger.info(
+                "%s %s %s: forward %.4f s, pipeline %.3f s",
+                "parallel" if parallel else "single",
+                label,
+                mode,
+                case[mode]["forward"]["median_s"],
+                case[mode]["pipeline"]["median_s"],
+            )
+        if "eager" in case and "bcg" in case:
+            case["bcg"]["forward_equal"] = torch.equal(
+                case["bcg"]["_forward_output"], case["eager"]["_forward_output"]
+            )
+            case["bcg"]["images_equal"] = torch.equal(case["bcg"]["_images"], case["eager"]["_images"])
+        for entry in case.values():
+            del entry["_forward_output"], entry["_images"]
+        results[label] = case
+        on_case()
+
+
+def markdown(record: dict[str, Any]) -> str:
+    world = record["world_size"]
+    lines = [
+        f"`{record['command']}`",
+        "",
+        f"Environment: {json.dumps(record['environment'])}",
+        "",
+        f"Qwen-Image ({record['weights']}), {record['steps']} steps, true CFG {record['guidance']}, "
+        f"context parallelism {record['layout']} against one GPU.",
+        "",
+        "| resolution | GPUs | mode | transformer forward (ms) | pipeline median (s) | first call (s) | same as eager |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for layout, gpus in (("single", 1), ("parallel", world)):
+        for label, case in record.get(layout, {}).items():
+            for mode, entry in case.items():
+                if "images_equal" in entry:
+                    same = "yes" if entry["images_equal"] and entry["forward_equal"] else "**no**"
+                else:
+                    same = "–" if mode == "eager" else "not compared (no eager run)"
+                lines.append(
+                    f"| {label} | {gpus} | {mode} | {entry['forward']['median_s'] * 1e3:.1f} | "
+                    f"{entry['pipeline']['median_s']:.3f} | {entry['pipeline']['first_call_s']:.2f} | {same} |"
+                )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logger.setLevel(logging.INFO)
+    # Rank 0 measures one GPU alone for minutes while the others wait in a barrier.
+    timeout = datetime.timedelta(minutes=30)
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device, timeout=timeout)
+    else:  # a smoke run of the bookkeeping (tests): gloo, runner in debug mode, timings meaningless
+        device = torch.device("cpu")
+        dist.init_process_group("gloo", timeout=timeout)
+        torch.accelerator.device_count = lambda: 1  # diffusers divides by it to pick a device per rank
+    try:
+        args = parse_args(argv)
+        rank = dist.get_rank()
+        dtype = torch.bfloat16 if device.type == "cuda" else None
+        base = build_pipeline("qwen-image", args.weights, device=device, dtype=dtype)
+        base.set_progress_bar_config(disable=True)
+        record: dict[str, Any] = {
+            "command": "torchrun -m bench.parallel " + shlex.join(sys.argv[1:] if argv is None else argv),
+            "world_size": dist.get_world_size(),
+            "layout": f"{args.kind}={dist.get_world_size()}",
+            "steps": args.steps,
+            "guidance": args.guidance,
+            "weights": args.weights,
+            "environment": measure.environment(device),
+        }
+
+        def write() -> None:
+            if rank == 0:
+                args.out.mkdir(parents=True, exist_ok=True)
+                (args.out / "parallel.json").write_text(json.dumps(record, indent=1))
+                (args.out / "parallel.md").write_text(markdown(record) + "\n")
+
+        if args.single_modes and rank == 0:
+            record["single"] = {}
+            measure_layout(base, args, device, False, record["single"], write, tuple(args.single_modes))
+        dist.barrier()
+        record["parallel"] = {}
+        measure_layout(base, args, device, True, record["parallel"], write)
+        if rank == 0:
+            print(markdown(record))
+        dist.barrier()
+        cases = [case for layout in ("single", "parallel") for case in record.get(layout, {}).values()]
+        ok = all(c["bcg"].get("images_equal", True) and c["bcg"].get("forward_equal", True) for c in cases)
+        return 0 if ok else 1
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

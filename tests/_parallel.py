@@ -1,0 +1,189 @@
+"""One rank's checks of ``accelerate`` on a context-parallel Qwen-Image.
+
+Shared by ``test_parallel_cpu.py`` (two spawned processes, gloo, tiny weights, debug mode) and
+``test_parallel_cuda.py`` (torchrun, NCCL, graphs). On GPUs, by hand:
+
+    torchrun --nproc_per_node=2 tests/_parallel.py --weights random-full --resolutions 512x512,1024x1024 --out DIR
+
+Each rank writes ``rank<N>.json`` into ``--out``: byte-equality with context-parallel eager per case,
+counters, the error a non-divisible prompt gets, the result of 100 eager collectives after replays,
+and (with graphs) what happened when one rank's capture failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+if __package__ in (None, ""):  # run as a script by torchrun: the repository root is the parent folder
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bcg_diffusion import accelerate, restore, stats  # noqa: E402
+from bcg_diffusion.loading import build_pipeline  # noqa: E402
+
+# Token counts with the offline tokenizer: 8 and 20 divide by 2 and 4 ranks, 10 by 2, 7 by neither.
+PROMPT = "a red fox"
+NEGATIVE = "blurry, low quality"
+ODD_PROMPT = "a fox"
+MASKED_SECOND = "a photo of a cat"  # 10 tokens, batched with PROMPT
+STEPS = 2
+
+
+def enable_context_parallel(pipe: Any, degree: int, kind: str = "ulysses") -> None:
+    """diffusers' own context parallelism over ``degree`` ranks (``kind``: ulysses or ring)."""
+    from diffusers import ContextParallelConfig
+
+    options = {"ulysses_degree": degree} if kind == "ulysses" else {"ring_degree": degree}
+    if kind == "ring" and pipe.transformer.device.type == "cuda":
+        # Ring attention merges partial results by their log-sum-exp, which diffusers' default
+        # "native" backend does not return.
+        pipe.transformer.set_attention_backend("_native_cudnn")
+    pipe.transformer.enable_parallelism(config=ContextParallelConfig(**options))
+
+
+def _call(
+    pipe: Any, width: int, height: int, cfg: bool | str, device: torch.device, prompt: str = PROMPT
+) -> torch.Tensor:
+    """One pipeline call; ``cfg`` True for true CFG, ``"masked"`` for a batch of two prompts of
+    different lengths (padded by the pipeline, with a text mask)."""
+    return pipe(
+        prompt=[prompt, MASKED_SECOND] if cfg == "masked" else prompt,
+        negative_prompt=NEGATIVE if cfg is True else None,
+        true_cfg_scale=4.0 if cfg is True else 1.0,
+        width=width,
+        height=height,
+        num_inference_steps=STEPS,
+        output_type="pt",
+        generator=torch.Generator(device).manual_seed(0),
+    ).images
+
+
+def _md5(tensor: torch.Tensor) -> str:
+    return hashlib.md5(tensor.float().cpu().numpy().tobytes()).hexdigest()
+
+
+def consensus_protocol() -> list[bool]:
+    """The capture consensus with the last rank failing after one break: every rank casts two votes
+    (the failing one: ok, then its failure) and all see the failure at the second."""
+    from bcg_diffusion.parallel import CaptureConsensus
+
+    consensus = CaptureConsensus(None)
+    failing = dist.get_rank() == dist.get_world_size() - 1
+    return [consensus.vote(True), consensus.vote(not failing)]
+
+
+def rank_checks(
+    weights: str, device: torch.device, resolutions: list[tuple[int, int]], kind: str = "ulysses"
+) -> dict[str, Any]:
+    """Build Qwen-Image, split it over every rank, and compare accelerated calls with eager ones."""
+    debug = device.type != "cuda"
+    rank, world = dist.get_rank(), dist.get_world_size()
+    pipe = build_pipeline("qwen-image", weights, device=device, dtype=None if debug else torch.bfloat16)
+    pipe.set_progress_bar_config(disable=True)
+    enable_context_parallel(pipe, world, kind)
+    cases = [(w, h, cfg) for w, h in resolutions for cfg in (False, True)]
+    # Two prompts of different lengths (8 and 10 tokens): the masked path, whose split text mask
+    # Ulysses attention all-gathers.
+    cases.append((*resolutions[0], "masked"))
+    eager = {case: _call(pipe, *case, device) for case in cases}
+    fault_case = (resolutions[0][0] // 2, resolutions[0][1] // 2, False)
+    fault_eager = _call(pipe, *fault_case, device)
+
+    accelerate(pipe, debug=debug)
+    report: dict[str, Any] = {"rank": rank, "world": world, "kind": kind, "debug": debug, "cases": {}}
+    report["patches"] = stats(pipe)["patches"]
+    for round_ in range(2):  # capture, then replay
+        for case in cases:
+            image = _call(pipe, *case, device)
+            entry = report["cases"].setdefault(str(case), {"md5_eager": _md5(eager[case]), "equal": True})
+            entry["equal"] = entry["equal"] and torch.equal(image, eager[case])
+            entry[f"md5_round{round_}"] = _md5(image)
+    captures = stats(pipe)["captures"]
+    for _ in range(50):
+        _call(pipe, *cases[0], device)
+    report["captures_before_50_calls"] = captures
+    report["captures_after_50_calls"] = stats(pipe)["captures"]
+
+    sums = []
+    for _ in range(100):  # ordinary collectives after replays must still match up
+        value = torch.full((1,), float(rank), device=device)
+        dist.all_reduce(value)
+        sums.append(value.item())
+    report["collectives_ok"] = all(s == sum(range(world)) for s in sums)
+
+    try:
+        _call(pipe, *cases[0], device, prompt=ODD_PROMPT)
+        report["odd_length_error"] = None
+    except ValueError as exc:
+        report["odd_length_error"] = str(exc)
+
+    final = stats(pipe)
+    report.update({key: final[key] for key in ("captures", "replays", "eager_fallbacks")})
+    report["signatures"] = [s for s in final["signatures"] if s["component"] == "transformer"]
+    if not debug:
+        report["fault"] = _fault_check(pipe, fault_case, fault_eager, device)
+    restore(pipe)
+    import torch.distributed._functional_collectives as funcol
+    from diffusers.models import attention_dispatch
+
+    report["patch_reverted"] = attention_dispatch.funcol is funcol
+    return report
+
+
+def _fault_check(pipe: Any, case: tuple[int, int, bool], reference: torch.Tensor, device: torch.device) -> dict:
+    """The last rank's capture of a new signature fails inside its last block (after many breaks);
+    every rank must abandon that capture, run it eagerly, and stay in step."""
+    failing = dist.get_rank() == dist.get_world_size() - 1
+
+    def fail_while_capturing(module: Any, args: Any, kwargs: Any) -> None:
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("injected capture failure")
+
+    handle = pipe.transformer.transformer_blocks[-1].register_forward_pre_hook(fail_while_capturing, with_kwargs=True)
+    if not failing:
+        handle.remove()
+    try:
+        before = stats(pipe)["eager_fallbacks"]
+        image = _call(pipe, *case, device)
+        failed = [s for s in stats(pipe)["signatures"] if s["status"] == "failed"]
+        return {
+            "failing_rank": failing,
+            "equal": torch.equal(image, reference),
+            "eager_fallbacks": stats(pipe)["eager_fallbacks"] - before,
+            "reasons": [s["reason"] for s in failed],
+        }
+    finally:
+        handle.remove()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--weights", default="tiny")
+    parser.add_argument("--resolutions", default="512x512")
+    parser.add_argument("--kind", choices=("ulysses", "ring"), default="ulysses")
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    torch.cuda.set_device(local_rank)
+    device = torch.device("cuda", local_rank)
+    dist.init_process_group("nccl", device_id=device)
+    try:
+        resolutions = [tuple(int(v) for v in r.split("x")) for r in args.resolutions.split(",")]
+        report = rank_checks(args.weights, device, resolutions, args.kind)
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / f"rank{dist.get_rank()}.json").write_text(json.dumps(report, indent=1))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

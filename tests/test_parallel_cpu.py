@@ -1,0 +1,86 @@
+"""Context parallelism on CPU: two processes over gloo, tiny Qwen-Image, runner in debug mode.
+
+Covers the bookkeeping that needs no GPU: the layout in the signature, the collectives patch applied and
+reverted, eager-equal results, no recapture, a clear error for a text length that does not divide, and
+the capture consensus (every rank abandons a capture that failed on one). The graphs themselves run in
+``test_parallel_cuda.py`` on two GPUs.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+WORLD = 2
+
+
+def _worker(rank: int, init_file: str, out: str) -> None:
+    import _parallel  # tests/ is on sys.path in the spawned process too (spawn copies sys.path)
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
+    # diffusers picks a device by torch.accelerator.device_count(), 0 without one (a division by zero).
+    torch.accelerator.device_count = lambda: 1
+    try:
+        report = _parallel.rank_checks("tiny", torch.device("cpu"), [(64, 64)])
+        report["consensus"] = _parallel.consensus_protocol()
+        Path(out, f"rank{rank}.json").write_text(json.dumps(report))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def reports(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is not available")
+    folder = tmp_path_factory.mktemp("parallel")
+    mp.spawn(_worker, args=(str(folder / "init"), str(folder)), nprocs=WORLD, join=True)
+    return [json.loads((folder / f"rank{rank}.json").read_text()) for rank in range(WORLD)]
+
+
+def test_every_call_equals_context_parallel_eager(reports: list[dict]) -> None:
+    for report in reports:
+        assert report["cases"], report
+        assert all(case["equal"] for case in report["cases"].values()), report["cases"]
+    # every rank ends with the whole image (diffusers gathers it), the same on all ranks
+    assert reports[0]["cases"] == reports[1]["cases"]
+
+
+def test_collectives_patched_while_accelerated_and_reverted(reports: list[dict]) -> None:
+    for report in reports:
+        assert any("collectives" in name for name in report["patches"]), report["patches"]
+        assert report["patch_reverted"]
+        assert report["collectives_ok"]
+
+
+def test_no_recapture_over_50_calls(reports: list[dict]) -> None:
+    for report in reports:
+        assert report["captures_after_50_calls"] == report["captures_before_50_calls"] > 0
+        assert report["eager_fallbacks"] == 0
+
+
+def test_signature_includes_the_parallel_layout(reports: list[dict]) -> None:
+    from bcg_diffusion.parallel import ParallelLayout
+
+    for report in reports:
+        degrees = (2, 1) if report["kind"] == "ulysses" else (1, 2)
+        key = ParallelLayout(
+            ulysses_degree=degrees[0], ring_degree=degrees[1], rank=report["rank"], anything=False
+        ).key
+        assert report["signatures"]
+        assert all(repr(key) in signature["state"] for signature in report["signatures"]), report["signatures"]
+
+
+def test_text_length_that_does_not_divide_gets_a_clear_error(reports: list[dict]) -> None:
+    for report in reports:
+        message = report["odd_length_error"]
+        assert message and "context parallelism over 2 ranks" in message and "text_buckets" in message
+
+
+def test_capture_consensus_makes_every_rank_see_a_failure(reports: list[dict]) -> None:
+    for report in reports:
+        assert report["consensus"] == [True, False]
