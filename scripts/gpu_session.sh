@@ -22,11 +22,13 @@
 #   memory-z         graph memory of 4 resolutions x 2 CFG modes against one, peak replay vs eager (Z-Image)
 #   parallel         (two GPUs) context parallelism: tests/test_parallel_cuda.py (tiny: ulysses and ring;
 #                    full size: ulysses at 512² and 1024²), then torchrun -m bench.parallel (one GPU against two)
+#   serving          warm-up then 50 requests with random prompts (Qwen-Image with text buckets, then Z-Image exact):
+#                    captures, misses, latency, equality with eager (bench.serving)
 #   demo             app.py --record: one side-by-side demo generation with full-size random Z-Image, saved
 #                    for `python scripts/screenshot_replay.py DIR OUT.png` here (the GPU machine has no browser)
 # Everything it writes is under $OUT (logs, results.json/.md/.png); copy it to bench/results/<date>-h200/.
 set -uo pipefail
-[ $# -gt 0 ] || { echo "usage: scripts/gpu_session.sh tests|tests-full|tests-fast|te-z|fast-check|profile-qwen|memory-z|bench-z|warm-start-z|bench-qwen|bench-qwen-512|bench-qwen-1024|issue2|parallel|demo ..." >&2; exit 2; }
+[ $# -gt 0 ] || { echo "usage: scripts/gpu_session.sh tests|tests-full|tests-fast|te-z|fast-check|profile-qwen|memory-z|bench-z|warm-start-z|bench-qwen|bench-qwen-512|bench-qwen-1024|issue2|parallel|serving|demo ..." >&2; exit 2; }
 out=${OUT:-/tmp/bcg-out}
 mkdir -p "$out"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -114,6 +116,12 @@ case "$phase" in
       --resolutions "${PARALLEL_RESOLUTIONS:-512x512,1024x1024}" --single-modes "${PARALLEL_SINGLE_MODES-eager,bcg}" \
       --steps 50 --guidance 4 --runs 2 --out "$out/parallel-qwen-image" 2>&1 \
       | tee "$out/parallel-qwen-image.log" | grep -v "Warning\|warn(" | tail -20
+    ;;
+  serving)
+    for pipeline in qwen-image z-image; do
+      timeout 280 python3 -m bench.serving --pipeline "$pipeline" --weights random-full --resolutions 512x512,1024x1024 \
+        --requests 50 --steps 8 --out "$out/serving-$pipeline" 2>&1 | tee "$out/serving-$pipeline.log" | tail -10
+    done
     ;;
   demo)
     timeout 300 python3 app.py --pipeline z-image --weights random-full --record "$out/demo-z-image" 2>&1 \

@@ -96,3 +96,18 @@ def test_parallel_bench_under_torchrun(tmp_path):
         assert case["bcg"]["images_equal"] and case["bcg"]["forward_equal"], case
         assert case["bcg"]["graphs"]["eager_fallbacks"] == 0
     assert (tmp_path / "parallel.md").read_text().startswith("`torchrun -m bench.parallel")
+
+
+def test_serving_report_fields(tmp_path):
+    """``python -m bench.serving`` on tiny Qwen-Image: text buckets cover every random prompt after
+    the warm-up (no capture, no miss), and the checked requests equal eager."""
+    from bench import serving
+
+    argv = ["--pipeline", "qwen-image", "--weights", "tiny", "--device", "cpu", "--resolutions", "32x32"]
+    argv += ["--requests", "4", "--steps", "2", "--check", "2", "--out", str(tmp_path)]
+    assert serving.main(argv) == 0
+    result = json.loads((tmp_path / "serving.json").read_text())
+    assert result["captures_during_requests"] == 0 and result["misses"] == 0
+    assert result["warmup"]["captures"] > 0 and len(result["checks"]) == 2
+    assert {"median", "p90", "max"} <= set(result["latency_s"])
+    assert "0 captures" in (tmp_path / "serving.md").read_text()

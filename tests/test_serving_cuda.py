@@ -5,7 +5,6 @@ Weights from ``BCG_TEST_WEIGHTS`` (default ``tiny``), as in ``test_pipelines_cud
 
 from __future__ import annotations
 
-import contextlib
 import random
 
 import pytest
@@ -13,6 +12,7 @@ import torch
 from _cases import GPU_WEIGHTS, cuda_pipeline
 
 from bcg_diffusion import accelerate, eager, restore, stats
+from bench.serving import without_buckets
 
 pytestmark = pytest.mark.cuda
 
@@ -60,17 +60,6 @@ def _call(pipe, prompt, size, cfg):
     ).images
 
 
-@contextlib.contextmanager
-def _unpadded(pipe):
-    """Eager calls without the bucket padding (the pipeline's own ``encode_prompt``)."""
-    padded = pipe.__dict__.pop("encode_prompt")
-    try:
-        with eager(pipe):
-            yield
-    finally:
-        pipe.__dict__["encode_prompt"] = padded
-
-
 def test_bucketed_serving_never_captures_after_warm_up(qwen):
     weights, pipe = qwen
     resolutions = RESOLUTIONS[weights]
@@ -84,9 +73,9 @@ def test_bucketed_serving_never_captures_after_warm_up(qwen):
             image = _call(pipe, prompt, size, cfg)
             with eager(pipe):  # eager with the same padding: the graphs must match it exactly
                 assert torch.equal(image, _call(pipe, prompt, size, cfg))
-            with _unpadded(pipe):
-                unpadded = _call(pipe, prompt, size, cfg)
-            worst = max(worst, (image.float() - unpadded.float()).abs().max().item())
+            with without_buckets(pipe):
+                plain = _call(pipe, prompt, size, cfg)
+            worst = max(worst, (image.float() - plain.float()).abs().max().item())
         served = stats(pipe)
         assert served["captures"] == warmed["captures"] and served["misses"] == 0, served
         print(f"\nbuckets vs unpadded, {weights}: max abs difference {worst:.4g} over 20 calls")
