@@ -12,21 +12,19 @@ This module holds what the rest of the package needs to know about the parallel 
 * :func:`layout_of` reads it from a model, for the signature (graphs captured for one layout must
   never replay under another) and for the checks below;
 * :func:`check_divisible` turns diffusers' bare ``assert`` on sequence lengths into a clear error;
-* :class:`CaptureConsensus` keeps the ranks in step when a capture fails on one of them only.
+* :class:`CaptureConsensus` keeps the ranks in step when a capture fails on one of them only;
+* :func:`guarded` puts the first two around the transformer's runner.
 """
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-__all__ = ["CaptureConsensus", "ParallelLayout", "PeerCaptureFailed", "check_divisible", "layout_of"]
-
-logger = logging.getLogger(__name__)
+__all__ = ["CaptureConsensus", "ParallelLayout", "PeerCaptureFailed", "check_divisible", "guarded", "layout_of"]
 
 
 class PeerCaptureFailed(RuntimeError):
