@@ -13,7 +13,6 @@ and (with graphs) what happened when one rank's capture failed.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import sys
@@ -28,6 +27,7 @@ if __package__ in (None, ""):  # run as a script by torchrun: the repository roo
 
 from bcg_diffusion import accelerate, restore, stats  # noqa: E402
 from bcg_diffusion.loading import build_pipeline  # noqa: E402
+from bench.measure import image_md5  # noqa: E402
 
 # Token counts with the offline tokenizer: 8 and 20 divide by 2 and 4 ranks, 10 by 2, 7 by neither.
 PROMPT = "a red fox"
@@ -66,10 +66,6 @@ def _call(
     ).images
 
 
-def _md5(tensor: torch.Tensor) -> str:
-    return hashlib.md5(tensor.float().cpu().numpy().tobytes()).hexdigest()
-
-
 def consensus_protocol() -> list[bool]:
     """The capture consensus with the last rank failing after one break: every rank casts two votes
     (the failing one: ok, then its failure) and all see the failure at the second."""
@@ -104,9 +100,9 @@ def rank_checks(
     for round_ in range(2):  # capture, then replay
         for case in cases:
             image = _call(pipe, *case, device)
-            entry = report["cases"].setdefault(str(case), {"md5_eager": _md5(eager[case]), "equal": True})
+            entry = report["cases"].setdefault(str(case), {"md5_eager": image_md5(eager[case].cpu()), "equal": True})
             entry["equal"] = entry["equal"] and torch.equal(image, eager[case])
-            entry[f"md5_round{round_}"] = _md5(image)
+            entry[f"md5_round{round_}"] = image_md5(image.cpu())
     captures = stats(pipe)["captures"]
     for _ in range(50):
         _call(pipe, *cases[0], device)

@@ -21,6 +21,7 @@ diffusers' ``ulysses_anything`` / ``ring_anything`` modes also gather sizes on t
 
 from __future__ import annotations
 
+import functools
 import importlib
 import types
 from typing import Any
@@ -33,9 +34,10 @@ from . import FunctionPatch
 __all__ = ["COLLECTIVES_PATCH", "MASK_GATHER_PATCH"]
 
 
+@functools.cache
 def _functional_collectives() -> types.ModuleType:
     # Imported on first use: only context-parallel models call these, and torch builds without
-    # distributed support must still import bcg_diffusion.
+    # distributed support must still import bcg_diffusion. Cached: the breaks run on every replay.
     return importlib.import_module("torch.distributed._functional_collectives")
 
 
