@@ -163,6 +163,7 @@ def accelerate(pipe: P, config: AccelerateConfig | None = None, **options: Any) 
     for patch in patches:
         if patch.apply():
             state.patches.append(patch)
+    adapter.install(pipe, state.patches_made)
     if config.text_buckets is not None:
         try:
             adapter.install_text_buckets(pipe, config.text_buckets, state.patches_made)
@@ -260,7 +261,11 @@ def _install(state: _PipelineState, component: str, module: torch.nn.Module, met
     if component == "transformer" and state.layout is not None and state.layout.anything:
         runner.suspended = "diffusers' ulysses_anything / ring_anything gather sizes on the host (not supported)"
 
+    prepare = state.adapter.prepare_call(component)
+
     def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if prepare is not None:
+            args, kwargs = prepare(args, kwargs)
         result = runner(*args, **kwargs)
         if state.compiled is not None and state.compiled.compiles != state.compiles_saved:
             _save_compile_cache(state)

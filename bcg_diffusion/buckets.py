@@ -8,8 +8,9 @@ real tokens do not move (Qwen-Image places text after the image positions, count
 The result equals the unpadded call up to rounding: the masked attention sums a different number of
 exact zeros and may take another attention kernel. Off by default (exact mode pads nothing).
 
-Z-Image is not bucketed: its captions are padded by the model itself to a multiple of 32 with a
-*learned* pad token that attention sees, so padding further would change the image.
+Z-Image is not bucketed here: its captions are padded by the model itself to a multiple of 32 with a
+*learned* pad token that attention sees, so padding further would change the image. Those multiples
+of 32 are its buckets, exact ones: see :mod:`bcg_diffusion.patches.zimage`.
 """
 
 from __future__ import annotations

@@ -29,11 +29,17 @@ def warm_up(
 ) -> dict[str, Any]:
     """Call an accelerated pipeline once per resolution, CFG mode and prompt, capturing what it needs.
 
-    Captures happen even when ``lazy_capture=False`` (they are what a warm-up is for). Every signature
-    depends on the prompt's token length too, so warm up with ``prompts`` of the lengths you expect;
-    other lengths are captured later (lazy capture) or run eagerly (``lazy_capture=False``). With
-    ``text_buckets`` (Qwen-Image) the warm-up instead calls once per bucket, which covers every prompt
-    up to the largest bucket, with or without CFG.
+    Captures happen even when ``lazy_capture=False`` (they are what a warm-up is for). Signatures
+    depend on the prompt's token length too:
+
+    - Qwen-Image with ``text_buckets``: one call per bucket, which covers every prompt up to the
+      largest bucket, with or without CFG. Without buckets (exact) every token length is a signature
+      of its own, so warm up with ``prompts`` of the lengths you expect.
+    - Z-Image: one call per caption bucket (each multiple of 32 tokens) up to ``max_sequence_length``
+      (512 unless given in ``call_kwargs``), which covers every prompt, exactly. With CFG the negative
+      prompt is ``" "``; other negative prompts of another bucket need a call of their own.
+
+    Lengths not covered are captured later (lazy capture) or run eagerly (``lazy_capture=False``).
     ``call_kwargs`` are passed to every call (e.g. ``cfg_truncation=0.5`` for Z-Image, whose batch
     then drops mid-run: a signature of its own).
 
@@ -60,10 +66,13 @@ def warm_up(
         for runner in state.runners.values():
             runner.capture_new = True
         try:
+            max_length = call_kwargs.get("max_sequence_length", 512)
             for width, height in pairs:
                 for use_cfg in dict.fromkeys(cfg):
                     buckets = state.config.text_buckets
-                    for kwargs in state.adapter.warmup_calls(pipe, width, height, bool(use_cfg), prompts, buckets):
+                    for kwargs in state.adapter.warmup_calls(
+                        pipe, width, height, bool(use_cfg), prompts, buckets, max_sequence_length=max_length
+                    ):
                         kwargs.update(call_kwargs)
                         kwargs.setdefault("generator", torch.Generator("cpu").manual_seed(0))
                         pipe(**kwargs)

@@ -115,9 +115,34 @@ def _loop_inputs(pipe: Any, case: Case) -> dict[str, Any]:
     return kwargs
 
 
-def _loop_wall_and_kernel(pipe: Any, kwargs: dict[str, Any], device: torch.device) -> tuple[float, float]:
-    """(median wall seconds of 3 runs after one warm-up, GPU kernel seconds from one profiled run) of
-    one call. The median matters: the per-step figure is a difference of two such walls."""
+# Kernel-name fragments by what the kernel does, to tell a compute floor from overhead that fusion
+# or graphs could still remove. Checked in order; anything else is "other" (elementwise, norms, copies).
+KERNEL_KINDS = (
+    ("attention", ("flash", "fmha", "attention", "attn", "sdpa")),
+    ("convolution", ("conv", "fprop", "dgrad", "wgrad", "winograd")),
+    ("matmul", ("gemm", "nvjet", "cutlass", "xmma", "cublas", "matmul")),
+)
+
+
+def kernel_kind(name: str) -> str:
+    """``"attention"``, ``"matmul"``, ``"convolution"`` or ``"other"`` for a GPU kernel's name.
+
+    >>> kernel_kind("nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NNT"), kernel_kind("triton_poi_fused_add_0")
+    ('matmul', 'other')
+    """
+    lowered = name.lower()
+    for kind, fragments in KERNEL_KINDS:
+        if any(fragment in lowered for fragment in fragments):
+            return kind
+    return "other"
+
+
+def _loop_wall_and_kernel(
+    pipe: Any, kwargs: dict[str, Any], device: torch.device
+) -> tuple[float, float, dict[str, float]]:
+    """(median wall seconds of 3 runs after one warm-up, GPU kernel seconds from one profiled run, those
+    kernel seconds by :func:`kernel_kind`) of one call. The median matters: the per-step figure is a
+    difference of two such walls."""
     from torch.profiler import ProfilerActivity, profile
 
     walls = []
@@ -133,8 +158,12 @@ def _loop_wall_and_kernel(pipe: Any, kwargs: dict[str, Any], device: torch.devic
     with profile(activities=activities) as prof:
         pipe(**kwargs)
         synchronize(device)
-    kernel_us = sum(e.device_time for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
-    return statistics.median(walls[1:]), kernel_us / 1e6
+    by_kind: dict[str, float] = {}
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            kind = kernel_kind(event.name)
+            by_kind[kind] = by_kind.get(kind, 0.0) + event.device_time / 1e6
+    return statistics.median(walls[1:]), sum(by_kind.values()), by_kind
 
 
 def denoise_profile(pipe: Any, case: Case, device: torch.device) -> dict[str, float]:
@@ -143,12 +172,14 @@ def denoise_profile(pipe: Any, case: Case, device: torch.device) -> dict[str, fl
     Runs the loop (prompt embeddings precomputed, latent output) at ``case.steps`` and at half as many
     steps. ``wall_over_kernel`` is the whole call's wall time over its GPU kernel time (it includes the
     pipeline's fixed set-up: timesteps, latents); ``step_wall_over_kernel`` uses the differences between
-    the two runs, so fixed costs cancel and what is left is the per-step loop. Kernel time is 0 on CPU.
+    the two runs, so fixed costs cancel and what is left is the per-step loop. ``kernel_share``: the
+    fractions of kernel time by :func:`kernel_kind` (a loop that is mostly matmul and attention is near
+    its compute floor). Kernel time is 0 on CPU.
     """
     kwargs = _loop_inputs(pipe, case)
     few = max(2, case.steps // 2)
-    wall, kernel = _loop_wall_and_kernel(pipe, dict(kwargs, num_inference_steps=case.steps), device)
-    wall_few, kernel_few = _loop_wall_and_kernel(pipe, dict(kwargs, num_inference_steps=few), device)
+    wall, kernel, by_kind = _loop_wall_and_kernel(pipe, dict(kwargs, num_inference_steps=case.steps), device)
+    wall_few, kernel_few, _ = _loop_wall_and_kernel(pipe, dict(kwargs, num_inference_steps=few), device)
     step_kernel = (kernel - kernel_few) / (case.steps - few) if case.steps > few else math.nan
     step_wall = (wall - wall_few) / (case.steps - few) if case.steps > few else math.nan
     return {
@@ -158,6 +189,7 @@ def denoise_profile(pipe: Any, case: Case, device: torch.device) -> dict[str, fl
         "step_wall_s": step_wall,
         "step_kernel_s": step_kernel,
         "step_wall_over_kernel": step_wall / step_kernel if step_kernel else math.nan,
+        "kernel_share": {kind: seconds / kernel for kind, seconds in sorted(by_kind.items())} if kernel else {},
     }
 
 

@@ -5,7 +5,8 @@
 
 Two accelerated copies of one pipeline (weights shared): the first captures only the largest
 resolution with CFG (the largest single set of signatures); the second warms up every resolution in
-both CFG modes through the one shared pool. The pool sizes say how much the shared pool saves over
+both CFG modes through the one shared pool. Z-Image's warm-up is held to one caption bucket (32
+tokens, the warm-up prompt's), so both sides count resolutions × CFG modes, not caption buckets. The pool sizes say how much the shared pool saves over
 capturing each signature into memory of its own. Then, at the largest resolution, it compares the
 peak allocated memory of one eager call with that of one replayed call.
 """
@@ -22,6 +23,7 @@ import torch
 
 from bcg_diffusion import accelerate, eager, restore, stats, warm_up
 from bcg_diffusion.loading import PIPELINE_NAMES, build_pipeline
+from bcg_diffusion.patches.zimage import CAPTION_MULTIPLE
 from bcg_diffusion.pipelines import adapter_for
 
 from .cli import _resolutions
@@ -40,18 +42,19 @@ def _peak_of(pipe: Any, kwargs: dict[str, Any], device: torch.device) -> int:
 def measure(pipe: Any, resolutions: list[tuple[int, int]], device: torch.device) -> dict[str, Any]:
     """The figures described in the module docstring, as a dict (bytes)."""
     debug = device.type != "cuda"
+    one_bucket = {"max_sequence_length": CAPTION_MULTIPLE} if adapter_for(pipe).name == "z-image" else {}
     largest = max(resolutions, key=lambda r: r[0] * r[1])
     single = pipeline_copy(pipe)
     accelerate(single, debug=debug)
     try:
-        warm_up(single, [largest], cfg=(True,))
+        warm_up(single, [largest], cfg=(True,), **one_bucket)
         single_stats = stats(single)
     finally:
         restore(single)
     shared = pipeline_copy(pipe)
     accelerate(shared, debug=debug)
     try:
-        warm_up(shared, resolutions, cfg=(False, True))
+        warm_up(shared, resolutions, cfg=(False, True), **one_bucket)
         shared_stats = stats(shared)
         kwargs = adapter_for(shared).warmup_kwargs(*largest, cfg=True, prompt="a lighthouse on a rocky coast at dusk")
         kwargs["generator"] = torch.Generator("cpu").manual_seed(0)

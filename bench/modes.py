@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import itertools
 import logging
 from collections.abc import Callable
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from diffusers.utils import BaseOutput
 
 from bcg_diffusion import accelerate, eager, restore, stats
 
@@ -40,6 +42,31 @@ WITH_TEXT_ENCODER = ("transformer", "vae", "text_encoder")
 # inside CUDAGraph.replay) once reduce-overhead had recorded in it. Not root-caused yet; cudagraph trees
 # free the cuBLAS workspaces when they record, and graphs captured earlier may still point at them.
 SEPARATE = ("compile-max",)
+
+
+def _cloned(value: Any) -> Any:
+    """Tensors in ``value`` (a tensor, tuple, list or diffusers output) cloned, the structure kept."""
+    if isinstance(value, torch.Tensor):
+        return value.clone()
+    if isinstance(value, BaseOutput):
+        return type(value)(**{key: _cloned(item) for key, item in value.items()})
+    if isinstance(value, (tuple, list)):
+        return type(value)(_cloned(item) for item in value)
+    return value
+
+
+def _compile_with_own_graphs(transformer: torch.nn.Module) -> None:
+    """The ``compile-max`` peer: the transformer's forward under ``torch.compile(mode="reduce-overhead")``,
+    its outputs cloned outside the compiled code. Inductor's CUDA graphs reuse their output memory on
+    the next call, and true CFG (Qwen-Image) reads the cond output after the uncond call; PyTorch's
+    error for that says to clone outside ``torch.compile``, as a user would (our runner clones too)."""
+    compiled = torch.compile(transformer.forward, mode="reduce-overhead")
+
+    @functools.wraps(transformer.forward)
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        return _cloned(compiled(*args, **kwargs))
+
+    transformer.forward = forward
 
 
 def weight_sharing_copy(module: torch.nn.Module) -> torch.nn.Module:
@@ -112,7 +139,7 @@ def prepare(name: str, base: Any, device: torch.device) -> PreparedMode:
     if name == "compile":
         pipe.transformer.compile_repeated_blocks(fullgraph=True)
     else:
-        pipe.transformer.compile(mode="reduce-overhead")
+        _compile_with_own_graphs(pipe.transformer)
 
     def reset_dynamo() -> None:
         torch._dynamo.reset()  # drop compiled code and cudagraph trees before the next case

@@ -67,6 +67,13 @@ def markdown(record: dict[str, Any]) -> str:
                 for n, p in profiles.items()
             ]
             out += ["Denoising loop, wall time / GPU kernel time: " + ", ".join(parts), ""]
+            shares = [
+                f"{n} " + ", ".join(f"{kind} {share:.0%}" for kind, share in p["kernel_share"].items())
+                for n, p in profiles.items()
+                if p.get("kernel_share")
+            ]
+            if shares:
+                out += ["GPU kernel time by kind: " + "; ".join(shares), ""]
     return "\n".join(out)
 
 

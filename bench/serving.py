@@ -11,9 +11,9 @@ eagerly) and eager fallbacks during the requests (all should be 0 with buckets);
 (median, p90, max); and, for the first ``--check`` requests, whether the image equals the eager call
 with the same inputs, and (with buckets) its largest difference from the unpadded eager call.
 
-Z-Image keeps exact caption lengths (its learned pad token makes padding change the image), so every
-new prompt token length is a signature of its own; its misses say how many requests a warm-up with
-``--warmup-prompts`` prompts leaves uncovered.
+Z-Image needs no text buckets: its captions are padded by the model to a multiple of 32 tokens, and
+with the pad mask passed in as a tensor (``bcg_diffusion.patches.zimage``) one graph serves every
+caption of such a bucket exactly; the warm-up covers every bucket up to 512 tokens.
 """
 
 from __future__ import annotations

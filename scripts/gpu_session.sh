@@ -18,17 +18,21 @@
 #   bench-qwen-512   Qwen-Image 512², 50 steps, true CFG 4: every mode
 #   bench-qwen-1024  Qwen-Image 1024², 20 steps, true CFG 4: every mode
 #   issue2           python -m bench --preset issue2 --modes eager,bcg --profile
-#   profile-qwen     Qwen-Image 512², 50 steps, true CFG: eager and bcg with the per-step loop profile
+#   tests-z          Z-Image caption buckets on the GPU (tiny): serving with random prompts, pipeline equality
+#   profile-qwen     Qwen-Image 512², 10 steps, true CFG: eager, bcg and fast with the per-step loop profile
+#   profile-z        Z-Image-Turbo 512², 8 steps: eager, bcg and fast with the loop profile (kernel time by kind)
+#   fast-qwen-50     Qwen-Image 512², 50 steps, true CFG 4: eager, bcg and fast (issue 6's Qwen-Image figure)
+#   compile-max-qwen Qwen-Image 512², 10 steps, true CFG 4: torch.compile(mode="reduce-overhead") alone, whole call
 #   memory-z         graph memory of 4 resolutions x 2 CFG modes against one, peak replay vs eager (Z-Image)
 #   parallel         (two GPUs) context parallelism: tests/test_parallel_cuda.py (tiny: ulysses and ring;
 #                    full size: ulysses at 512² and 1024²), then torchrun -m bench.parallel (one GPU against two)
-#   serving          warm-up then 50 requests with random prompts (Qwen-Image with text buckets, then Z-Image exact):
+#   serving          warm-up then 50 requests with random prompts (Qwen-Image with text buckets, then Z-Image's exact caption buckets):
 #                    captures, misses, latency, equality with eager (bench.serving)
 #   demo             app.py --record: one side-by-side demo generation with full-size random Z-Image, saved
 #                    for `python scripts/screenshot_replay.py DIR OUT.png` here (the GPU machine has no browser)
 # Everything it writes is under $OUT (logs, results.json/.md/.png); copy it to bench/results/<date>-h200/.
 set -uo pipefail
-[ $# -gt 0 ] || { echo "usage: scripts/gpu_session.sh tests|tests-full|tests-fast|te-z|fast-check|profile-qwen|memory-z|bench-z|warm-start-z|bench-qwen|bench-qwen-512|bench-qwen-1024|issue2|parallel|serving|demo ..." >&2; exit 2; }
+[ $# -gt 0 ] || { echo "usage: scripts/gpu_session.sh tests|tests-full|tests-fast|tests-z|te-z|fast-check|profile-qwen|profile-z|fast-qwen-50|compile-max-qwen|memory-z|bench-z|warm-start-z|bench-qwen|bench-qwen-512|bench-qwen-1024|issue2|parallel|serving|demo ..." >&2; exit 2; }
 out=${OUT:-/tmp/bcg-out}
 mkdir -p "$out"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -77,11 +81,32 @@ case "$phase" in
         --out "$out/fast-check-$pipeline" 2>&1 | tee "$out/fast-check-$pipeline.log" | grep -v "^DEBUG" | tail -14
     done
     ;;
+  tests-z)
+    timeout 200 python3 -m pytest -m cuda -q -rs -p no:cacheprovider --tb=short tests/test_serving_cuda.py \
+      tests/test_pipelines_cuda.py 2>&1 | tee "$out/pytest-cuda-z-captions.log" | tail -8
+    ;;
   profile-qwen)
-    # Issue 2's remaining figure: Qwen-Image 512² denoising loop, wall over GPU kernel time per step.
-    timeout 560 python3 -m bench --pipeline qwen-image --weights random-full --resolutions 512x512 --steps 50 \
-      --guidance 4 --modes eager,bcg --runs 3 --profile --no-progress --out "$out/profile-qwen-image-512" 2>&1 \
-      | tee "$out/profile-qwen-image-512.log" | grep -v "^DEBUG" | tail -20
+    # Issue 2's remaining figure: Qwen-Image 512² denoising loop, wall over GPU kernel time per step (the
+    # per-step figure is the difference of a 10- and a 5-step run; 50 steps profiled did not fit a call).
+    timeout 300 python3 -m bench --pipeline qwen-image --weights random-full --resolutions 512x512 --steps 10 \
+      --guidance 4 --warmup 0 --modes eager,bcg,fast --runs 3 --profile --no-progress \
+      --out "$out/profile-qwen-image-512" 2>&1 | tee "$out/profile-qwen-image-512.log" | grep -v "^DEBUG" | tail -14
+    ;;
+  profile-z)
+    timeout 200 python3 -m bench --pipeline z-image --weights random-full --resolutions 512x512 --steps 8 \
+      --guidance 0 --warmup 0 --modes eager,bcg,fast --runs 3 --profile --no-progress \
+      --out "$out/profile-z-image-512" 2>&1 | tee "$out/profile-z-image-512.log" | grep -v "^DEBUG" | tail -14
+    ;;
+  fast-qwen-50)
+    timeout 300 python3 -m bench --pipeline qwen-image --weights random-full --resolutions 512x512 --steps 50 \
+      --guidance 4 --warmup 0 --modes eager,bcg,fast --runs 3 --no-progress --out "$out/fast-qwen-image-50" 2>&1 \
+      | tee "$out/fast-qwen-image-50.log" | grep -v "^DEBUG" | tail -14
+    ;;
+  compile-max-qwen)
+    timeout "${QWEN_MAX_TIMEOUT:-560}" python3 -m bench --pipeline qwen-image --weights random-full \
+      --resolutions 512x512 --steps 10 --guidance 4 --warmup 0 --runs 3 --modes compile-max --no-progress \
+      --out "$out/bench-qwen-image-compile-max" 2>&1 | tee "$out/bench-qwen-image-compile-max.log" \
+      | grep -v "^DEBUG" | tail -20
     ;;
   memory-z)
     timeout 300 python3 -m bench.memory --pipeline z-image --weights random-full \

@@ -37,7 +37,7 @@ def test_case_fields(record):
         assert set(mode["stages_s"]) == {"encode", "denoise", "decode"}
         assert mode["first_call_s"] > 0 and mode["identical"] and len(mode["md5"]) == 32
     profile = case["modes"]["bcg"]["denoise_profile"]  # on CPU: walls only, no kernel time
-    assert profile["wall_s"] > 0 and profile["kernel_s"] == 0
+    assert profile["wall_s"] > 0 and profile["kernel_s"] == 0 and profile["kernel_share"] == {}
     graphs = case["modes"]["bcg"]["graphs"]
     # true CFG with two prompts of different lengths: cond, uncond (masked path) and the VAE
     assert graphs["captures"] == 3 and graphs["eager_fallbacks"] == 0
@@ -111,3 +111,12 @@ def test_serving_report_fields(tmp_path):
     assert result["warmup"]["captures"] > 0 and len(result["checks"]) == 2
     assert {"median", "p90", "max"} <= set(result["latency_s"])
     assert "0 captures" in (tmp_path / "serving.md").read_text()
+
+
+def test_kernel_kinds():
+    from bench.measure import kernel_kind
+
+    assert kernel_kind("nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NNT") == "matmul"
+    assert kernel_kind("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wmma_f16") == "attention"
+    assert kernel_kind("sm90_xmma_fprop_implicit_gemm_bf16bf16_bf16f32") == "convolution"
+    assert kernel_kind("triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_0") == "other"

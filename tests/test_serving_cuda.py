@@ -11,7 +11,7 @@ import pytest
 import torch
 from _cases import GPU_WEIGHTS, cuda_pipeline
 
-from bcg_diffusion import accelerate, eager, restore, stats
+from bcg_diffusion import accelerate, eager, restore, stats, warm_up
 from bench.serving import without_buckets
 
 pytestmark = pytest.mark.cuda
@@ -100,5 +100,48 @@ def test_eviction_returns_pool_memory_for_reuse(qwen):
         assert report["evictions"] > 0 and len(report["signatures"]) <= 2
         print(f"\npool with max_signatures=2 after each cycle over {sizes}: {[p / 2**20 for p in pool]} MiB")
         assert pool[-1] <= pool[0] * 1.1, pool  # evicted blocks are reused by the next captures
+    finally:
+        restore(pipe)
+
+
+@pytest.fixture(params=GPU_WEIGHTS)
+def zimage(request):
+    with cuda_pipeline("z-image", request.param) as pipe:
+        yield request.param, pipe
+
+
+def _call_z(pipe, prompt, size, cfg):
+    width, height = size
+    return pipe(
+        prompt=prompt,
+        negative_prompt=" " if cfg else None,
+        guidance_scale=4.0 if cfg else 0.0,
+        width=width,
+        height=height,
+        num_inference_steps=2,
+        max_sequence_length=128,
+        output_type="pt",
+        generator=torch.Generator("cpu").manual_seed(0),
+    ).images
+
+
+def test_zimage_caption_buckets_serve_every_prompt_exactly(zimage):
+    """Z-Image needs no text buckets: its own caption buckets (multiples of 32) are exact, and a warm-up
+    covers all of them up to max_sequence_length."""
+    weights, pipe = zimage
+    resolutions = RESOLUTIONS[weights]
+    accelerate(pipe, lazy_capture=False)
+    try:
+        warm_up(pipe, resolutions, max_sequence_length=128)
+        warmed = stats(pipe)
+        rng = random.Random(1)
+        for _ in range(20):
+            prompt, size, cfg = _random_prompt(rng), rng.choice(resolutions), rng.random() < 0.5
+            image = _call_z(pipe, prompt, size, cfg)
+            with eager(pipe):
+                assert torch.equal(image, _call_z(pipe, prompt, size, cfg))
+        served = stats(pipe)
+        assert served["captures"] == warmed["captures"] and served["misses"] == 0, served
+        assert served["eager_fallbacks"] == 0, served
     finally:
         restore(pipe)

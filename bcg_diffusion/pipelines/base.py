@@ -89,15 +89,33 @@ class PipelineAdapter:
 
         return all_tokens_valid
 
+    def install(self, pipe: Any, patches: MethodPatches) -> None:
+        """Instance patches this family needs on ``pipe``'s components, recorded in ``patches`` so that
+        ``restore`` undoes them (none by default)."""
+
+    def prepare_call(self, component: str) -> Callable[[tuple, dict], tuple[tuple, dict]] | None:
+        """Eager preparation of a call's ``(args, kwargs)`` before its signature is taken, e.g. padding
+        to a bucket whose graph serves the call exactly (None: calls go in as they are). What it returns
+        is what ``runner_callable``'s function receives, captured or not."""
+        return None
+
     def install_text_buckets(self, pipe: Any, buckets: tuple[int, ...], patches: MethodPatches) -> None:
         """Pad prompts to ``buckets`` (see :mod:`bcg_diffusion.buckets`). Raises ValueError where the
         model's own padding would make that change the image."""
         raise ValueError(f"text buckets are not supported for the {self.name} adapter (Qwen-Image only)")
 
     def warmup_calls(
-        self, pipe: Any, width: int, height: int, cfg: bool, prompts: Sequence[str], buckets: tuple[int, ...] | None
+        self,
+        pipe: Any,
+        width: int,
+        height: int,
+        cfg: bool,
+        prompts: Sequence[str],
+        buckets: tuple[int, ...] | None,
+        max_sequence_length: int = 512,
     ) -> list[dict[str, Any]]:
-        """Keyword arguments of the warm-up calls for one resolution and CFG mode: one per prompt."""
+        """Keyword arguments of the warm-up calls for one resolution and CFG mode: one per prompt.
+        ``max_sequence_length``: the longest prompt (in tokens) the calls to come will have."""
         return [self.warmup_kwargs(width, height, cfg, prompt) for prompt in prompts]
 
     def warmup_kwargs(self, width: int, height: int, cfg: bool, prompt: str) -> dict[str, Any]:

@@ -35,7 +35,14 @@ class QwenImageAdapter(PipelineAdapter):
         patches.replace(pipe, "encode_prompt", text_buckets_wrapper(pipe.encode_prompt, buckets))
 
     def warmup_calls(
-        self, pipe: Any, width: int, height: int, cfg: bool, prompts: Sequence[str], buckets: tuple[int, ...] | None
+        self,
+        pipe: Any,
+        width: int,
+        height: int,
+        cfg: bool,
+        prompts: Sequence[str],
+        buckets: tuple[int, ...] | None,
+        max_sequence_length: int = 512,
     ) -> list[dict[str, Any]]:
         """With buckets, one call per bucket with zero embeddings of exactly that length (the negative
         prompt too, with CFG). Cond and uncond then share the transformer signature of their bucket,

@@ -1,14 +1,30 @@
 """Z-Image (``ZImagePipeline`` and relatives).
 
 The transformer takes and returns *lists* of tensors (one per batch item, the outputs views into one
-buffer), so signatures include each item's caption length: captions are padded only to their own
-multiple of 32 with a learned pad token, and the image RoPE positions depend on that padded length,
-so we never pad further. CFG runs cond and uncond as one call of batch 2B; ``cfg_truncation`` drops
-to batch B mid-run, a second signature. The forward is capturable as one graph (no host syncs).
+buffer). Captions are padded by the model to a multiple of 32 with a learned pad token, and the
+image RoPE positions start after that padded length, so we never pad further: the multiple of 32 is
+the caption's bucket. The pad mask is the only thing that depends on the exact token length; it is
+built before the call and passed in as a tensor (:mod:`bcg_diffusion.patches.zimage`), so one graph
+serves every caption of a bucket, byte-identical to eager. CFG runs cond and uncond as one call of
+batch 2B; ``cfg_truncation`` drops to batch B mid-run, a second signature. The forward is capturable
+as one graph (no host syncs).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from ..hooks import MethodPatches
+from ..patches.zimage import (
+    CAPTION_MULTIPLE,
+    bucket_captions,
+    caption_bucket,
+    patchify_with_caption_masks,
+    with_caption_masks,
+)
 from .base import PipelineAdapter
 
 
@@ -17,3 +33,56 @@ class ZImageAdapter(PipelineAdapter):
     class_prefixes = ("ZImage",)
     tested_classes = ("ZImagePipeline",)
     guidance_values = (0.0, 4.0)  # CFG when guidance_scale > 0
+
+    def install(self, pipe: Any, patches: MethodPatches) -> None:
+        transformer = getattr(pipe, "transformer", None)
+        if callable(getattr(transformer, "patchify_and_embed", None)):
+            patches.replace(
+                transformer, "patchify_and_embed", patchify_with_caption_masks(transformer.patchify_and_embed)
+            )
+
+    def runner_callable(self, component: str, method: Callable[..., Any]) -> Callable[..., Any]:
+        if component == "transformer":
+            return with_caption_masks(method)
+        return super().runner_callable(component, method)
+
+    def prepare_call(self, component: str) -> Callable[[tuple, dict], tuple[tuple, dict]] | None:
+        return bucket_captions if component == "transformer" else None
+
+    def install_text_buckets(self, pipe: Any, buckets: tuple[int, ...], patches: MethodPatches) -> None:
+        raise ValueError(
+            f"Z-Image buckets captions itself, exactly, to multiples of {CAPTION_MULTIPLE} tokens (padding "
+            "further would change the image); text_buckets is for Qwen-Image"
+        )
+
+    def warmup_calls(
+        self,
+        pipe: Any,
+        width: int,
+        height: int,
+        cfg: bool,
+        prompts: Sequence[str],
+        buckets: tuple[int, ...] | None,
+        max_sequence_length: int = 512,
+    ) -> list[dict[str, Any]]:
+        """The prompts' calls (they also capture the text encoder, when it is accelerated), then one call
+        per caption bucket up to ``max_sequence_length`` tokens with zero embeddings of exactly that
+        length, so that afterwards any prompt replays. With CFG the negative prompt is ``" "``, encoded
+        once: a service whose negative prompts fall into other buckets should warm up with those too."""
+        calls = super().warmup_calls(pipe, width, height, cfg, prompts, buckets)
+        transformer = pipe.transformer
+        text_encoder = getattr(pipe, "text_encoder", None)
+        dtype = text_encoder.dtype if text_encoder is not None else transformer.dtype
+        negative = None
+        if cfg:
+            negative, _ = pipe.encode_prompt(" ", device=transformer.device, do_classifier_free_guidance=False)
+        width_of_caption = transformer.config.cap_feat_dim
+        for length in range(CAPTION_MULTIPLE, caption_bucket(max_sequence_length) + 1, CAPTION_MULTIPLE):
+            kwargs = self.warmup_kwargs(width, height, cfg, "")
+            del kwargs["prompt"]
+            kwargs.pop("negative_prompt", None)
+            kwargs["prompt_embeds"] = [torch.zeros(length, width_of_caption, dtype=dtype, device=transformer.device)]
+            if cfg:
+                kwargs["negative_prompt_embeds"] = negative
+            calls.append(kwargs)
+        return calls
