@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from bench import cli, report
 
@@ -120,3 +121,21 @@ def test_kernel_kinds():
     assert kernel_kind("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wmma_f16") == "attention"
     assert kernel_kind("sm90_xmma_fprop_implicit_gemm_bf16bf16_bf16f32") == "convolution"
     assert kernel_kind("triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_0") == "other"
+
+
+def test_compile_max_outputs_are_cloned_with_their_structure():
+    """The reduce-overhead peer clones what the compiled forward returns (true CFG keeps the cond output
+    across the uncond call, whose CUDA graph would overwrite it)."""
+    from diffusers.models.modeling_outputs import Transformer2DModelOutput
+
+    from bench.modes import _cloned
+
+    first, second = torch.ones(2), torch.zeros(3)
+    for value in ((first,), [first, second], Transformer2DModelOutput(sample=first)):
+        copied = _cloned(value)
+        assert type(copied) is type(value)
+        leaves = list(copied.values()) if isinstance(copied, Transformer2DModelOutput) else list(copied)
+        originals = list(value.values()) if isinstance(value, Transformer2DModelOutput) else list(value)
+        for got, original in zip(leaves, originals, strict=True):
+            assert torch.equal(got, original) and got.data_ptr() != original.data_ptr()
+    assert _cloned(None) is None

@@ -12,6 +12,7 @@ import torch
 from _cases import GPU_WEIGHTS, cuda_pipeline
 
 from bcg_diffusion import accelerate, eager, restore, stats, warm_up
+from bcg_diffusion.pipelines import adapter_for
 from bench.serving import without_buckets
 
 pytestmark = pytest.mark.cuda
@@ -46,18 +47,12 @@ def qwen(request):
         yield request.param, pipe
 
 
-def _call(pipe, prompt, size, cfg):
-    width, height = size
-    return pipe(
-        prompt=prompt,
-        negative_prompt="ugly" if cfg else None,
-        true_cfg_scale=4.0 if cfg else 1.0,
-        width=width,
-        height=height,
-        num_inference_steps=2,
-        output_type="pt",
-        generator=torch.Generator("cpu").manual_seed(0),
-    ).images
+def _call(pipe, prompt, size, cfg, **extra):
+    """Two steps at ``size`` with CFG on or off, the adapter's own switch (Qwen's true CFG, Z-Image's
+    guidance), as a tensor."""
+    kwargs = adapter_for(pipe).warmup_kwargs(*size, cfg=cfg, prompt=prompt)
+    kwargs.update(num_inference_steps=2, output_type="pt", generator=torch.Generator("cpu").manual_seed(0))
+    return pipe(**kwargs, **extra).images
 
 
 def test_bucketed_serving_never_captures_after_warm_up(qwen):
@@ -110,21 +105,6 @@ def zimage(request):
         yield request.param, pipe
 
 
-def _call_z(pipe, prompt, size, cfg):
-    width, height = size
-    return pipe(
-        prompt=prompt,
-        negative_prompt=" " if cfg else None,
-        guidance_scale=4.0 if cfg else 0.0,
-        width=width,
-        height=height,
-        num_inference_steps=2,
-        max_sequence_length=128,
-        output_type="pt",
-        generator=torch.Generator("cpu").manual_seed(0),
-    ).images
-
-
 def test_zimage_caption_buckets_serve_every_prompt_exactly(zimage):
     """Z-Image needs no text buckets: its own caption buckets (multiples of 32) are exact, and a warm-up
     covers all of them up to max_sequence_length."""
@@ -137,9 +117,9 @@ def test_zimage_caption_buckets_serve_every_prompt_exactly(zimage):
         rng = random.Random(1)
         for _ in range(20):
             prompt, size, cfg = _random_prompt(rng), rng.choice(resolutions), rng.random() < 0.5
-            image = _call_z(pipe, prompt, size, cfg)
+            image = _call(pipe, prompt, size, cfg, max_sequence_length=128)
             with eager(pipe):
-                assert torch.equal(image, _call_z(pipe, prompt, size, cfg))
+                assert torch.equal(image, _call(pipe, prompt, size, cfg, max_sequence_length=128))
         served = stats(pipe)
         assert served["captures"] == warmed["captures"] and served["misses"] == 0, served
         assert served["eager_fallbacks"] == 0, served
