@@ -37,7 +37,8 @@ def warm_up(
       of its own, so warm up with ``prompts`` of the lengths you expect.
     - Z-Image: one call per caption bucket (each multiple of 32 tokens) up to ``max_sequence_length``
       (512 unless given in ``call_kwargs``), which covers every prompt, exactly. With CFG the negative
-      prompt is ``" "``; other negative prompts of another bucket need a call of their own.
+      prompt is ``call_kwargs["negative_prompt"]`` (default ``" "``); its bucket is part of every CFG
+      signature, so a service with several negative prompts warms up once with each.
 
     Lengths not covered are captured later (lazy capture) or run eagerly (``lazy_capture=False``).
     ``call_kwargs`` are passed to every call (e.g. ``cfg_truncation=0.5`` for Z-Image, whose batch
@@ -66,14 +67,16 @@ def warm_up(
         for runner in state.runners.values():
             runner.capture_new = True
         try:
-            max_length = call_kwargs.get("max_sequence_length", 512)
             for width, height in pairs:
                 for use_cfg in dict.fromkeys(cfg):
                     buckets = state.config.text_buckets
                     for kwargs in state.adapter.warmup_calls(
-                        pipe, width, height, bool(use_cfg), prompts, buckets, max_sequence_length=max_length
+                        pipe, width, height, bool(use_cfg), prompts, buckets, call_kwargs
                     ):
-                        kwargs.update(call_kwargs)
+                        # A call given embeddings takes no prompt text: the adapter encoded it already.
+                        kwargs.update(
+                            (key, value) for key, value in call_kwargs.items() if f"{key}_embeds" not in kwargs
+                        )
                         kwargs.setdefault("generator", torch.Generator("cpu").manual_seed(0))
                         pipe(**kwargs)
                         calls += 1

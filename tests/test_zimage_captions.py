@@ -79,9 +79,9 @@ def test_calls_that_are_not_plain_text_to_image_pass_unchanged():
         pad_captions([torch.zeros(0, 8)])
 
 
-def _call(pipe, prompt, cfg, size=64):
+def _call(pipe, prompt, cfg, size=64, **extra):
     kwargs = adapter_for(pipe).warmup_kwargs(size, size, cfg, prompt)
-    kwargs.update(num_inference_steps=2, output_type="pt", generator=torch.Generator().manual_seed(3))
+    kwargs.update(num_inference_steps=2, output_type="pt", generator=torch.Generator().manual_seed(3), **extra)
     return pipe(**kwargs).images
 
 
@@ -115,5 +115,24 @@ def test_warm_up_covers_every_prompt_up_to_max_sequence_length(pipe):
                     assert torch.equal(image, _call(pipe, prompt, cfg))
         served = stats(pipe)
         assert (served["captures"], served["misses"], served["eager_fallbacks"]) == (7, 0, 0)
+    finally:
+        restore(pipe)
+
+
+def test_warm_up_with_the_services_negative_prompt(pipe):
+    """With CFG the negative prompt's bucket is part of every signature: a warm-up given the service's
+    negative prompt (68 tokens, cut to the service's 64: bucket 64, not the default's 32) covers its calls."""
+    negative = " ".join(["word"] * 15)
+    accelerate(pipe, debug=True, lazy_capture=False)
+    try:
+        result = warm_up(pipe, [(64, 64)], cfg=(True,), negative_prompt=negative, max_sequence_length=64)
+        assert result["captures"] == 2 + 1  # buckets 32 and 64, each with the negative's 64; the VAE decode
+        for words in (1, 9):  # buckets 32 and 64
+            prompt = " ".join(["word"] * words)
+            service = {"negative_prompt": negative, "max_sequence_length": 64}
+            image = _call(pipe, prompt, cfg=True, **service)
+            with eager(pipe):
+                assert torch.equal(image, _call(pipe, prompt, cfg=True, **service))
+        assert (stats(pipe)["captures"], stats(pipe)["misses"]) == (3, 0)
     finally:
         restore(pipe)

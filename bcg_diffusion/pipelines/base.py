@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any
 
 from diffusers.models.attention_dispatch import _AttentionBackendRegistry
@@ -112,10 +112,11 @@ class PipelineAdapter:
         cfg: bool,
         prompts: Sequence[str],
         buckets: tuple[int, ...] | None,
-        max_sequence_length: int = 512,
+        call_kwargs: Mapping[str, Any] | None = None,
     ) -> list[dict[str, Any]]:
         """Keyword arguments of the warm-up calls for one resolution and CFG mode: one per prompt.
-        ``max_sequence_length``: the longest prompt (in tokens) the calls to come will have."""
+        ``call_kwargs``: what the caller passes to every call on top (e.g. ``max_sequence_length``,
+        ``negative_prompt``), for adapters whose calls depend on it."""
         return [self.warmup_kwargs(width, height, cfg, prompt) for prompt in prompts]
 
     def warmup_kwargs(self, width: int, height: int, cfg: bool, prompt: str) -> dict[str, Any]:

@@ -11,7 +11,7 @@ capture fails and they run eagerly with a warning.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -42,7 +42,7 @@ class QwenImageAdapter(PipelineAdapter):
         cfg: bool,
         prompts: Sequence[str],
         buckets: tuple[int, ...] | None,
-        max_sequence_length: int = 512,
+        call_kwargs: Mapping[str, Any] | None = None,
     ) -> list[dict[str, Any]]:
         """With buckets, one call per bucket with zero embeddings of exactly that length (the negative
         prompt too, with CFG). Cond and uncond then share the transformer signature of their bucket,

@@ -12,7 +12,7 @@ as one graph (no host syncs).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -63,19 +63,28 @@ class ZImageAdapter(PipelineAdapter):
         cfg: bool,
         prompts: Sequence[str],
         buckets: tuple[int, ...] | None,
-        max_sequence_length: int = 512,
+        call_kwargs: Mapping[str, Any] | None = None,
     ) -> list[dict[str, Any]]:
         """The prompts' calls (they also capture the text encoder, when it is accelerated), then one call
-        per caption bucket up to ``max_sequence_length`` tokens with zero embeddings of exactly that
-        length, so that afterwards any prompt replays. With CFG the negative prompt is ``" "``, encoded
-        once: a service whose negative prompts fall into other buckets should warm up with those too."""
+        per caption bucket up to ``call_kwargs["max_sequence_length"]`` tokens (default 512) with zero
+        embeddings of exactly that length, so that afterwards any prompt replays. With CFG the negative
+        prompt is ``call_kwargs["negative_prompt"]`` (default ``" "``), encoded once: its bucket is part
+        of every CFG signature, so a service with several negative prompts warms up with each."""
+        call_kwargs = call_kwargs or {}
         calls = super().warmup_calls(pipe, width, height, cfg, prompts, buckets)
+        max_sequence_length = call_kwargs.get("max_sequence_length", 512)
         transformer = pipe.transformer
         text_encoder = getattr(pipe, "text_encoder", None)
         dtype = text_encoder.dtype if text_encoder is not None else transformer.dtype
         negative = None
         if cfg:
-            negative, _ = pipe.encode_prompt(" ", device=transformer.device, do_classifier_free_guidance=False)
+            with torch.no_grad():  # as inside the pipeline's call: embeddings that require grad key apart
+                negative, _ = pipe.encode_prompt(
+                    call_kwargs.get("negative_prompt") or " ",
+                    device=transformer.device,
+                    do_classifier_free_guidance=False,
+                    max_sequence_length=max_sequence_length,
+                )
         width_of_caption = transformer.config.cap_feat_dim
         for length in range(CAPTION_MULTIPLE, caption_bucket(max_sequence_length) + 1, CAPTION_MULTIPLE):
             kwargs = self.warmup_kwargs(width, height, cfg, "")
