@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+import warnings
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -11,6 +12,7 @@ import torch
 
 from .api import _accelerated_state
 from .config import resolution_pairs
+from .runner import BCGWarning
 
 __all__ = ["DEFAULT_WARMUP_PROMPT", "warm_up"]
 
@@ -45,6 +47,8 @@ def warm_up(
     then drops mid-run: a signature of its own).
 
     Returns ``{"calls", "captures", "seconds"}``: pipeline calls made, signatures captured, wall time.
+    Warns (:class:`BCGWarning`) when ``max_signatures`` evicted signatures during the warm-up: it then
+    does not cover what it captured.
 
     Raises:
         ValueError: the pipeline was never accelerated, or a resolution is not positive.
@@ -63,6 +67,7 @@ def warm_up(
     calls = 0
     with state.lock:
         captures_before = sum(r.counters.captures for r in state.runners.values())
+        evictions_before = state.budget.evictions if state.budget is not None else 0
         previous = {name: runner.capture_new for name, runner in state.runners.items()}
         for runner in state.runners.values():
             runner.capture_new = True
@@ -84,6 +89,16 @@ def warm_up(
             for name, runner in state.runners.items():
                 runner.capture_new = previous[name]
         captures = sum(r.counters.captures for r in state.runners.values()) - captures_before
+        evicted = (state.budget.evictions if state.budget is not None else 0) - evictions_before
     seconds = time.perf_counter() - started
+    if evicted:
+        warnings.warn(
+            f"bcg-diffusion: warm_up() captured {captures} signatures but max_signatures="
+            f"{state.config.max_signatures} evicted {evicted} of them (or earlier ones) on the way: calls of "
+            "those run eagerly or capture again. Raise max_signatures, or warm up less (fewer resolutions, "
+            "CFG modes, text buckets, or a smaller max_sequence_length for Z-Image)",
+            BCGWarning,
+            stacklevel=2,
+        )
     logger.info("warm-up: %d calls, %d new captures in %.1f s", calls, captures, seconds)
     return {"calls": calls, "captures": captures, "seconds": seconds}

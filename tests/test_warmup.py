@@ -119,3 +119,14 @@ def test_warm_up_options_are_validated(options, error, match):
 def test_warm_up_options_normalise():
     config = AccelerateConfig(warmup=[[512, 512], (1024, 768), (512, 512)], warmup_cfg=[True, True])
     assert config.warmup == ((512, 512), (1024, 768)) and config.warmup_cfg == (True,)
+
+
+def test_a_warm_up_larger_than_max_signatures_warns():
+    pipe = _pipe("qwen-image")
+    accelerate(pipe, debug=True, lazy_capture=False, max_signatures=2)
+    try:
+        with pytest.warns(BCGWarning, match="max_signatures=2 evicted"):
+            result = warm_up(pipe, [(64, 64), (48, 96)], cfg=(False,))
+        assert result["captures"] == 4 and stats(pipe)["evictions"] == 2
+    finally:
+        restore(pipe)
