@@ -22,7 +22,8 @@
 #   profile-qwen     Qwen-Image 512², 10 steps, true CFG: eager, bcg and fast with the per-step loop profile
 #   profile-z        Z-Image-Turbo 512², 8 steps: eager, bcg and fast with the loop profile (kernel time by kind)
 #   fast-qwen-50     Qwen-Image 512², 50 steps, true CFG 4: eager, bcg and fast (issue 6's Qwen-Image figure)
-#   compile-max-qwen Qwen-Image 512², 10 steps, true CFG 4: torch.compile(mode="reduce-overhead") alone, whole call
+#   compile-max-qwen Qwen-Image 512² (QWEN_MAX_RESOLUTIONS=1024x1024 for the other size), 10 steps, true CFG 4:
+#                    torch.compile(mode="reduce-overhead") alone, a whole call (its first call compiles for 4+ min)
 #   memory-z         graph memory of 4 resolutions x 2 CFG modes against one, peak replay vs eager (Z-Image)
 #   parallel         (two GPUs) context parallelism: tests/test_parallel_cuda.py (tiny: ulysses and ring;
 #                    full size: ulysses at 512² and 1024²), then torchrun -m bench.parallel (one GPU against two)
@@ -104,7 +105,7 @@ case "$phase" in
     ;;
   compile-max-qwen)
     timeout "${QWEN_MAX_TIMEOUT:-560}" python3 -m bench --pipeline qwen-image --weights random-full \
-      --resolutions 512x512 --steps 10 --guidance 4 --warmup 0 --runs 3 --modes compile-max --no-progress \
+      --resolutions "${QWEN_MAX_RESOLUTIONS:-512x512}" --steps 10 --guidance 4 --warmup 0 --runs 3 --modes compile-max --no-progress \
       --out "$out/bench-qwen-image-compile-max" 2>&1 | tee "$out/bench-qwen-image-compile-max.log" \
       | grep -v "^DEBUG" | tail -20
     ;;
