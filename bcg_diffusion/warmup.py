@@ -12,6 +12,7 @@ import torch
 
 from .api import _accelerated_state
 from .config import resolution_pairs
+from .pipelines.base import WarmupRequest
 from .runner import BCGWarning
 
 __all__ = ["DEFAULT_WARMUP_PROMPT", "warm_up"]
@@ -74,10 +75,10 @@ def warm_up(
         try:
             for width, height in pairs:
                 for use_cfg in dict.fromkeys(cfg):
-                    buckets = state.config.text_buckets
-                    for kwargs in state.adapter.warmup_calls(
-                        pipe, width, height, bool(use_cfg), prompts, buckets, call_kwargs
-                    ):
+                    request = WarmupRequest(
+                        width, height, bool(use_cfg), prompts, state.config.text_buckets, call_kwargs
+                    )
+                    for kwargs in state.adapter.warmup_calls(pipe, request):
                         # A call given embeddings takes no prompt text: the adapter encoded it already.
                         kwargs.update(
                             (key, value) for key, value in call_kwargs.items() if f"{key}_embeds" not in kwargs

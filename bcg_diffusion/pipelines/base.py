@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Hashable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from diffusers.models.attention_dispatch import _AttentionBackendRegistry
 
 from ..hooks import MethodPatches
 from ..patches import FunctionPatch
 from ..patches.scoped import ProcessorGlobalsPatch
 
-__all__ = ["PipelineAdapter", "attention_backend_key", "vae_layout_key"]
+__all__ = ["PipelineAdapter", "WarmupRequest", "attention_backend_key", "vae_layout_key"]
 
 
 def attention_backend_key() -> Hashable:
@@ -30,6 +32,20 @@ def vae_layout_key(vae: Any) -> Callable[[], Hashable]:
         return (getattr(vae, "use_tiling", False), getattr(vae, "use_slicing", False))
 
     return key
+
+
+@dataclass(frozen=True)
+class WarmupRequest:
+    """What one warm-up step asks an adapter for: calls at ``width`` x ``height`` with CFG on or off,
+    one per prompt in ``prompts``, under the pipeline's ``text_buckets`` (None: exact); ``call_kwargs``
+    are what the caller passes to every call on top (e.g. ``max_sequence_length``, ``negative_prompt``)."""
+
+    width: int
+    height: int
+    cfg: bool
+    prompts: Sequence[str]
+    text_buckets: tuple[int, ...] | None = None
+    call_kwargs: Mapping[str, Any] = field(default_factory=dict)
 
 
 class PipelineAdapter:
@@ -104,20 +120,18 @@ class PipelineAdapter:
         model's own padding would make that change the image."""
         raise ValueError(f"text buckets are not supported for the {self.name} adapter (Qwen-Image only)")
 
-    def warmup_calls(
-        self,
-        pipe: Any,
-        width: int,
-        height: int,
-        cfg: bool,
-        prompts: Sequence[str],
-        buckets: tuple[int, ...] | None,
-        call_kwargs: Mapping[str, Any] | None = None,
-    ) -> list[dict[str, Any]]:
-        """Keyword arguments of the warm-up calls for one resolution and CFG mode: one per prompt.
-        ``call_kwargs``: what the caller passes to every call on top (e.g. ``max_sequence_length``,
-        ``negative_prompt``), for adapters whose calls depend on it."""
-        return [self.warmup_kwargs(width, height, cfg, prompt) for prompt in prompts]
+    def warmup_calls(self, pipe: Any, request: WarmupRequest) -> list[dict[str, Any]]:
+        """Keyword arguments of the warm-up calls for one resolution and CFG mode: one per prompt."""
+        return [self.warmup_kwargs(request.width, request.height, request.cfg, prompt) for prompt in request.prompts]
+
+    def embeddings_call(self, pipe: Any, request: WarmupRequest) -> tuple[dict[str, Any], torch.dtype]:
+        """A warm-up call's arguments without prompt text (the caller adds embeddings), and the dtype
+        the pipeline's own prompt embeddings have (its text encoder's, else its transformer's)."""
+        kwargs = self.warmup_kwargs(request.width, request.height, request.cfg, "")
+        del kwargs["prompt"]
+        kwargs.pop("negative_prompt", None)
+        text_encoder = getattr(pipe, "text_encoder", None)
+        return kwargs, (text_encoder if text_encoder is not None else pipe.transformer).dtype
 
     def warmup_kwargs(self, width: int, height: int, cfg: bool, prompt: str) -> dict[str, Any]:
         """Pipeline arguments of one warm-up call: every signature a normal call at this resolution

@@ -11,7 +11,6 @@ capture fails and they run eagerly with a warning.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -20,7 +19,7 @@ from ..buckets import text_buckets_wrapper
 from ..hooks import MethodPatches
 from ..patches.qwenimage import TEXT_SEQ_LEN_PATCH
 from ..patches.rope import QWEN_REAL_ROPE_PATCH
-from .base import PipelineAdapter
+from .base import PipelineAdapter, WarmupRequest
 
 
 class QwenImageAdapter(PipelineAdapter):
@@ -34,32 +33,20 @@ class QwenImageAdapter(PipelineAdapter):
     def install_text_buckets(self, pipe: Any, buckets: tuple[int, ...], patches: MethodPatches) -> None:
         patches.replace(pipe, "encode_prompt", text_buckets_wrapper(pipe.encode_prompt, buckets))
 
-    def warmup_calls(
-        self,
-        pipe: Any,
-        width: int,
-        height: int,
-        cfg: bool,
-        prompts: Sequence[str],
-        buckets: tuple[int, ...] | None,
-        call_kwargs: Mapping[str, Any] | None = None,
-    ) -> list[dict[str, Any]]:
+    def warmup_calls(self, pipe: Any, request: WarmupRequest) -> list[dict[str, Any]]:
         """With buckets, one call per bucket with zero embeddings of exactly that length (the negative
         prompt too, with CFG). Cond and uncond then share the transformer signature of their bucket,
         so CFG adds nothing to capture; its calls cost replays only."""
-        if buckets is None:
-            return super().warmup_calls(pipe, width, height, cfg, prompts, buckets)
+        if request.text_buckets is None:
+            return super().warmup_calls(pipe, request)
         transformer = pipe.transformer
-        dtype = pipe.text_encoder.dtype if getattr(pipe, "text_encoder", None) is not None else transformer.dtype
         calls = []
-        for length in buckets:
-            kwargs = self.warmup_kwargs(width, height, cfg, "")
-            del kwargs["prompt"]
-            kwargs.pop("negative_prompt", None)
+        for length in request.text_buckets:
+            kwargs, dtype = self.embeddings_call(pipe, request)
             shape, device = (1, length, transformer.config.joint_attention_dim), transformer.device
             kwargs["prompt_embeds"] = torch.zeros(shape, dtype=dtype, device=device)
             kwargs["prompt_embeds_mask"] = torch.ones(1, length, dtype=torch.long, device=device)
-            if cfg:
+            if request.cfg:
                 kwargs["negative_prompt_embeds"] = torch.zeros(shape, dtype=dtype, device=device)
                 kwargs["negative_prompt_embeds_mask"] = torch.ones(1, length, dtype=torch.long, device=device)
             calls.append(kwargs)

@@ -12,7 +12,7 @@ as one graph (no host syncs).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -25,7 +25,7 @@ from ..patches.zimage import (
     patchify_with_caption_masks,
     with_caption_masks,
 )
-from .base import PipelineAdapter
+from .base import PipelineAdapter, WarmupRequest
 
 
 class ZImageAdapter(PipelineAdapter):
@@ -55,29 +55,18 @@ class ZImageAdapter(PipelineAdapter):
             "further would change the image); text_buckets is for Qwen-Image"
         )
 
-    def warmup_calls(
-        self,
-        pipe: Any,
-        width: int,
-        height: int,
-        cfg: bool,
-        prompts: Sequence[str],
-        buckets: tuple[int, ...] | None,
-        call_kwargs: Mapping[str, Any] | None = None,
-    ) -> list[dict[str, Any]]:
+    def warmup_calls(self, pipe: Any, request: WarmupRequest) -> list[dict[str, Any]]:
         """The prompts' calls (they also capture the text encoder, when it is accelerated), then one call
         per caption bucket up to ``call_kwargs["max_sequence_length"]`` tokens (default 512) with zero
         embeddings of exactly that length, so that afterwards any prompt replays. With CFG the negative
         prompt is ``call_kwargs["negative_prompt"]`` (default ``" "``), encoded once: its bucket is part
         of every CFG signature, so a service with several negative prompts warms up with each."""
-        call_kwargs = call_kwargs or {}
-        calls = super().warmup_calls(pipe, width, height, cfg, prompts, buckets)
+        calls = super().warmup_calls(pipe, request)
+        call_kwargs = request.call_kwargs
         max_sequence_length = call_kwargs.get("max_sequence_length", 512)
         transformer = pipe.transformer
-        text_encoder = getattr(pipe, "text_encoder", None)
-        dtype = text_encoder.dtype if text_encoder is not None else transformer.dtype
         negative = None
-        if cfg:
+        if request.cfg:
             with torch.no_grad():  # as inside the pipeline's call: embeddings that require grad key apart
                 negative, _ = pipe.encode_prompt(
                     call_kwargs.get("negative_prompt") or " ",
@@ -87,11 +76,9 @@ class ZImageAdapter(PipelineAdapter):
                 )
         width_of_caption = transformer.config.cap_feat_dim
         for length in range(CAPTION_MULTIPLE, caption_bucket(max_sequence_length) + 1, CAPTION_MULTIPLE):
-            kwargs = self.warmup_kwargs(width, height, cfg, "")
-            del kwargs["prompt"]
-            kwargs.pop("negative_prompt", None)
+            kwargs, dtype = self.embeddings_call(pipe, request)
             kwargs["prompt_embeds"] = [torch.zeros(length, width_of_caption, dtype=dtype, device=transformer.device)]
-            if cfg:
+            if request.cfg:
                 kwargs["negative_prompt_embeds"] = negative
             calls.append(kwargs)
         return calls
