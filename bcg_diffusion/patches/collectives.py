@@ -6,8 +6,9 @@ and the ring all-gather in ``attention_dispatch``, the output all-gather in ``ho
 The patch binds ``funcol`` there to a stand-in module whose ``all_to_all_single`` and
 ``all_gather_tensor`` are eager breaks that wait for their result; every other attribute is the real
 module's. Likewise ``dist`` in ``attention_dispatch``, whose ``all_gather`` gathers a split attention
-mask (the masked path) into argument buffers, which the break keeps and refills on every replay. Outside a capture they are the same call followed by the wait diffusers does next anyway
-(its ``_wait_tensor``), so eager results are unchanged.
+mask (the masked path) into argument buffers, which the break keeps and refills on every replay.
+Outside a capture they are the same call followed by the wait diffusers does next anyway (its
+``_wait_tensor``), so eager results are unchanged.
 
 Why breaks and not collectives inside the graphs: a collective replayed from a CUDA graph skips the
 process group's bookkeeping (sequence numbers, work tracking); on two H200s the next ordinary
@@ -72,7 +73,12 @@ class _ModuleWithBreaks(types.ModuleType):
         self.__dict__.update(breaks)
 
     def __getattr__(self, name: str) -> Any:  # only called for names not set here
-        return getattr(importlib.import_module(self._real_name), name)
+        # Read on every replay (diffusers checks ``funcol.AsyncCollectiveTensor``, for one): copied
+        # here on first use, so later reads are plain attribute hits. The real module's functions and
+        # classes do not change while the process runs.
+        value = getattr(importlib.import_module(self._real_name), name)
+        self.__dict__[name] = value
+        return value
 
 
 COLLECTIVES_PATCH = FunctionPatch(
