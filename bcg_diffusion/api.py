@@ -6,10 +6,11 @@ import contextlib
 import dataclasses
 import functools
 import gc
+import inspect
 import logging
 import threading
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -17,6 +18,7 @@ import torch
 
 from . import fast, parallel
 from .budget import SignatureBudget
+from .cfg_batch import CfgBatcher
 from .config import AccelerateConfig
 from .graphs import GraphPool
 from .hooks import MethodPatches, diffusers_hooks, serialise_calls, unserialise_calls, watch_component
@@ -52,6 +54,8 @@ class _PipelineState:
     compiles_saved: int = 0  # state.compiled.compiles when the portable compile cache was last written
     layout: parallel.ParallelLayout | None = None  # the transformer's context parallelism, if any
     consensus: parallel.CaptureConsensus | None = None  # keeps the ranks' captures in step
+    batch_cfg: bool = False  # fast mode: batch true CFG's two transformer calls per step
+    cfg_batcher: CfgBatcher | None = None
 
 
 def _check_pipeline(pipe: Any, caller: str) -> None:
@@ -171,6 +175,7 @@ def accelerate(pipe: P, config: AccelerateConfig | None = None, **options: Any) 
             warnings.warn(f"bcg-diffusion: text_buckets ignored: {exc}", BCGWarning, stacklevel=2)
     if config.mode == "fast":
         _compile_blocks(pipe, state)
+        state.batch_cfg = _batch_cfg(pipe, config, adapter)
     for component in config.components:
         method = adapter.targets.get(component)
         module = getattr(pipe, component, None)
@@ -222,6 +227,22 @@ def _compile_blocks(pipe: Any, state: _PipelineState) -> None:
     logger.info("fast mode: compiling %d blocks of %s", len(state.compiled.names), type(transformer).__name__)
 
 
+def _batch_cfg(pipe: Any, config: AccelerateConfig, adapter: PipelineAdapter) -> bool:
+    """Whether fast mode batches true CFG's calls here: asked for (or left at None) and supported by
+    the adapter for this very pipeline class (relatives such as the Edit variants call differently)."""
+    if config.batch_cfg is False:
+        return False
+    if adapter.cfg_batch is not None and adapter.is_tested(pipe):
+        return True
+    if config.batch_cfg:
+        warnings.warn(
+            f"bcg-diffusion: batch_cfg is not supported for {type(pipe).__name__}; its CFG calls run one by one",
+            BCGWarning,
+            stacklevel=3,
+        )
+    return False
+
+
 def _save_compile_cache(state: _PipelineState) -> None:
     """After a call that compiled something, keep a portable copy of the compile caches (fast mode).
     The caller checks that something was compiled, so a replayed step pays one comparison."""
@@ -262,11 +283,15 @@ def _install(state: _PipelineState, component: str, module: torch.nn.Module, met
         runner.suspended = "diffusers' ulysses_anything / ring_anything gather sizes on the host (not supported)"
 
     prepare = state.adapter.prepare_call(component)
+    call: Callable[..., Any] = runner
+    if component == "transformer" and state.batch_cfg:
+        state.cfg_batcher = call = CfgBatcher(runner, inspect.signature(original), state.adapter.cfg_batch)
 
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         if prepare is not None:
             args, kwargs = prepare(args, kwargs)
-        result = runner(*args, **kwargs)
+        with state.lock:  # the CFG batcher keeps state between calls
+            result = call(*args, **kwargs)
         if state.compiled is not None and state.compiled.compiles != state.compiles_saved:
             _save_compile_cache(state)
         return result
@@ -345,7 +370,9 @@ def stats(pipe: Any) -> dict[str, Any]:
     settings changed), ``capture_seconds``, ``graph_memory_bytes`` (the shared pool's size now),
     ``compiled_blocks``, ``compiles`` and ``compile_failure`` (fast mode: blocks compiled, dynamo
     compiles inside them, first compiles and recompiles, and why the blocks went back to eager
-    forwards, if they did; 0 / None in exact mode), ``signatures`` (one dict per captured signature:
+    forwards, if they did; 0 / None in exact mode), ``cfg_batched`` and ``cfg_batch_dropped`` (fast
+    mode: uncond calls served from a batch with their cond call, and speculated halves left unused;
+    see :mod:`bcg_diffusion.cfg_batch`), ``signatures`` (one dict per captured signature:
     component, signature, status, state (what keys it besides the arguments: attention backend,
     parallel layout...), reason, segments, breaks, memory_bytes, capture_seconds, replays),
     ``components`` (counters per component) and ``patches``.
@@ -375,6 +402,8 @@ def stats(pipe: Any) -> dict[str, Any]:
         "compiled_blocks": len(state.compiled.names) if state.compiled is not None else 0,
         "compiles": state.compiled.compiles if state.compiled is not None else 0,
         "compile_failure": state.compiled.failure if state.compiled is not None else None,
+        "cfg_batched": state.cfg_batcher.batched if state.cfg_batcher is not None else 0,
+        "cfg_batch_dropped": state.cfg_batcher.dropped if state.cfg_batcher is not None else 0,
         "signatures": signatures,
         "components": components,
         "patches": [patch.name for patch in state.patches] + state.scoped_patches,

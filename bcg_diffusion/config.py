@@ -55,6 +55,10 @@ class AccelerateConfig:
             for serving after a warm-up: a call of a signature never captured then runs eagerly (counted
             in ``stats()["misses"]`` and logged once with what differs from the nearest captured one),
             so no request waits for a capture.
+        batch_cfg: ``mode="fast"`` only: run true CFG's cond and uncond transformer calls of a step
+            as one batch (Qwen-Image's pipeline; see :mod:`bcg_diffusion.cfg_batch`), which reads the
+            weights once for both. ``None`` (default): on in fast mode for the pipelines that support
+            it; ``False``: off. Its rounding is part of fast mode's, so ``with eager(pipe):`` batches too.
     """
 
     mode: str = "exact"
@@ -69,6 +73,7 @@ class AccelerateConfig:
     warmup: tuple[tuple[int, int], ...] = ()
     warmup_cfg: tuple[bool, ...] = (False, True)
     lazy_capture: bool = True
+    batch_cfg: bool | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.mode, str) or self.mode not in _MODES:
@@ -91,6 +96,10 @@ class AccelerateConfig:
             raise TypeError(f"warmup_runs must be an int, got {type(self.warmup_runs).__name__}")
         if not 1 <= self.warmup_runs <= 10:
             raise ValueError(f"warmup_runs must be between 1 and 10, got {self.warmup_runs}")
+        if self.batch_cfg is not None and not isinstance(self.batch_cfg, bool):
+            raise TypeError(f"batch_cfg must be a bool or None, got {type(self.batch_cfg).__name__}")
+        if self.batch_cfg and self.mode != "fast":
+            raise ValueError("batch_cfg applies to mode='fast' only (batching changes rounding; exact mode is exact)")
         if self.compile_cache_dir is not None:
             if not isinstance(self.compile_cache_dir, (str, os.PathLike)):
                 raise TypeError(f"compile_cache_dir must be a path, got {type(self.compile_cache_dir).__name__}")

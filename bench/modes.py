@@ -22,20 +22,23 @@ from bcg_diffusion import accelerate, eager, restore, stats
 
 logger = logging.getLogger(__name__)
 
-MODES: tuple[str, ...] = ("eager", "bcg", "bcg-te", "fast", "fast-te", "compile", "compile-max")
+MODES: tuple[str, ...] = ("eager", "bcg", "bcg-te", "fast", "fast-te", "fast-unbatched", "compile", "compile-max")
+# What a run without --modes compares on a GPU: every mode but the ablation of fast's CFG batching.
+DEFAULT_MODES: tuple[str, ...] = tuple(m for m in MODES if m != "fast-unbatched")
 DESCRIPTIONS = {
     "eager": "diffusers as is",
     "bcg": "bcg-diffusion accelerate(pipe), exact mode (debug mode on CPU: no graphs, timings not meaningful)",
     "bcg-te": "bcg with the text encoder captured too (components transformer, vae, text_encoder)",
     "fast": 'bcg-diffusion accelerate(pipe, mode="fast"): compiled repeated blocks inside breakable graphs',
     "fast-te": "fast with the text encoder captured too (components transformer, vae, text_encoder)",
+    "fast-unbatched": "fast with batch_cfg=False: true CFG's cond and uncond calls one by one (what batching adds)",
     "compile": "diffusers regional compile: transformer.compile_repeated_blocks(fullgraph=True)",
     "compile-max": 'torch.compile(transformer, mode="reduce-overhead") (inductor with its own CUDA graphs)',
 }
-EXACT = {"eager": True, "bcg": True, "bcg-te": True, "fast": False, "fast-te": False}
+EXACT = {"eager": True, "bcg": True, "bcg-te": True, "fast": False, "fast-te": False, "fast-unbatched": False}
 EXACT.update({"compile": False, "compile-max": False})
-OURS = ("bcg", "bcg-te", "fast", "fast-te")
-FAST = ("fast", "fast-te")
+OURS = ("bcg", "bcg-te", "fast", "fast-te", "fast-unbatched")
+FAST = ("fast", "fast-te", "fast-unbatched")
 WITH_TEXT_ENCODER = ("transformer", "vae", "text_encoder")
 # Peers that record CUDA graphs of their own (inductor's cudagraph trees) run in a group of their own,
 # after ours are freed: on the H200 (torch 2.11) a replay of our graphs crashed the process (segfault
@@ -104,7 +107,7 @@ class PreparedMode:
             return {}
         report = stats(self.pipe)
         keys = ("captures", "replays", "eager_fallbacks", "graph_memory_bytes", "capture_seconds", "active")
-        keys += ("compiles", "compiled_blocks") if self.name in FAST else ()
+        keys += ("compiles", "compiled_blocks", "cfg_batched") if self.name in FAST else ()
         return {key: report[key] for key in keys}
 
 
@@ -122,7 +125,8 @@ def prepare(name: str, base: Any, device: torch.device) -> PreparedMode:
         accelerate(pipe, components=components, debug=debug)
         return PreparedMode(name, pipe, lambda: restore(pipe), note)
     if name in FAST:
-        accelerate(pipe, mode="fast", components=components, debug=debug)
+        batch_cfg = False if name == "fast-unbatched" else None
+        accelerate(pipe, mode="fast", components=components, debug=debug, batch_cfg=batch_cfg)
 
         def teardown() -> None:
             restore(pipe)

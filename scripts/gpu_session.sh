@@ -21,7 +21,7 @@
 #   tests-z          Z-Image caption buckets on the GPU (tiny): serving with random prompts, pipeline equality
 #   profile-qwen     Qwen-Image 512², 10 steps, true CFG: eager, bcg and fast with the per-step loop profile
 #   profile-z        Z-Image-Turbo 512², 8 steps: eager, bcg and fast with the loop profile (kernel time by kind)
-#   fast-qwen-50     Qwen-Image 512², 50 steps, true CFG 4: eager, bcg and fast (issue 6's Qwen-Image figure)
+#   fast-qwen-50     Qwen-Image 512², 50 steps, true CFG 4: eager, fast, fast-unbatched (issue 6's Qwen-Image figure)
 #   compile-max-qwen Qwen-Image 512² (QWEN_MAX_RESOLUTIONS=1024x1024 for the other size), 10 steps, true CFG 4:
 #                    torch.compile(mode="reduce-overhead") alone, a whole call (its first call compiles for 4+ min)
 #   memory-z         graph memory of 4 resolutions x 2 CFG modes against one, peak replay vs eager (Z-Image)
@@ -99,8 +99,9 @@ case "$phase" in
       --out "$out/profile-z-image-512" 2>&1 | tee "$out/profile-z-image-512.log" | grep -v "^DEBUG" | tail -14
     ;;
   fast-qwen-50)
-    timeout 300 python3 -m bench --pipeline qwen-image --weights random-full --resolutions 512x512 --steps 50 \
-      --guidance 4 --warmup 0 --modes eager,bcg,fast --runs 3 --no-progress --out "$out/fast-qwen-image-50" 2>&1 \
+    # Issue 6's Qwen-Image target, with fast's CFG batching against the same without it (fast-unbatched).
+    timeout 450 python3 -m bench --pipeline qwen-image --weights random-full --resolutions 512x512 --steps 50 \
+      --guidance 4 --warmup 0 --modes eager,fast,fast-unbatched --runs 5 --no-progress --out "$out/fast-qwen-image-50" 2>&1 \
       | tee "$out/fast-qwen-image-50.log" | grep -v "^DEBUG" | tail -14
     ;;
   compile-max-qwen)

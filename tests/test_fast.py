@@ -107,6 +107,7 @@ def test_fast_debug_mode_equals_its_compiled_reference(name):
         assert report["compiled_blocks"] > 0 and report["compiles"] > 0 and report["eager_fallbacks"] == 0
         if name == "qwen-image":
             assert QWEN_REAL_ROPE_PATCH.name in report["patches"]
+            assert report["cfg_batched"] == 3 and report["cfg_batch_dropped"] == 0  # step 1 of each call
         torch.testing.assert_close(first, expected, atol=1e-4, rtol=0)  # float32: only rounding differs
     finally:
         restore(pipe)

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from diffusers.models.attention_dispatch import _AttentionBackendRegistry
 
+from ..cfg_batch import CfgBatchSpec
 from ..hooks import MethodPatches
 from ..patches import FunctionPatch
 from ..patches.scoped import ProcessorGlobalsPatch
@@ -64,6 +65,8 @@ class PipelineAdapter:
     patches: tuple[FunctionPatch, ...] = ()
     # Fast mode only: patches that compile better but round differently, scoped to the accelerated model.
     fast_patches: tuple[ProcessorGlobalsPatch, ...] = ()
+    # Fast mode: how the transformer's cond and uncond calls of a step batch (None: they do not).
+    cfg_batch: CfgBatchSpec | None = None
     # Warm-up calls: the keyword that switches CFG on and off, and its two values.
     guidance_argument: str = "guidance_scale"
     guidance_values: tuple[float, float] = (1.0, 4.0)  # (no CFG, CFG)

@@ -1,7 +1,8 @@
 """Qwen-Image (``QwenImagePipeline`` and its img2img / inpaint / edit relatives).
 
 Per denoising step the pipeline calls the transformer once, or twice with true CFG (cond and
-uncond, each with its own text length, so two signatures). When prompts in a batch differ in length
+uncond, each with its own text length, so two signatures; fast mode batches the two from the second
+step on, see :mod:`bcg_diffusion.cfg_batch`). When prompts in a batch differ in length
 it passes a text mask: the masked path's only host copy (``compute_text_seq_len_from_mask``) is
 patched to a device-side fill. RoPE tables are built and cached during warm-up, before capture. In
 fast mode the blocks apply RoPE in real arithmetic (inductor does not compile complex multiplication).
@@ -16,6 +17,7 @@ from typing import Any
 import torch
 
 from ..buckets import text_buckets_wrapper
+from ..cfg_batch import CfgBatchSpec
 from ..hooks import MethodPatches
 from ..patches.qwenimage import TEXT_SEQ_LEN_PATCH
 from ..patches.rope import QWEN_REAL_ROPE_PATCH
@@ -29,6 +31,14 @@ class QwenImageAdapter(PipelineAdapter):
     patches = (TEXT_SEQ_LEN_PATCH,)
     guidance_argument = "true_cfg_scale"  # true CFG: a second transformer call per step when > 1
     fast_patches = (QWEN_REAL_ROPE_PATCH,)
+    cfg_batch = CfgBatchSpec(
+        latents="hidden_states",
+        text="encoder_hidden_states",
+        text_mask="encoder_hidden_states_mask",
+        values=("timestep", "guidance"),
+        lists=("img_shapes",),
+        absent=("controlnet_block_samples", "additional_t_cond"),
+    )
 
     def install_text_buckets(self, pipe: Any, buckets: tuple[int, ...], patches: MethodPatches) -> None:
         patches.replace(pipe, "encode_prompt", text_buckets_wrapper(pipe.encode_prompt, buckets))

@@ -1,0 +1,176 @@
+"""Fast mode's CFG batching (:mod:`bcg_diffusion.cfg_batch`) on CPU, against diffusers' own forward.
+
+The batcher is driven by the real tiny Qwen-Image pipeline (float32), so it sees exactly the calls
+diffusers makes; speculation that must be refused is driven by direct calls.
+"""
+
+from __future__ import annotations
+
+import inspect
+import warnings
+
+import pytest
+import torch
+from _cases import run_case
+
+from bcg_diffusion import AccelerateConfig, accelerate, restore, stats
+from bcg_diffusion.cfg_batch import CfgBatcher
+from bcg_diffusion.loading import build_pipeline
+from bcg_diffusion.pipelines.qwenimage import QwenImageAdapter
+from bcg_diffusion.runner import BCGWarning
+
+SPEC = QwenImageAdapter.cfg_batch
+
+
+class _CountingForward:
+    """The transformer's own forward, counting calls and the batch size of each."""
+
+    def __init__(self, transformer: torch.nn.Module) -> None:
+        self.forward = transformer.forward
+        self.batches: list[int] = []
+
+    def __call__(self, *args, **kwargs):
+        hidden_states = kwargs.get("hidden_states", args[0] if args else None)
+        self.batches.append(hidden_states.shape[0])
+        return self.forward(*args, **kwargs)
+
+
+@pytest.fixture
+def qwen():
+    pipe = build_pipeline("qwen-image", "tiny", device="cpu")
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def _with_batcher(pipe) -> tuple[CfgBatcher, _CountingForward]:
+    counting = _CountingForward(pipe.transformer)
+    batcher = CfgBatcher(counting, inspect.signature(pipe.transformer.forward), SPEC)
+    pipe.transformer.forward = batcher
+    return batcher, counting
+
+
+@pytest.mark.parametrize("case", ["true_cfg", "mask_two_lengths"])
+def test_pipeline_with_batched_cfg_matches_one_by_one_calls(qwen, case):
+    expected = run_case(qwen, "qwen-image", case, height=64, width=64, steps=4)
+    batcher, counting = _with_batcher(qwen)
+    got = run_case(qwen, "qwen-image", case, height=64, width=64, steps=4)
+    batch = 2 if case == "mask_two_lengths" else 1
+    # Step 0 runs cond and uncond one by one (learning the negative prompt); steps 1-3 run as one batch.
+    assert counting.batches == [batch, batch] + [2 * batch] * 3
+    assert (batcher.batched, batcher.dropped) == (3, 0)
+    # Other GEMM shapes and the masked path (the prompts differ in length) only round differently.
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+    # A second call learns again: the first call's negative embeddings are gone.
+    run_case(qwen, "qwen-image", case, height=64, width=64, steps=2)
+    assert counting.batches[5:] == [batch, batch, 2 * batch] and batcher.dropped == 0
+
+
+def test_without_cfg_nothing_is_batched_or_wasted(qwen):
+    batcher, counting = _with_batcher(qwen)
+    run_case(qwen, "qwen-image", "no_cfg", height=64, width=64, steps=3)
+    assert counting.batches == [1, 1, 1] and (batcher.batched, batcher.dropped) == (0, 0)
+
+
+def _direct_inputs(transformer, *, text_length: int, seed: int) -> dict:
+    generator = torch.Generator().manual_seed(seed)
+    config = transformer.config
+    return {
+        "encoder_hidden_states": torch.randn(1, text_length, config.joint_attention_dim, generator=generator),
+        "encoder_hidden_states_mask": None,
+        "img_shapes": [[(1, 4, 4)]],
+        "return_dict": False,
+    }
+
+
+@pytest.mark.parametrize("change", ["timestep", "latents_in_place", "other_text", "other_argument"])
+def test_a_speculated_half_is_used_only_for_the_call_it_was_computed_for(qwen, change):
+    transformer = qwen.transformer
+    original = transformer.forward
+    batcher, counting = _with_batcher(qwen)
+    generator = torch.Generator().manual_seed(1)
+    cond = _direct_inputs(transformer, text_length=7, seed=2)
+    uncond = _direct_inputs(transformer, text_length=3, seed=3)
+    with torch.no_grad():
+        for step in range(2):  # step 0 teaches the negative prompt, step 1 speculates
+            latents = torch.randn(1, 16, transformer.config.in_channels, generator=generator)
+            timestep = torch.full((1,), 0.5 - 0.1 * step)
+            transformer(hidden_states=latents, timestep=timestep, **cond)
+            call = dict(uncond, hidden_states=latents, timestep=timestep / 1)  # equal values, another tensor
+            if step == 1:
+                if change == "timestep":
+                    call["timestep"] = timestep + 0.25
+                elif change == "latents_in_place":
+                    latents.mul_(0.5)
+                elif change == "other_text":
+                    call["encoder_hidden_states"] = uncond["encoder_hidden_states"].clone()
+                else:
+                    call["attention_kwargs"] = {"scale": 0.5}
+            got = transformer(**call)[0]
+        expected = original(**call)[0]
+    assert torch.equal(got, expected)  # computed as called, not taken from the batch
+    assert counting.batches == [1, 1, 2, 1] and (batcher.batched, batcher.dropped) == (0, 1)
+
+
+def test_speculated_half_with_equal_inputs_is_the_batch_computation(qwen):
+    transformer = qwen.transformer
+    original = transformer.forward
+    batcher, _ = _with_batcher(qwen)
+    generator = torch.Generator().manual_seed(1)
+    cond = _direct_inputs(transformer, text_length=5, seed=2)
+    uncond = _direct_inputs(transformer, text_length=5, seed=3)  # same length: no mask needed
+    with torch.no_grad():
+        for step in range(2):
+            latents = torch.randn(1, 16, transformer.config.in_channels, generator=generator)
+            timestep = torch.full((1,), 0.5 - 0.1 * step)
+            cond_out = transformer(hidden_states=latents, timestep=timestep, **cond)[0]
+            uncond_out = transformer(hidden_states=latents, timestep=timestep / 1, **uncond)[0]
+        batched = original(
+            hidden_states=torch.cat([latents, latents]),
+            encoder_hidden_states=torch.cat([cond["encoder_hidden_states"], uncond["encoder_hidden_states"]]),
+            encoder_hidden_states_mask=None,
+            timestep=torch.cat([timestep, timestep]),
+            img_shapes=[[(1, 4, 4)]] * 2,
+            return_dict=False,
+        )[0]
+    assert batcher.batched == 1
+    assert torch.equal(cond_out, batched[:1]) and torch.equal(uncond_out, batched[1:])
+
+
+def test_batch_cfg_option():
+    assert AccelerateConfig(mode="fast").batch_cfg is None
+    with pytest.raises(ValueError, match="mode='fast' only"):
+        AccelerateConfig(batch_cfg=True)
+    with pytest.raises(TypeError, match="batch_cfg must be a bool"):
+        AccelerateConfig(mode="fast", batch_cfg=1)
+
+
+def _fast_without_compiling(pipe, **options) -> None:
+    """Fast mode on a model with no repeated blocks: exact-mode graphs (debug: eager) plus CFG batching."""
+    pipe.transformer._repeated_blocks = []
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "bcg-diffusion: mode='fast' falls back", BCGWarning)
+        accelerate(pipe, mode="fast", debug=True, **options)
+
+
+def test_fast_mode_batches_cfg_through_the_runner_and_restore_undoes_it(qwen):
+    expected = run_case(qwen, "qwen-image", "true_cfg", height=64, width=64, steps=3)
+    _fast_without_compiling(qwen)
+    got = run_case(qwen, "qwen-image", "true_cfg", height=64, width=64, steps=3)
+    report = stats(qwen)
+    assert (report["cfg_batched"], report["cfg_batch_dropped"]) == (2, 0)
+    # Signatures: cond alone and uncond alone (step 0), then their batch (steps 1 and 2).
+    assert sum(record["component"] == "transformer" for record in report["signatures"]) == 3
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+    restore(qwen)
+    assert torch.equal(run_case(qwen, "qwen-image", "true_cfg", height=64, width=64, steps=3), expected)
+
+
+def test_batch_cfg_off_and_unsupported_pipelines_run_cfg_one_by_one(qwen):
+    _fast_without_compiling(qwen, batch_cfg=False)
+    run_case(qwen, "qwen-image", "true_cfg", height=64, width=64, steps=3)
+    assert stats(qwen)["cfg_batched"] == 0
+    restore(qwen)
+    z_image = build_pipeline("z-image", "tiny", device="cpu")
+    with pytest.warns(BCGWarning, match="batch_cfg is not supported for ZImagePipeline"):
+        _fast_without_compiling(z_image, batch_cfg=True)
+    restore(z_image)
