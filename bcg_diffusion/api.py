@@ -175,7 +175,7 @@ def accelerate(pipe: P, config: AccelerateConfig | None = None, **options: Any) 
             warnings.warn(f"bcg-diffusion: text_buckets ignored: {exc}", BCGWarning, stacklevel=2)
     if config.mode == "fast":
         _compile_blocks(pipe, state)
-        state.batch_cfg = _batch_cfg(pipe, config, adapter)
+        state.batch_cfg = _batch_cfg(pipe, config, state)
     for component in config.components:
         method = adapter.targets.get(component)
         module = getattr(pipe, component, None)
@@ -222,21 +222,27 @@ def _compile_blocks(pipe: Any, state: _PipelineState) -> None:
                 warnings.warn(f"bcg-diffusion: fast-mode patch {patch.name} skipped: {exc}", BCGWarning, stacklevel=3)
         state.compiled = fast.compile_repeated_blocks(transformer, state.patches_made)
     except ValueError as exc:
-        warnings.warn(f"bcg-diffusion: mode='fast' falls back to exact-mode graphs: {exc}", BCGWarning, stacklevel=3)
+        warnings.warn(
+            f"bcg-diffusion: mode='fast' falls back to graphs of the eager blocks (not compiled): {exc}",
+            BCGWarning,
+            stacklevel=3,
+        )
         return
     logger.info("fast mode: compiling %d blocks of %s", len(state.compiled.names), type(transformer).__name__)
 
 
-def _batch_cfg(pipe: Any, config: AccelerateConfig, adapter: PipelineAdapter) -> bool:
-    """Whether fast mode batches true CFG's calls here: asked for (or left at None) and supported by
-    the adapter for this very pipeline class (relatives such as the Edit variants call differently)."""
+def _batch_cfg(pipe: Any, config: AccelerateConfig, state: _PipelineState) -> bool:
+    """Whether fast mode batches true CFG's calls here: asked for (or left at None), supported by the
+    adapter for this very pipeline class (relatives such as the Edit variants call differently), and
+    not under context parallelism (fast mode keeps exact graphs there)."""
     if config.batch_cfg is False:
         return False
-    if adapter.cfg_batch is not None and adapter.is_tested(pipe):
+    if state.adapter.cfg_batch is not None and state.adapter.is_tested(pipe) and state.layout is None:
         return True
     if config.batch_cfg:
+        where = "with context parallelism" if state.layout is not None else f"for {type(pipe).__name__}"
         warnings.warn(
-            f"bcg-diffusion: batch_cfg is not supported for {type(pipe).__name__}; its CFG calls run one by one",
+            f"bcg-diffusion: batch_cfg is not supported {where}; its CFG calls run one by one",
             BCGWarning,
             stacklevel=3,
         )

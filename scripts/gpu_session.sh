@@ -139,7 +139,7 @@ case "$phase" in
       | tee "$out/pytest-parallel-tiny.log" | tail -8
     [ -n "${PARALLEL_SKIP_FULL_TESTS:-}" ] || BCG_TEST_WEIGHTS=random-full BCG_PARALLEL_KINDS=ulysses timeout 200 python3 -m pytest -q -rs -p no:cacheprovider \
       --tb=short tests/test_parallel_cuda.py 2>&1 | tee "$out/pytest-parallel-random-full.log" | tail -8
-    timeout "${PARALLEL_BENCH_TIMEOUT:-330}" python3 -m torch.distributed.run --nproc_per_node=2 -m bench.parallel --weights random-full \
+    [ -n "${PARALLEL_SKIP_BENCH:-}" ] || timeout "${PARALLEL_BENCH_TIMEOUT:-330}" python3 -m torch.distributed.run --nproc_per_node=2 -m bench.parallel --weights random-full \
       --resolutions "${PARALLEL_RESOLUTIONS:-512x512,1024x1024}" --single-modes "${PARALLEL_SINGLE_MODES-eager,bcg}" \
       --steps 50 --guidance 4 --runs 2 --out "$out/parallel-qwen-image" 2>&1 \
       | tee "$out/parallel-qwen-image.log" | grep -v "Warning\|warn(" | tail -20

@@ -117,7 +117,7 @@ def test_fast_debug_mode_equals_its_compiled_reference(name):
 def test_fast_mode_without_repeated_blocks_keeps_exact_graphs():
     pipe = build_pipeline("z-image", "tiny", device="cpu")
     pipe.transformer._repeated_blocks = []
-    with pytest.warns(BCGWarning, match="falls back to exact-mode graphs"):
+    with pytest.warns(BCGWarning, match="falls back to graphs of the eager blocks"):
         accelerate(pipe, mode="fast", debug=True)
     try:
         assert stats(pipe)["compiled_blocks"] == 0
