@@ -90,7 +90,7 @@ case "$phase" in
     # Issue 2's remaining figure: Qwen-Image 512² denoising loop, wall over GPU kernel time per step (the
     # per-step figure is the difference of a 10- and a 5-step run; 50 steps profiled did not fit a call).
     timeout 300 python3 -m bench --pipeline qwen-image --weights random-full --resolutions 512x512 --steps 10 \
-      --guidance 4 --warmup 0 --modes eager,bcg,fast --runs 3 --profile --no-progress \
+      --guidance 4 --warmup 0 --modes "${PROFILE_QWEN_MODES:-eager,bcg,fast}" --runs 3 --profile --no-progress \
       --out "$out/profile-qwen-image-512" 2>&1 | tee "$out/profile-qwen-image-512.log" | grep -v "^DEBUG" | tail -14
     ;;
   profile-z)
