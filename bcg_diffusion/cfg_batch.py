@@ -17,7 +17,9 @@ uncond call that follows gets that half only if its inputs are verifiably the on
 - equal values of every other argument (``img_shapes``, ``attention_kwargs``, ``return_dict``...).
 
 Anything else runs as called, and the speculated half is dropped (counted in ``stats()``). The first
-step of a call runs cond and uncond one by one, which teaches the batcher the negative prompt.
+step of a call runs cond and uncond one by one, which teaches the batcher the negative prompt. Calls
+under ``torch.inference_mode()`` run one by one: inference tensors keep no version counter, so a
+change in place could not be seen (diffusers' own ``torch.no_grad()`` is fine).
 
 When the two prompts have different token lengths, the shorter one is padded with zeros and both get
 a text mask: the model's masked path, as with ``text_buckets``. Batching and masking change rounding
@@ -146,6 +148,7 @@ class CfgBatcher:
         self._negative: _Negative | None = None
         self._pending: _Pending | None = None
         self._logged: set[str] = set()
+        self._disabled: str | None = None  # why this model's calls can never be batched
         self.batched = 0
         self.dropped = 0
 
@@ -163,8 +166,9 @@ class CfgBatcher:
                 self.batched += 1
                 return pending.output
             self._drop(reason)
-        reason = self._unbatchable(arguments)
+        reason = self._disabled or self._unbatchable(arguments)
         if reason is not None:
+            self._log(f"not batched: {reason}")
             self._forget()
             return self._call(*args, **kwargs)
         latents, text = arguments[self._spec.latents], arguments[self._spec.text]
@@ -187,6 +191,8 @@ class CfgBatcher:
         mask = arguments.get(spec.text_mask)
         if mask is not None and not isinstance(mask, torch.Tensor):
             return f"{spec.text_mask} is not a tensor"
+        if any(t is not None and t.is_inference() for t in (arguments[spec.latents], arguments[spec.text], mask)):
+            return "inference-mode tensors keep no version counter, so a change in place could not be seen"
         for name in spec.absent:
             if arguments.get(name) is not None:
                 return f"{name} is given"
@@ -220,6 +226,10 @@ class CfgBatcher:
             cond_text, cond_mask = pad_to_bucket(cond_text, cond_mask, (length,))
             padded_negative, negative_mask_padded = pad_to_bucket(negative_text, negative_mask, (length,))
             negative_text, mask = padded_negative, torch.cat([cond_mask, negative_mask_padded])
+        others = _split_others(spec, arguments)
+        if others is None:
+            self._log("not batched: an argument cannot be compared between calls")
+            return self._call(**arguments)
         batched = dict(arguments)
         batched[spec.latents] = torch.cat([arguments[spec.latents]] * 2)
         batched[spec.text] = torch.cat([cond_text, negative_text])
@@ -230,10 +240,6 @@ class CfgBatcher:
         for name in spec.lists:
             value = arguments.get(name)
             batched[name] = None if value is None else list(value) * 2
-        others = _split_others(spec, arguments)
-        if others is None:
-            self._log("an argument cannot be compared between calls; not batched")
-            return self._call(**arguments)
         output = self._call(**batched)
         halves = self._halves(output, batch)
         if halves is None:
@@ -250,16 +256,15 @@ class CfgBatcher:
         return halves[0]
 
     def _halves(self, output: Any, batch: int) -> tuple[Any, Any] | None:
-        """``output`` of a batch of ``2 * batch`` split into the cond and uncond halves (None, once
-        logged, when some output is not per-sample)."""
+        """``output`` of a batch of ``2 * batch`` split into the cond and uncond halves. None when some
+        output is not per-sample: batching is then off for good (the batch was wasted once)."""
         try:
             leaves, structure = flatten(output)
         except UnsupportedValue as exc:
-            self._log(f"its output cannot be split ({exc})")
+            self._disabled = f"the model's output cannot be split ({exc})"
             return None
         if not leaves or any(leaf.dim() == 0 or leaf.shape[0] != 2 * batch for leaf in leaves):
-            self._log("its output is not one row per sample")
-            self._negative = None
+            self._disabled = "the model's output is not one row per sample"
             return None
         return unflatten(structure, [leaf[:batch] for leaf in leaves]), unflatten(
             structure, [leaf[batch:] for leaf in leaves]

@@ -174,3 +174,44 @@ def test_batch_cfg_off_and_unsupported_pipelines_run_cfg_one_by_one(qwen):
     with pytest.warns(BCGWarning, match="batch_cfg is not supported for ZImagePipeline"):
         _fast_without_compiling(z_image, batch_cfg=True)
     restore(z_image)
+
+
+def test_a_bucketed_fast_warm_up_covers_the_batched_cfg_calls(qwen):
+    # Warm-up calls run two steps: one by one, then batched, so the batch's signature is captured too.
+    _fast_without_compiling(qwen, text_buckets=(32,), warmup=[(64, 64)], warmup_cfg=(True,), lazy_capture=False)
+    try:
+        warmed = stats(qwen)
+        assert warmed["cfg_batched"] == 1, warmed["signatures"]
+        for prompt, negative in (("a fox", "ugly"), ("a red fox in the snow at dawn", " ")):
+            qwen(
+                prompt=prompt, negative_prompt=negative, true_cfg_scale=4.0, height=64, width=64, num_inference_steps=3
+            )
+        served = stats(qwen)
+        assert (served["captures"], served["misses"]) == (warmed["captures"], 0), served["signatures"]
+        assert (served["cfg_batched"], served["cfg_batch_dropped"]) == (1 + 2 * 2, 0)
+    finally:
+        restore(qwen)
+
+
+def test_inference_mode_calls_run_one_by_one(qwen):
+    expected = run_case(qwen, "qwen-image", "true_cfg", height=64, width=64, steps=3)
+    batcher, counting = _with_batcher(qwen)
+    with torch.inference_mode():  # inference tensors have no version counter to check changes against
+        got = run_case(qwen, "qwen-image", "true_cfg", height=64, width=64, steps=3)
+    assert counting.batches == [1] * 6 and (batcher.batched, batcher.dropped) == (0, 0)
+    assert torch.equal(got, expected)
+
+
+def test_a_model_whose_output_is_not_per_sample_is_never_batched_again(qwen):
+    forward = qwen.transformer.forward
+
+    def pooled(*args, **kwargs):  # one row for the whole batch, which cannot be split into halves
+        return (forward(*args, **kwargs)[0].sum(0, keepdim=True),)
+
+    counting = _CountingForward(qwen.transformer)
+    counting.forward = pooled
+    batcher = CfgBatcher(counting, inspect.signature(forward), SPEC)
+    qwen.transformer.forward = batcher
+    run_case(qwen, "qwen-image", "true_cfg", height=64, width=64, steps=4)
+    # Step 0 one by one; step 1 batched once (wasted), then cond and uncond alone; then one by one for good.
+    assert counting.batches == [1, 1, 2, 1, 1, 1, 1, 1, 1] and batcher.batched == 0
