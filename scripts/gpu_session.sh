@@ -49,7 +49,7 @@ case "$phase" in
       2>&1 | tee "$out/pytest-cuda-tiny.log" | tail -15
     ;;
   tests-fast)
-    timeout 120 python3 -m pytest -q -rs -p no:cacheprovider --tb=short tests/test_fast_cuda.py 2>&1 \
+    timeout 200 python3 -m pytest -q -rs -p no:cacheprovider --tb=short tests/test_fast_cuda.py 2>&1 \
       | tee "$out/pytest-fast-tiny.log" | tail -15
     ;;
   warm-start-z)
