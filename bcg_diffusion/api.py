@@ -291,13 +291,16 @@ def _install(state: _PipelineState, component: str, module: torch.nn.Module, met
     prepare = state.adapter.prepare_call(component)
     call: Callable[..., Any] = runner
     if component == "transformer" and state.batch_cfg:
-        state.cfg_batcher = call = CfgBatcher(runner, inspect.signature(original), state.adapter.cfg_batch)
+        batcher = state.cfg_batcher = CfgBatcher(runner, inspect.signature(original), state.adapter.cfg_batch)
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            with state.lock:  # the batcher keeps state between calls
+                return batcher(*args, **kwargs)
 
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         if prepare is not None:
             args, kwargs = prepare(args, kwargs)
-        with state.lock:  # the CFG batcher keeps state between calls
-            result = call(*args, **kwargs)
+        result = call(*args, **kwargs)
         if state.compiled is not None and state.compiled.compiles != state.compiles_saved:
             _save_compile_cache(state)
         return result

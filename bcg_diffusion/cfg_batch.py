@@ -89,18 +89,21 @@ class _Ref:
 
 
 @dataclasses.dataclass
-class _Negative:
-    """The uncond text of the last pair seen: what the next cond call batches with."""
+class _Text:
+    """Prompt embeddings and their mask (or None), as weak references."""
 
     text: _Ref
     mask: _Ref
+
+    def same(self, text: torch.Tensor, mask: torch.Tensor | None) -> bool:
+        return self.text.same(text) and self.mask.same(mask)
 
     def tensors(self) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """The embeddings and mask, or None once either is gone or was changed in place."""
         text, mask = self.text.get(), self.mask.get()
         if text is None or not self.mask.alive():
             return None
-        if not (self.text.same(text) and self.mask.same(mask)):
+        if not self.same(text, mask):
             return None
         return text, mask
 
@@ -110,7 +113,7 @@ class _Pending:
     """A speculated uncond half and the inputs it was computed for."""
 
     latents: _Ref
-    negative: _Negative
+    negative: _Text
     values: dict[str, torch.Tensor | None]
     lists: dict[str, Any]
     others: tuple[Any, list[torch.Tensor]]
@@ -145,8 +148,11 @@ class CfgBatcher:
         self._spec = spec
         self._last_latents: _Ref | None = None  # the previous call's latents and text: a pair shares the latents
         self._last_text: _Ref | None = None
-        self._negative: _Negative | None = None
+        self._negative: _Text | None = None  # the uncond text of the last pair: what cond calls batch with
         self._pending: _Pending | None = None
+        # The padded text batch of the last pair: prompt and negative prompt stay the same for every
+        # step of a call, so the padding is done once per call (key: the cond text, the negative).
+        self._text_batch: tuple[_Text, _Text, torch.Tensor, torch.Tensor | None] | None = None
         self._logged: set[str] = set()
         self._disabled: str | None = None  # why this model's calls can never be batched
         self.batched = 0
@@ -174,8 +180,8 @@ class CfgBatcher:
         latents, text = arguments[self._spec.latents], arguments[self._spec.text]
         if self._last_latents is not None and self._last_latents.same(latents) and not self._last_text.same(text):
             # The uncond call after a cond call that ran alone: its text is what later steps batch with.
-            self._negative = _Negative(_Ref(text), _Ref(arguments[self._spec.text_mask]))
-            self._last_latents = self._last_text = None
+            self._negative = _Text(_Ref(text), _Ref(arguments[self._spec.text_mask]))
+            self._forget()
             return self._call(*args, **kwargs)
         negative = self._negative.tensors() if self._negative is not None else None
         if negative is not None and self._compatible(arguments, *negative):
@@ -218,22 +224,13 @@ class CfgBatcher:
     ) -> Any:
         spec = self._spec
         batch = arguments[spec.latents].shape[0]
-        cond_text, cond_mask = arguments[spec.text], arguments[spec.text_mask]
-        length = max(cond_text.shape[1], negative_text.shape[1])
-        if cond_text.shape[1] == negative_text.shape[1] and cond_mask is None and negative_mask is None:
-            mask = None
-        else:
-            cond_text, cond_mask = pad_to_bucket(cond_text, cond_mask, (length,))
-            padded_negative, negative_mask_padded = pad_to_bucket(negative_text, negative_mask, (length,))
-            negative_text, mask = padded_negative, torch.cat([cond_mask, negative_mask_padded])
         others = _split_others(spec, arguments)
         if others is None:
             self._log("not batched: an argument cannot be compared between calls")
             return self._call(**arguments)
         batched = dict(arguments)
         batched[spec.latents] = torch.cat([arguments[spec.latents]] * 2)
-        batched[spec.text] = torch.cat([cond_text, negative_text])
-        batched[spec.text_mask] = mask
+        batched[spec.text], batched[spec.text_mask] = self._texts(arguments, negative_text, negative_mask)
         for name in spec.values:
             value = arguments.get(name)
             batched[name] = None if value is None else torch.cat([value] * 2)
@@ -252,8 +249,29 @@ class CfgBatcher:
             others=others,
             output=halves[1],
         )
-        self._last_latents = self._last_text = None
+        self._forget()
         return halves[0]
+
+    def _texts(
+        self, arguments: dict[str, Any], negative_text: torch.Tensor, negative_mask: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The cond and negative texts as one batch, with their mask: padded to one length and masked
+        when their lengths differ or either has a mask (None: no mask needed). Reused while the cond
+        text and the negative are the same tensors, unchanged."""
+        cond_text, cond_mask = arguments[self._spec.text], arguments[self._spec.text_mask]
+        cached = self._text_batch
+        if cached is not None and cached[0].same(cond_text, cond_mask) and cached[1] is self._negative:
+            return cached[2], cached[3]
+        if cond_text.shape[1] == negative_text.shape[1] and cond_mask is None and negative_mask is None:
+            text, mask = torch.cat([cond_text, negative_text]), None
+        else:
+            length = (max(cond_text.shape[1], negative_text.shape[1]),)
+            cond_text, cond_mask = pad_to_bucket(cond_text, cond_mask, length)
+            negative_text, negative_mask = pad_to_bucket(negative_text, negative_mask, length)
+            text, mask = torch.cat([cond_text, negative_text]), torch.cat([cond_mask, negative_mask])
+        cond = _Text(_Ref(arguments[self._spec.text]), _Ref(arguments[self._spec.text_mask]))
+        self._text_batch = (cond, self._negative, text, mask)
+        return text, mask
 
     def _halves(self, output: Any, batch: int) -> tuple[Any, Any] | None:
         """``output`` of a batch of ``2 * batch`` split into the cond and uncond halves. None when some
@@ -275,10 +293,7 @@ class CfgBatcher:
         spec = self._spec
         if not pending.latents.same(arguments.get(spec.latents)):
             return "the next call had other latents"
-        if not (
-            pending.negative.text.same(arguments.get(spec.text))
-            and pending.negative.mask.same(arguments.get(spec.text_mask))
-        ):
+        if not pending.negative.same(arguments.get(spec.text), arguments.get(spec.text_mask)):
             return "the next call had another text"
         for name, expected in pending.lists.items():
             if arguments.get(name) != expected:

@@ -215,3 +215,19 @@ def test_a_model_whose_output_is_not_per_sample_is_never_batched_again(qwen):
     run_case(qwen, "qwen-image", "true_cfg", height=64, width=64, steps=4)
     # Step 0 one by one; step 1 batched once (wasted), then cond and uncond alone; then one by one for good.
     assert counting.batches == [1, 1, 2, 1, 1, 1, 1, 1, 1] and batcher.batched == 0
+
+
+def test_the_padded_text_batch_is_built_once_per_call(qwen):
+    texts = []
+    counting = _CountingForward(qwen.transformer)
+    forward = counting.forward
+
+    def recording(*args, **kwargs):
+        texts.append(kwargs["encoder_hidden_states"])
+        return forward(*args, **kwargs)
+
+    counting.forward = recording
+    qwen.transformer.forward = CfgBatcher(counting, inspect.signature(forward), SPEC)
+    run_case(qwen, "qwen-image", "true_cfg", height=64, width=64, steps=4)
+    batched = [text for text, batch in zip(texts, counting.batches, strict=True) if batch == 2]
+    assert len(batched) == 3 and all(text is batched[0] for text in batched)  # steps 1-3 share one batch
