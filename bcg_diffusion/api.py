@@ -23,10 +23,12 @@ from .config import AccelerateConfig
 from .graphs import GraphPool
 from .hooks import MethodPatches, diffusers_hooks, serialise_calls, unserialise_calls, watch_component
 from .patches import FunctionPatch
+from .patches.attention import TEXT_LENGTHS_KWARG
 from .patches.collectives import COLLECTIVES_PATCH, MASK_GATHER_PATCH
 from .patches.text_encoder import CAUSAL_MASK_PATCH
 from .pipelines import PipelineAdapter, adapter_for
 from .runner import BCGWarning, GraphRunner
+from .text_trim import TrimmedTextEncoder
 
 __all__ = ["accelerate", "eager", "restore", "stats"]
 
@@ -51,11 +53,13 @@ class _PipelineState:
     compiled: fast.CompiledBlocks | None = None
     budget: SignatureBudget | None = None
     scoped_patches: list[str] = field(default_factory=list)  # fast-mode patches applied to this model only
+    attention_kwargs_accepted: set[str] = field(default_factory=set)  # extra processor arguments they take
     compiles_saved: int = 0  # state.compiled.compiles when the portable compile cache was last written
     layout: parallel.ParallelLayout | None = None  # the transformer's context parallelism, if any
     consensus: parallel.CaptureConsensus | None = None  # keeps the ranks' captures in step
     batch_cfg: bool = False  # fast mode: batch true CFG's two transformer calls per step
     cfg_batcher: CfgBatcher | None = None
+    text_trim: TrimmedTextEncoder | None = None  # fast mode: the text encoder skips the prompts' padding
 
 
 def _check_pipeline(pipe: Any, caller: str) -> None:
@@ -182,6 +186,8 @@ def accelerate(pipe: P, config: AccelerateConfig | None = None, **options: Any) 
         if method is None or module is None:
             continue
         _install(state, component, module, method)
+    if config.mode == "fast":
+        _trim_text_encoder(pipe, state)
     if not state.runners:
         warnings.warn(
             f"bcg-diffusion: {type(pipe).__name__} has none of {config.components}", BCGWarning, stacklevel=2
@@ -218,6 +224,7 @@ def _compile_blocks(pipe: Any, state: _PipelineState) -> None:
             try:
                 if patch.apply(transformer, state.patches_made):
                     state.scoped_patches.append(patch.name)
+                    state.attention_kwargs_accepted.update(patch.accepts)
             except ValueError as exc:
                 warnings.warn(f"bcg-diffusion: fast-mode patch {patch.name} skipped: {exc}", BCGWarning, stacklevel=3)
         state.compiled = fast.compile_repeated_blocks(transformer, state.patches_made)
@@ -247,6 +254,17 @@ def _batch_cfg(pipe: Any, config: AccelerateConfig, state: _PipelineState) -> bo
             stacklevel=3,
         )
     return False
+
+
+def _trim_text_encoder(pipe: Any, state: _PipelineState) -> None:
+    """Fast mode: where the adapter says the pipeline pads prompts for a causal text encoder, wrap the
+    encoder's forward (accelerated or not) so that it skips that padding (see :mod:`.text_trim`)."""
+    multiple = state.adapter.text_trim_multiple
+    encoder = getattr(pipe, "text_encoder", None)
+    if multiple is None or not isinstance(encoder, torch.nn.Module) or not state.adapter.is_tested(pipe):
+        return
+    state.text_trim = TrimmedTextEncoder(encoder.forward, multiple)
+    state.patches_made.replace(encoder, "forward", state.text_trim)
 
 
 def _save_compile_cache(state: _PipelineState) -> None:
@@ -291,7 +309,10 @@ def _install(state: _PipelineState, component: str, module: torch.nn.Module, met
     prepare = state.adapter.prepare_call(component)
     call: Callable[..., Any] = runner
     if component == "transformer" and state.batch_cfg:
-        batcher = state.cfg_batcher = CfgBatcher(runner, inspect.signature(original), state.adapter.cfg_batch)
+        lengths_key = TEXT_LENGTHS_KWARG if TEXT_LENGTHS_KWARG in state.attention_kwargs_accepted else None
+        batcher = state.cfg_batcher = CfgBatcher(
+            runner, inspect.signature(original), state.adapter.cfg_batch, text_lengths_key=lengths_key
+        )
 
         def call(*args: Any, **kwargs: Any) -> Any:
             with state.lock:  # the batcher keeps state between calls
@@ -381,7 +402,8 @@ def stats(pipe: Any) -> dict[str, Any]:
     compiles inside them, first compiles and recompiles, and why the blocks went back to eager
     forwards, if they did; 0 / None in exact mode), ``cfg_batched`` and ``cfg_batch_dropped`` (fast
     mode: uncond calls served from a batch with their cond call, and speculated halves left unused;
-    see :mod:`bcg_diffusion.cfg_batch`), ``signatures`` (one dict per captured signature:
+    see :mod:`bcg_diffusion.cfg_batch`), ``text_encoder_trimmed`` (fast mode: text encodings run
+    without the prompts' padding, see :mod:`bcg_diffusion.text_trim`), ``signatures`` (one dict per captured signature:
     component, signature, status, state (what keys it besides the arguments: attention backend,
     parallel layout...), reason, segments, breaks, memory_bytes, capture_seconds, replays),
     ``components`` (counters per component) and ``patches``.
@@ -413,6 +435,7 @@ def stats(pipe: Any) -> dict[str, Any]:
         "compile_failure": state.compiled.failure if state.compiled is not None else None,
         "cfg_batched": state.cfg_batcher.batched if state.cfg_batcher is not None else 0,
         "cfg_batch_dropped": state.cfg_batcher.dropped if state.cfg_batcher is not None else 0,
+        "text_encoder_trimmed": state.text_trim.trimmed if state.text_trim is not None else 0,
         "signatures": signatures,
         "components": components,
         "patches": [patch.name for patch in state.patches] + state.scoped_patches,

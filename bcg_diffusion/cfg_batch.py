@@ -56,6 +56,8 @@ class CfgBatchSpec:
         values: per-sample tensors (or None) whose values the two calls share, e.g. the timestep.
         lists: per-sample Python lists the two calls share (concatenated for the batch).
         absent: arguments that must be None for a call to be batched (e.g. ControlNet residuals).
+        attention_kwargs: the dict argument whose entries reach the attention processors, through
+            which a batch of texts that differ in length can tell them each text's length.
     """
 
     latents: str
@@ -64,6 +66,7 @@ class CfgBatchSpec:
     values: tuple[str, ...] = ()
     lists: tuple[str, ...] = ()
     absent: tuple[str, ...] = ()
+    attention_kwargs: str | None = None
 
 
 class _Ref:
@@ -108,6 +111,16 @@ class _Text:
         return text, mask
 
 
+@dataclasses.dataclass(frozen=True)
+class _TextBatch:
+    """Cond and uncond texts as one batch: embeddings, mask (None: every token valid), and each
+    text's token length when its tokens are all valid (None: a mask says which are)."""
+
+    text: torch.Tensor
+    mask: torch.Tensor | None
+    lengths: tuple[int, int] | None
+
+
 @dataclasses.dataclass
 class _Pending:
     """A speculated uncond half and the inputs it was computed for."""
@@ -135,24 +148,34 @@ class CfgBatcher:
     """Calls ``call`` (a transformer forward, usually its graph runner) with CFG pairs batched.
 
     Needs the forward's ``signature`` (to read arguments by name) and the model's
-    :class:`CfgBatchSpec`. Returns, for every call, what ``call`` would return for it; only rounding
+    :class:`CfgBatchSpec`. With ``text_lengths_key`` (the model's attention takes it, see
+    :mod:`bcg_diffusion.patches.attention`), a batch of two unmasked texts of different lengths passes
+    ``{text_lengths_key: (cond length, uncond length)}`` in ``spec.attention_kwargs`` besides the
+    padding mask. Returns, for every call, what ``call`` would return for it; only rounding
     differs for batched calls. ``batched`` counts uncond calls served from a batch, ``dropped``
     speculated halves that were not used (each a wasted half forward).
 
     Not thread-safe on its own: the caller holds the pipeline's lock.
     """
 
-    def __init__(self, call: Callable[..., Any], signature: inspect.Signature, spec: CfgBatchSpec) -> None:
+    def __init__(
+        self,
+        call: Callable[..., Any],
+        signature: inspect.Signature,
+        spec: CfgBatchSpec,
+        text_lengths_key: str | None = None,
+    ) -> None:
         self._call = call
         self._signature = signature
         self._spec = spec
+        self._text_lengths_key = text_lengths_key if spec.attention_kwargs is not None else None
         self._last_latents: _Ref | None = None  # the previous call's latents and text: a pair shares the latents
         self._last_text: _Ref | None = None
         self._negative: _Text | None = None  # the uncond text of the last pair: what cond calls batch with
         self._pending: _Pending | None = None
         # The padded text batch of the last pair: prompt and negative prompt stay the same for every
         # step of a call, so the padding is done once per call (key: the cond text, the negative).
-        self._text_batch: tuple[_Text, _Text, torch.Tensor, torch.Tensor | None] | None = None
+        self._text_batch: tuple[_Text, _Text, _TextBatch] | None = None
         self._logged: set[str] = set()
         self._disabled: str | None = None  # why this model's calls can never be batched
         self.batched = 0
@@ -230,7 +253,12 @@ class CfgBatcher:
             return self._call(**arguments)
         batched = dict(arguments)
         batched[spec.latents] = torch.cat([arguments[spec.latents]] * 2)
-        batched[spec.text], batched[spec.text_mask] = self._texts(arguments, negative_text, negative_mask)
+        texts = self._texts(arguments, negative_text, negative_mask)
+        batched[spec.text], batched[spec.text_mask] = texts.text, texts.mask
+        if texts.lengths is not None and self._text_lengths_key is not None:
+            given = arguments.get(spec.attention_kwargs)
+            if given is None or isinstance(given, dict):
+                batched[spec.attention_kwargs] = {**(given or {}), self._text_lengths_key: texts.lengths}
         for name in spec.values:
             value = arguments.get(name)
             batched[name] = None if value is None else torch.cat([value] * 2)
@@ -254,24 +282,30 @@ class CfgBatcher:
 
     def _texts(
         self, arguments: dict[str, Any], negative_text: torch.Tensor, negative_mask: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The cond and negative texts as one batch, with their mask: padded to one length and masked
-        when their lengths differ or either has a mask (None: no mask needed). Reused while the cond
-        text and the negative are the same tensors, unchanged."""
+    ) -> _TextBatch:
+        """The cond and negative texts as one batch: padded to one length and masked when their
+        lengths differ or either has a mask. Reused while the cond text and the negative are the same
+        tensors, unchanged."""
         cond_text, cond_mask = arguments[self._spec.text], arguments[self._spec.text_mask]
         cached = self._text_batch
         if cached is not None and cached[0].same(cond_text, cond_mask) and cached[1] is self._negative:
-            return cached[2], cached[3]
-        if cond_text.shape[1] == negative_text.shape[1] and cond_mask is None and negative_mask is None:
-            text, mask = torch.cat([cond_text, negative_text]), None
+            return cached[2]
+        lengths = (cond_text.shape[1], negative_text.shape[1])
+        if cond_mask is None and negative_mask is None and lengths[0] == lengths[1]:
+            batch = _TextBatch(torch.cat([cond_text, negative_text]), None, None)
         else:
-            length = (max(cond_text.shape[1], negative_text.shape[1]),)
-            cond_text, cond_mask = pad_to_bucket(cond_text, cond_mask, length)
-            negative_text, negative_mask = pad_to_bucket(negative_text, negative_mask, length)
-            text, mask = torch.cat([cond_text, negative_text]), torch.cat([cond_mask, negative_mask])
-        cond = _Text(_Ref(arguments[self._spec.text]), _Ref(arguments[self._spec.text_mask]))
-        self._text_batch = (cond, self._negative, text, mask)
-        return text, mask
+            length = (max(lengths),)
+            padded_cond, padded_cond_mask = pad_to_bucket(cond_text, cond_mask, length)
+            padded_negative, padded_negative_mask = pad_to_bucket(negative_text, negative_mask, length)
+            batch = _TextBatch(
+                torch.cat([padded_cond, padded_negative]),
+                torch.cat([padded_cond_mask, padded_negative_mask]),
+                # Every token of an unmasked text is valid: the mask then says no more than the lengths.
+                lengths if cond_mask is None and negative_mask is None else None,
+            )
+        cond = _Text(_Ref(cond_text), _Ref(cond_mask))
+        self._text_batch = (cond, self._negative, batch)
+        return batch
 
     def _halves(self, output: Any, batch: int) -> tuple[Any, Any] | None:
         """``output`` of a batch of ``2 * batch`` split into the cond and uncond halves. None when some

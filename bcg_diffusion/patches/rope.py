@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from .scoped import ProcessorGlobalsPatch
+from .scoped import ProcessorPatch
 
 __all__ = ["QWEN_REAL_ROPE_PATCH", "apply_rotary_emb_qwen"]
 
@@ -40,7 +40,7 @@ def apply_rotary_emb_qwen(
     return rotated.flatten(3).type_as(x)
 
 
-QWEN_REAL_ROPE_PATCH = ProcessorGlobalsPatch(
+QWEN_REAL_ROPE_PATCH = ProcessorPatch(
     name="qwenimage.apply_rotary_emb_qwen (real arithmetic)",
     processor_class="QwenDoubleStreamAttnProcessor2_0",
     replacements={"apply_rotary_emb_qwen": apply_rotary_emb_qwen},

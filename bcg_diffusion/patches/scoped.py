@@ -3,14 +3,16 @@
 A :class:`~bcg_diffusion.patches.FunctionPatch` swaps a module-level function for the whole process.
 That is right for exact device-side equivalents, but fast-mode patches change rounding, and an eager
 or exact-mode pipeline in the same process must keep diffusers' own arithmetic. So a
-:class:`ProcessorGlobalsPatch` gives each attention module of one model its own processor whose
-``__call__`` runs diffusers' code unchanged except that chosen global names resolve to our functions.
+:class:`ProcessorPatch` gives each attention module of one model its own processor whose ``__call__``
+runs diffusers' code unchanged except that chosen global names resolve to our functions, optionally
+wrapped by a ``__call__`` of ours that takes extra keyword arguments.
 """
 
 from __future__ import annotations
 
 import copy
 import functools
+import logging
 import types
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -20,7 +22,9 @@ import torch
 
 from ..hooks import MethodPatches
 
-__all__ = ["ProcessorGlobalsPatch"]
+__all__ = ["ProcessorPatch"]
+
+logger = logging.getLogger(__name__)
 
 
 def _with_globals(fn: types.FunctionType, replacements: dict[str, Any]) -> types.FunctionType:
@@ -33,7 +37,7 @@ def _with_globals(fn: types.FunctionType, replacements: dict[str, Any]) -> types
 
 
 @dataclass(eq=False)
-class ProcessorGlobalsPatch:
+class ProcessorPatch:
     """Give every attention processor of class ``processor_class`` inside a model a ``__call__`` whose
     globals named in ``replacements`` are ours.
 
@@ -41,11 +45,20 @@ class ProcessorGlobalsPatch:
         name: short name for logs and stats.
         processor_class: the processor class name (as diffusers spells it) to patch.
         replacements: global name in the processor's module -> our function.
+        wrap_call: optional; takes the (rebound) ``__call__`` and returns the one to install, which
+            may accept the keyword arguments named in ``accepts`` on top of the original's (diffusers'
+            ``Attention`` passes a processor only the keyword arguments its signature names).
+        accepts: the extra keyword arguments ``wrap_call``'s ``__call__`` takes.
+        condition: optional; given the model, says why the patch does not apply to it (None: it does),
+            e.g. a kernel that only pays off on some GPUs.
     """
 
     name: str
     processor_class: str
-    replacements: dict[str, Callable[..., Any]]
+    replacements: dict[str, Callable[..., Any]] = field(default_factory=dict)
+    wrap_call: Callable[[Callable[..., Any]], Callable[..., Any]] | None = None
+    accepts: tuple[str, ...] = ()
+    condition: Callable[[torch.nn.Module], str | None] | None = None
     _subclasses: dict[type, type] = field(default_factory=dict, repr=False)
 
     def _subclass(self, cls: type) -> type:
@@ -53,15 +66,22 @@ class ProcessorGlobalsPatch:
             missing = [n for n in self.replacements if n not in cls.__call__.__globals__]
             if missing:
                 raise ValueError(f"{cls.__name__}.__call__ does not use {missing}: diffusers changed; patch skipped")
-            call = _with_globals(cls.__call__, self.replacements)
+            call = _with_globals(cls.__call__, self.replacements) if self.replacements else cls.__call__
+            if self.wrap_call is not None:
+                call = self.wrap_call(call)  # not functools.wraps: its __wrapped__ would hide the new signature
             self._subclasses[cls] = type(cls.__name__, (cls,), {"__call__": call, "__module__": cls.__module__})
         return self._subclasses[cls]
 
     def apply(self, model: torch.nn.Module, patches: MethodPatches) -> int:
         """Patch ``model``'s matching processors (recorded in ``patches``); returns how many.
 
+        Returns 0 (and logs why) when ``condition`` says the patch does not apply to ``model``.
         Raises ValueError when the processor's code no longer uses the names we replace.
         """
+        reason = None if self.condition is None else self.condition(model)
+        if reason is not None:
+            logger.info("patch %s not applied to %s: %s", self.name, type(model).__name__, reason)
+            return 0
         count = 0
         for module in model.modules():
             processor = module.__dict__.get("processor")

@@ -13,7 +13,7 @@ from diffusers.models.attention_dispatch import _AttentionBackendRegistry
 from ..cfg_batch import CfgBatchSpec
 from ..hooks import MethodPatches
 from ..patches import FunctionPatch
-from ..patches.scoped import ProcessorGlobalsPatch
+from ..patches.scoped import ProcessorPatch
 
 __all__ = ["PipelineAdapter", "WarmupRequest", "attention_backend_key", "vae_layout_key"]
 
@@ -64,9 +64,12 @@ class PipelineAdapter:
     targets: dict[str, str] = {"transformer": "forward", "vae": "decode", "text_encoder": "forward"}
     patches: tuple[FunctionPatch, ...] = ()
     # Fast mode only: patches that compile better but round differently, scoped to the accelerated model.
-    fast_patches: tuple[ProcessorGlobalsPatch, ...] = ()
+    fast_patches: tuple[ProcessorPatch, ...] = ()
     # Fast mode: how the transformer's cond and uncond calls of a step batch (None: they do not).
     cfg_batch: CfgBatchSpec | None = None
+    # Fast mode: run the pipeline's causal text encoder on a prompt's tokens rounded up to this
+    # multiple instead of all the padding the pipeline adds (None: as called; see text_trim).
+    text_trim_multiple: int | None = None
     # Warm-up calls: the keyword that switches CFG on and off, and its two values.
     guidance_argument: str = "guidance_scale"
     guidance_values: tuple[float, float] = (1.0, 4.0)  # (no CFG, CFG)

@@ -5,7 +5,8 @@ uncond, each with its own text length, so two signatures; fast mode batches the 
 step on, see :mod:`bcg_diffusion.cfg_batch`). When prompts in a batch differ in length
 it passes a text mask: the masked path's only host copy (``compute_text_seq_len_from_mask``) is
 patched to a device-side fill. RoPE tables are built and cached during warm-up, before capture. In
-fast mode the blocks apply RoPE in real arithmetic (inductor does not compile complex multiplication).
+fast mode the blocks apply RoPE in real arithmetic (inductor does not compile complex multiplication),
+and attention runs on cuDNN, per prompt within a CFG batch (:mod:`bcg_diffusion.patches.attention`).
 The Edit variants build a tensor from a Python list inside the forward (``zero_cond_t``); their
 capture fails and they run eagerly with a warning.
 """
@@ -19,6 +20,7 @@ import torch
 from ..buckets import text_buckets_wrapper
 from ..cfg_batch import CfgBatchSpec
 from ..hooks import MethodPatches
+from ..patches.attention import QWEN_ATTENTION_PATCH
 from ..patches.qwenimage import TEXT_SEQ_LEN_PATCH
 from ..patches.rope import QWEN_REAL_ROPE_PATCH
 from .base import PipelineAdapter, WarmupRequest
@@ -30,7 +32,7 @@ class QwenImageAdapter(PipelineAdapter):
     tested_classes = ("QwenImagePipeline",)
     patches = (TEXT_SEQ_LEN_PATCH,)
     guidance_argument = "true_cfg_scale"  # true CFG: a second transformer call per step when > 1
-    fast_patches = (QWEN_REAL_ROPE_PATCH,)
+    fast_patches = (QWEN_REAL_ROPE_PATCH, QWEN_ATTENTION_PATCH)
     cfg_batch = CfgBatchSpec(
         latents="hidden_states",
         text="encoder_hidden_states",
@@ -38,6 +40,7 @@ class QwenImageAdapter(PipelineAdapter):
         values=("timestep", "guidance"),
         lists=("img_shapes",),
         absent=("controlnet_block_samples", "additional_t_cond"),
+        attention_kwargs="attention_kwargs",
     )
 
     def install_text_buckets(self, pipe: Any, buckets: tuple[int, ...], patches: MethodPatches) -> None:

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from ..hooks import MethodPatches
+from ..patches.attention import ZIMAGE_ATTENTION_PATCH
 from ..patches.zimage import (
     CAPTION_MULTIPLE,
     bucket_captions,
@@ -33,6 +34,8 @@ class ZImageAdapter(PipelineAdapter):
     class_prefixes = ("ZImage",)
     tested_classes = ("ZImagePipeline",)
     guidance_values = (0.0, 4.0)  # CFG when guidance_scale > 0
+    fast_patches = (ZIMAGE_ATTENTION_PATCH,)
+    text_trim_multiple = 64  # the pipeline pads every prompt to 512 tokens for its causal Qwen3 encoder
 
     def install(self, pipe: Any, patches: MethodPatches) -> None:
         transformer = getattr(pipe, "transformer", None)

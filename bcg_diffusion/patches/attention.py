@@ -1,0 +1,244 @@
+"""Attention for fast mode: cuDNN's fused kernel, and per-sample joint attention for CFG batches.
+
+Measured on an H200 with torch 2.11 (``scripts/probe_sdpa_mask.py``, run 24), for one Qwen-Image
+block at 512² (24 heads of 128, about 1,060 tokens), cond and uncond together:
+
+* without a mask PyTorch picks its flash kernel, 117 µs; its cuDNN kernel takes 77 µs;
+* with a key mask (fast mode's CFG batch, when the two prompts differ in length) PyTorch picks cuDNN
+  with the mask as a bias, 115 µs: the mask costs all of cuDNN's lead.
+
+So in fast mode, attention without a mask goes to diffusers' own cuDNN backend (``_native_cudnn``),
+and Qwen-Image's CFG batch, whose rows differ only in how many text tokens are valid, runs attention
+per group of rows over its valid tokens, without a mask. Both change rounding only (another kernel,
+no padded keys to skip), which is why they are fast mode's, and scoped to the accelerated model
+(:mod:`bcg_diffusion.patches.scoped`). On a GPU where this was not measured, or with cuDNN
+attention turned off (``torch.backends.cuda.enable_cudnn_sdp(False)``), they are not applied.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from diffusers.models.attention_dispatch import AttentionBackendName, _AttentionBackendRegistry
+from diffusers.models.attention_dispatch import dispatch_attention_fn as _diffusers_dispatch
+
+from .rope import apply_rotary_emb_qwen
+from .scoped import ProcessorPatch
+
+__all__ = [
+    "QWEN_ATTENTION_PATCH",
+    "TEXT_LENGTHS_KWARG",
+    "ZIMAGE_ATTENTION_PATCH",
+    "cudnn_attention_unsupported",
+    "dispatch_attention_fn",
+    "qwen_joint_attention_per_group",
+]
+
+# The attention keyword argument through which fast mode's CFG batcher tells Qwen-Image's processors
+# how many text tokens each group of rows has (see ``qwen_joint_attention_per_group``).
+TEXT_LENGTHS_KWARG = "bcg_text_lengths"
+
+_CUDNN_DTYPES = (torch.float16, torch.bfloat16)
+_CUDNN_MAX_HEAD_DIM = 128  # what was measured; cuDNN's limits depend on its version and the GPU
+
+
+def cudnn_attention_unsupported(model: torch.nn.Module) -> str | None:
+    """Why fast mode's cuDNN attention is not used for ``model`` (None: it is).
+
+    Needs the model on a CUDA GPU of compute capability 9.0 or newer (Hopper, where cuDNN's kernel was
+    measured faster than flash) with cuDNN attention enabled in PyTorch.
+    """
+    if not hasattr(AttentionBackendName, "_NATIVE_CUDNN"):
+        return "this diffusers has no _native_cudnn attention backend"
+    parameter = next(model.parameters(), None)
+    if parameter is None or parameter.device.type != "cuda":
+        return "the model is not on a CUDA GPU"
+    if torch.cuda.get_device_capability(parameter.device) < (9, 0):
+        return "cuDNN attention was measured faster than flash on compute capability 9.0 and newer only"
+    if not (torch.backends.cudnn.is_available() and torch.backends.cuda.cudnn_sdp_enabled()):
+        return "cuDNN attention is not available or is turned off in PyTorch"
+    return None
+
+
+def _cudnn_fits(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
+    """Tensors ``[B, S, H, D]`` that cuDNN's kernel takes as measured: CUDA, half precision, one head
+    count, head size a multiple of 8 up to 128."""
+    head_dim = query.shape[-1]
+    return (
+        query.is_cuda
+        and query.dim() == 4
+        and query.dtype in _CUDNN_DTYPES
+        and query.dtype == key.dtype == value.dtype
+        and query.shape[2] == key.shape[2] == value.shape[2]
+        and head_dim == key.shape[-1] == value.shape[-1]
+        and head_dim % 8 == 0
+        and head_dim <= _CUDNN_MAX_HEAD_DIM
+    )
+
+
+def dispatch_attention_fn(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    attention_kwargs: dict[str, Any] | None = None,
+    *,
+    backend: Any = None,
+    parallel_config: Any = None,
+) -> torch.Tensor:
+    """Same contract as diffusers' function of that name. Plain attention (no mask, dropout, causality,
+    head grouping or parallelism, no backend chosen by the user and diffusers' default backend active)
+    on tensors cuDNN takes goes to diffusers' ``_native_cudnn`` backend; every other call to diffusers'
+    dispatch as it was."""
+    if (
+        attn_mask is None
+        and backend is None
+        and parallel_config is None
+        and not attention_kwargs
+        and dropout_p == 0.0
+        and not is_causal
+        and not enable_gqa
+        and _default_backend_active()
+        and _cudnn_fits(query, key, value)
+    ):
+        backend = AttentionBackendName._NATIVE_CUDNN
+    return _diffusers_dispatch(
+        query,
+        key,
+        value,
+        attn_mask=attn_mask,
+        dropout_p=dropout_p,
+        is_causal=is_causal,
+        scale=scale,
+        enable_gqa=enable_gqa,
+        attention_kwargs=attention_kwargs,
+        backend=backend,
+        parallel_config=parallel_config,
+    )
+
+
+def _default_backend_active() -> bool:
+    """Whether diffusers' active attention backend is its default, PyTorch's SDPA (a user who chose
+    another one, e.g. with ``attention_backend(...)``, keeps it)."""
+    return _AttentionBackendRegistry.get_active_backend()[0] == AttentionBackendName.NATIVE
+
+
+def qwen_joint_attention_per_group(
+    processor: Any,
+    attn: torch.nn.Module,
+    hidden_states: torch.Tensor,
+    encoder_hidden_states: torch.Tensor,
+    image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None,
+    text_lengths: tuple[int, ...],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Qwen-Image's joint attention (``QwenDoubleStreamAttnProcessor2_0``) for a batch whose rows fall
+    into ``len(text_lengths)`` equal groups of consecutive rows, group ``g`` having valid text tokens
+    ``[0, text_lengths[g])`` and padding after them (fast mode's CFG batch: cond rows, then uncond).
+
+    Computes what the processor computes with that text mask, except that each group attends over
+    its own valid tokens without a mask; outputs at padded text positions are zeros (diffusers' are
+    values no valid token ever reads). Returns ``(image_output, text_output)`` like the processor.
+    Raises ValueError when the batch does not split into those groups or a length exceeds the text.
+    """
+    batch, text_tokens = encoder_hidden_states.shape[:2]
+    groups = len(text_lengths)
+    if groups == 0 or batch % groups or hidden_states.shape[0] != batch:
+        raise ValueError(f"{groups} text lengths cannot split a batch of {batch} rows into equal groups")
+    # Checked eagerly only: compiled, the comparison would guard (and recompile) on which text is the
+    # longer one; fast mode's batcher builds the lengths from the very texts it pads.
+    if not torch.compiler.is_compiling() and max(text_lengths) > text_tokens:
+        raise ValueError(f"text lengths {text_lengths} exceed the {text_tokens} text tokens given")
+    head_dim = attn.inner_dim // attn.heads
+
+    def project(x: torch.Tensor, linear: torch.nn.Module, norm: torch.nn.Module | None) -> torch.Tensor:
+        x = linear(x).unflatten(-1, (-1, head_dim))
+        return x if norm is None else norm(x)
+
+    image = [
+        project(hidden_states, attn.to_q, attn.norm_q),
+        project(hidden_states, attn.to_k, attn.norm_k),
+        attn.to_v(hidden_states).unflatten(-1, (-1, head_dim)),
+    ]
+    text = [
+        project(encoder_hidden_states, attn.add_q_proj, attn.norm_added_q),
+        project(encoder_hidden_states, attn.add_k_proj, attn.norm_added_k),
+        attn.add_v_proj(encoder_hidden_states).unflatten(-1, (-1, head_dim)),
+    ]
+    if image_rotary_emb is not None:
+        image_freqs, text_freqs = image_rotary_emb
+        image[:2] = [apply_rotary_emb_qwen(x, image_freqs, use_real=False) for x in image[:2]]
+        text[:2] = [apply_rotary_emb_qwen(x, text_freqs, use_real=False) for x in text[:2]]
+
+    rows = batch // groups
+    image_outputs, text_outputs = [], []
+    for group, length in enumerate(text_lengths):
+        first, last = group * rows, (group + 1) * rows
+        # Joint order as in diffusers: text, then image.
+        query, key, value = (torch.cat([t[first:last, :length], i[first:last]], dim=1) for t, i in zip(text, image))
+        out = dispatch_attention_fn(
+            query, key, value, backend=processor._attention_backend, parallel_config=processor._parallel_config
+        )
+        out = out.flatten(2, 3).to(query.dtype)
+        text_outputs.append(F.pad(out[:, :length], (0, 0, 0, text_tokens - length)))
+        image_outputs.append(out[:, length:])
+    image_output = attn.to_out[0](torch.cat(image_outputs).contiguous())
+    if len(attn.to_out) > 1:
+        image_output = attn.to_out[1](image_output)  # dropout
+    text_output = attn.to_add_out(torch.cat(text_outputs).contiguous())
+    return image_output, text_output
+
+
+def _qwen_call_with_text_lengths(call: Callable[..., Any]) -> Callable[..., Any]:
+    """A ``__call__`` for Qwen-Image's processor that also takes ``bcg_text_lengths``: with it, the
+    per-group attention above (the text mask then only restates those lengths and is not read);
+    without it, the processor's own code."""
+
+    def __call__(
+        self: Any,
+        attn: torch.nn.Module,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor | None = None,
+        encoder_hidden_states_mask: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
+        bcg_text_lengths: tuple[int, ...] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if bcg_text_lengths is None or encoder_hidden_states is None or attention_mask is not None:
+            return call(
+                self,
+                attn,
+                hidden_states,
+                encoder_hidden_states,
+                encoder_hidden_states_mask,
+                attention_mask,
+                image_rotary_emb,
+            )
+        return qwen_joint_attention_per_group(
+            self, attn, hidden_states, encoder_hidden_states, image_rotary_emb, tuple(bcg_text_lengths)
+        )
+
+    return __call__
+
+
+QWEN_ATTENTION_PATCH = ProcessorPatch(
+    name="qwenimage attention (cuDNN, per-group CFG batch)",
+    processor_class="QwenDoubleStreamAttnProcessor2_0",
+    replacements={"dispatch_attention_fn": dispatch_attention_fn},
+    wrap_call=_qwen_call_with_text_lengths,
+    accepts=(TEXT_LENGTHS_KWARG,),
+    condition=cudnn_attention_unsupported,
+)
+
+ZIMAGE_ATTENTION_PATCH = ProcessorPatch(
+    name="zimage attention (cuDNN)",
+    processor_class="ZSingleStreamAttnProcessor",
+    replacements={"dispatch_attention_fn": dispatch_attention_fn},
+    condition=cudnn_attention_unsupported,
+)
