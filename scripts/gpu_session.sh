@@ -22,6 +22,8 @@
 #   profile-qwen     Qwen-Image 512², 10 steps, true CFG: eager, bcg and fast with the per-step loop profile
 #   profile-z        Z-Image-Turbo 512², 8 steps: eager, bcg and fast with the loop profile (kernel time by kind)
 #   fast-qwen-50     Qwen-Image 512², 50 steps, true CFG 4: eager, fast, fast-unbatched (issue 6's Qwen-Image figure)
+#   ab-attention     fast mode with and without its attention patches (patches/attention.py), Qwen-Image 512²
+#                    10 steps CFG 4 and Z-Image-Turbo 512² 8 steps, back-to-back processes (scripts/ab_attention.sh)
 #   compile-max-qwen Qwen-Image 512² (QWEN_MAX_RESOLUTIONS=1024x1024 for the other size), 10 steps, true CFG 4:
 #                    torch.compile(mode="reduce-overhead") alone, a whole call (its first call compiles for 4+ min)
 #   memory-z         graph memory of 4 resolutions x 2 CFG modes against one, peak replay vs eager (Z-Image)
@@ -33,7 +35,7 @@
 #                    for `python scripts/screenshot_replay.py DIR OUT.png` here (the GPU machine has no browser)
 # Everything it writes is under $OUT (logs, results.json/.md/.png); copy it to bench/results/<date>-h200/.
 set -uo pipefail
-[ $# -gt 0 ] || { echo "usage: scripts/gpu_session.sh tests|tests-full|tests-fast|tests-z|te-z|fast-check|profile-qwen|profile-z|fast-qwen-50|compile-max-qwen|memory-z|bench-z|warm-start-z|bench-qwen|bench-qwen-512|bench-qwen-1024|issue2|parallel|serving|demo ..." >&2; exit 2; }
+[ $# -gt 0 ] || { echo "usage: scripts/gpu_session.sh tests|tests-full|tests-fast|tests-z|te-z|fast-check|profile-qwen|profile-z|fast-qwen-50|ab-attention|compile-max-qwen|memory-z|bench-z|warm-start-z|bench-qwen|bench-qwen-512|bench-qwen-1024|issue2|parallel|serving|demo ..." >&2; exit 2; }
 out=${OUT:-/tmp/bcg-out}
 mkdir -p "$out"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -103,6 +105,9 @@ case "$phase" in
     timeout 450 python3 -m bench --pipeline qwen-image --weights random-full --resolutions 512x512 --steps 50 \
       --guidance 4 --warmup 0 --modes eager,fast,fast-unbatched --runs 5 --no-progress --out "$out/fast-qwen-image-50" 2>&1 \
       | tee "$out/fast-qwen-image-50.log" | grep -v "^DEBUG" | tail -14
+    ;;
+  ab-attention)
+    bash scripts/ab_attention.sh "$out" qwen-image z-image
     ;;
   compile-max-qwen)
     timeout "${QWEN_MAX_TIMEOUT:-560}" python3 -m bench --pipeline qwen-image --weights random-full \

@@ -31,47 +31,6 @@ def timed(fn, iterations: int = 200) -> float:
     return start.elapsed_time(end) * 1000 / iterations
 
 
-def dispatch_paths(heads: int, dim: int, args: argparse.Namespace) -> dict[str, float]:
-    """The paths fast mode takes, as the model calls them: ``[B, S, H, D]`` tensors through diffusers'
-    dispatch (default backend) and through ours (cuDNN), eager and compiled, plus Qwen-Image's
-    per-group joint attention of a CFG batch against the masked batch."""
-    from diffusers.models.attention_dispatch import dispatch_attention_fn as diffusers_dispatch
-
-    from bcg_diffusion.patches.attention import dispatch_attention_fn as ours
-
-    length = max(args.cond, args.uncond)
-    text = [torch.randn(2, length, heads, dim, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
-    image = [torch.randn(2, args.image, heads, dim, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
-    mask = torch.ones(2, length + args.image, dtype=torch.bool, device="cuda")
-    mask[0, args.cond : length] = False
-    mask[1, args.uncond : length] = False
-    mask = mask[:, None, None, :]
-    lengths = (args.cond, args.uncond)
-
-    def masked_batch(dispatch):
-        q, k, v = (torch.cat([t, i], dim=1) for t, i in zip(text, image))
-        return dispatch(q, k, v, attn_mask=mask)
-
-    def per_group(dispatch):
-        outs = []
-        for row, valid in enumerate(lengths):
-            q, k, v = (torch.cat([t[row : row + 1, :valid], i[row : row + 1]], dim=1) for t, i in zip(text, image))
-            outs.append(dispatch(q, k, v))
-        return outs
-
-    def single(dispatch):  # one prompt alone, unmasked (the unbatched step)
-        q, k, v = (torch.cat([t[:1, : args.cond], i[:1]], dim=1) for t, i in zip(text, image))
-        return dispatch(q, k, v)
-
-    results = {}
-    for name, fn in (("masked batch", masked_batch), ("per group", per_group), ("one prompt", single)):
-        for label, dispatch in (("diffusers", diffusers_dispatch), ("ours", ours)):
-            results[f"{name}, {label} dispatch, eager"] = timed(lambda fn=fn, d=dispatch: fn(d))
-            compiled = torch.compile(lambda fn=fn, d=dispatch: fn(d), fullgraph=True, dynamic=True)
-            results[f"{name}, {label} dispatch, compiled"] = timed(compiled)
-    return results
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--cond", type=int, default=40)
@@ -113,7 +72,6 @@ def main() -> None:
             )
     except RuntimeError as exc:
         results["one by one, unmasked (cudnn)"] = f"not available: {str(exc).splitlines()[0][:120]}"
-    results.update(dispatch_paths(heads, dim, args))
     print(
         f"torch {torch.__version__}, {torch.cuda.get_device_name()}, text {args.cond} / {args.uncond}, image {args.image}"
     )

@@ -6,7 +6,8 @@ step on, see :mod:`bcg_diffusion.cfg_batch`). When prompts in a batch differ in 
 it passes a text mask: the masked path's only host copy (``compute_text_seq_len_from_mask``) is
 patched to a device-side fill. RoPE tables are built and cached during warm-up, before capture. In
 fast mode the blocks apply RoPE in real arithmetic (inductor does not compile complex multiplication),
-and attention runs on cuDNN, per prompt within a CFG batch (:mod:`bcg_diffusion.patches.attention`).
+and a CFG batch of two prompts of different lengths attends per prompt, without a text mask
+(:mod:`bcg_diffusion.patches.attention`).
 The Edit variants build a tensor from a Python list inside the forward (``zero_cond_t``); their
 capture fails and they run eagerly with a warning.
 """
