@@ -43,11 +43,15 @@ def warm_up(
       prompt is ``call_kwargs["negative_prompt"]`` (default ``" "``); its bucket is part of every CFG
       signature, so a service with several negative prompts warms up once with each.
 
+    - Fast mode with the text encoder accelerated and trimmed (Z-Image): also one encoder call per
+      64-token bucket up to ``max_sequence_length``, so any prompt's encoding replays.
+
     Lengths not covered are captured later (lazy capture) or run eagerly (``lazy_capture=False``).
     ``call_kwargs`` are passed to every call (e.g. ``cfg_truncation=0.5`` for Z-Image, whose batch
     then drops mid-run: a signature of its own).
 
-    Returns ``{"calls", "captures", "seconds"}``: pipeline calls made, signatures captured, wall time.
+    Returns ``{"calls", "captures", "seconds"}``: pipeline (and text encoder) calls made, signatures
+    captured, wall time.
     Warns (:class:`BCGWarning`) when ``max_signatures`` evicted signatures during the warm-up: it then
     does not cover what it captured.
 
@@ -86,6 +90,7 @@ def warm_up(
                         kwargs.setdefault("generator", torch.Generator("cpu").manual_seed(0))
                         pipe(**kwargs)
                         calls += 1
+            calls += _warm_up_trimmed_text_encoder(pipe, state, call_kwargs)
         finally:
             for name, runner in state.runners.items():
                 runner.capture_new = previous[name]
@@ -103,3 +108,24 @@ def warm_up(
         )
     logger.info("warm-up: %d calls, %d new captures in %.1f s", calls, captures, seconds)
     return {"calls": calls, "captures": captures, "seconds": seconds}
+
+
+def _warm_up_trimmed_text_encoder(pipe: Any, state: Any, call_kwargs: dict[str, Any]) -> int:
+    """Fast mode, text encoder accelerated and trimmed (:mod:`bcg_diffusion.text_trim`): call the encoder
+    as the pipeline does once per trim bucket up to ``max_sequence_length`` (Z-Image's default, 512),
+    with one padding token, so that each bucket's signature is captured. A prompt whose tokens fill its
+    bucket exactly takes the "every token valid" path, a signature of its own that is left to lazy
+    capture. Returns the calls made."""
+    trim = state.text_trim
+    if trim is None or "text_encoder" not in state.runners:
+        return 0
+    full = int(call_kwargs.get("max_sequence_length", 512))
+    device = pipe.text_encoder.device
+    calls = 0
+    with torch.no_grad():
+        for bucket in range(trim.multiple, full + trim.multiple, trim.multiple):
+            input_ids = torch.zeros(1, full, dtype=torch.long, device=device)
+            mask = torch.arange(full, device=device)[None] < min(bucket, full) - 1
+            pipe.text_encoder(input_ids=input_ids, attention_mask=mask, output_hidden_states=True)
+            calls += 1
+    return calls

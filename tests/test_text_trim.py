@@ -6,7 +6,7 @@ import pytest
 import torch
 from _cases import run_case
 
-from bcg_diffusion import accelerate, eager, restore, stats
+from bcg_diffusion import accelerate, eager, restore, stats, warm_up
 from bcg_diffusion.loading import build_pipeline
 from bcg_diffusion.text_trim import TrimmedTextEncoder
 
@@ -81,3 +81,33 @@ def test_fast_mode_trims_z_image_prompts_and_restore_undoes_it(z_image):
     assert z_image.text_encoder.forward == forward
     expected = run_case(z_image, "z-image", "cfg", height=64, width=64)
     torch.testing.assert_close(first, expected, atol=1e-4, rtol=0)
+
+
+def test_warm_up_covers_every_trim_bucket_of_a_captured_encoder(z_image):
+    z_image.transformer._repeated_blocks = []
+    try:
+        with pytest.warns(UserWarning, match="falls back to graphs of the eager blocks"):
+            accelerate(
+                z_image,
+                mode="fast",
+                debug=True,
+                components=("transformer", "vae", "text_encoder"),
+                lazy_capture=False,
+            )
+        warm_up(z_image, [(64, 64)], cfg=(False,), max_sequence_length=256)
+        warmed = stats(z_image)["components"]["text_encoder"]
+        for words in (1, 70, 150, 230):  # prompts in each 64-token bucket up to 256 tokens
+            z_image(
+                prompt=" ".join(["fox"] * words),
+                height=64,
+                width=64,
+                num_inference_steps=2,
+                guidance_scale=0.0,
+                max_sequence_length=256,
+            )
+        served = stats(z_image)["components"]["text_encoder"]
+        assert (served["captures"], served["misses"]) == (warmed["captures"], 0)
+        assert stats(z_image)["text_encoder_trimmed"] > 4
+    finally:
+        restore(z_image)
+        del z_image.transformer._repeated_blocks
