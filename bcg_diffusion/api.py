@@ -53,7 +53,6 @@ class _PipelineState:
     compiled: fast.CompiledBlocks | None = None
     budget: SignatureBudget | None = None
     scoped_patches: list[str] = field(default_factory=list)  # fast-mode patches applied to this model only
-    attention_kwargs_accepted: set[str] = field(default_factory=set)  # extra processor arguments they take
     compiles_saved: int = 0  # state.compiled.compiles when the portable compile cache was last written
     layout: parallel.ParallelLayout | None = None  # the transformer's context parallelism, if any
     consensus: parallel.CaptureConsensus | None = None  # keeps the ranks' captures in step
@@ -224,7 +223,6 @@ def _compile_blocks(pipe: Any, state: _PipelineState) -> None:
             try:
                 if patch.apply(transformer, state.patches_made):
                     state.scoped_patches.append(patch.name)
-                    state.attention_kwargs_accepted.update(patch.accepts)
             except ValueError as exc:
                 warnings.warn(f"bcg-diffusion: fast-mode patch {patch.name} skipped: {exc}", BCGWarning, stacklevel=3)
         state.compiled = fast.compile_repeated_blocks(transformer, state.patches_made)
@@ -309,7 +307,8 @@ def _install(state: _PipelineState, component: str, module: torch.nn.Module, met
     prepare = state.adapter.prepare_call(component)
     call: Callable[..., Any] = runner
     if component == "transformer" and state.batch_cfg:
-        lengths_key = TEXT_LENGTHS_KWARG if TEXT_LENGTHS_KWARG in state.attention_kwargs_accepted else None
+        accepted = {k for p in state.adapter.fast_patches if p.name in state.scoped_patches for k in p.accepts}
+        lengths_key = TEXT_LENGTHS_KWARG if TEXT_LENGTHS_KWARG in accepted else None
         batcher = state.cfg_batcher = CfgBatcher(
             runner, inspect.signature(original), state.adapter.cfg_batch, text_lengths_key=lengths_key
         )

@@ -42,7 +42,6 @@ def warm_up(
       (512 unless given in ``call_kwargs``), which covers every prompt, exactly. With CFG the negative
       prompt is ``call_kwargs["negative_prompt"]`` (default ``" "``); its bucket is part of every CFG
       signature, so a service with several negative prompts warms up once with each.
-
     - Fast mode with the text encoder accelerated and trimmed (Z-Image): also one encoder call per
       64-token bucket up to ``max_sequence_length``, so any prompt's encoding replays.
 
@@ -90,7 +89,11 @@ def warm_up(
                         kwargs.setdefault("generator", torch.Generator("cpu").manual_seed(0))
                         pipe(**kwargs)
                         calls += 1
-            calls += _warm_up_trimmed_text_encoder(pipe, state, call_kwargs)
+            if state.text_trim is not None and "text_encoder" in state.runners:
+                with torch.no_grad():
+                    for kwargs in state.adapter.text_encoder_warmup_calls(pipe, call_kwargs, state.text_trim.multiple):
+                        pipe.text_encoder(**kwargs)
+                        calls += 1
         finally:
             for name, runner in state.runners.items():
                 runner.capture_new = previous[name]
@@ -108,24 +111,3 @@ def warm_up(
         )
     logger.info("warm-up: %d calls, %d new captures in %.1f s", calls, captures, seconds)
     return {"calls": calls, "captures": captures, "seconds": seconds}
-
-
-def _warm_up_trimmed_text_encoder(pipe: Any, state: Any, call_kwargs: dict[str, Any]) -> int:
-    """Fast mode, text encoder accelerated and trimmed (:mod:`bcg_diffusion.text_trim`): call the encoder
-    as the pipeline does once per trim bucket up to ``max_sequence_length`` (Z-Image's default, 512),
-    with one padding token, so that each bucket's signature is captured. A prompt whose tokens fill its
-    bucket exactly takes the "every token valid" path, a signature of its own that is left to lazy
-    capture. Returns the calls made."""
-    trim = state.text_trim
-    if trim is None or "text_encoder" not in state.runners:
-        return 0
-    full = int(call_kwargs.get("max_sequence_length", 512))
-    device = pipe.text_encoder.device
-    calls = 0
-    with torch.no_grad():
-        for bucket in range(trim.multiple, full + trim.multiple, trim.multiple):
-            input_ids = torch.zeros(1, full, dtype=torch.long, device=device)
-            mask = torch.arange(full, device=device)[None] < min(bucket, full) - 1
-            pipe.text_encoder(input_ids=input_ids, attention_mask=mask, output_hidden_states=True)
-            calls += 1
-    return calls

@@ -194,10 +194,10 @@ def qwen_joint_attention_per_group(
         out = out.flatten(2, 3).to(query.dtype)
         text_outputs.append(F.pad(out[:, :length], (0, 0, 0, text_tokens - length)))
         image_outputs.append(out[:, length:])
-    image_output = attn.to_out[0](torch.cat(image_outputs).contiguous())
+    image_output = attn.to_out[0](torch.cat(image_outputs))
     if len(attn.to_out) > 1:
         image_output = attn.to_out[1](image_output)  # dropout
-    text_output = attn.to_add_out(torch.cat(text_outputs).contiguous())
+    text_output = attn.to_add_out(torch.cat(text_outputs))
     return image_output, text_output
 
 

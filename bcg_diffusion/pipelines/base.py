@@ -130,6 +130,14 @@ class PipelineAdapter:
         """Keyword arguments of the warm-up calls for one resolution and CFG mode: one per prompt."""
         return [self.warmup_kwargs(request.width, request.height, request.cfg, prompt) for prompt in request.prompts]
 
+    def text_encoder_warmup_calls(
+        self, pipe: Any, call_kwargs: Mapping[str, Any], multiple: int
+    ) -> list[dict[str, Any]]:
+        """Keyword arguments of direct text-encoder calls, one per ``multiple``-token bucket, that
+        capture what fast mode's trimmed encoder (:mod:`bcg_diffusion.text_trim`) will run (none by
+        default: only pipelines that pad prompts for a causal encoder trim)."""
+        return []
+
     def embeddings_call(self, pipe: Any, request: WarmupRequest) -> tuple[dict[str, Any], torch.dtype]:
         """A warm-up call's arguments without prompt text (the caller adds embeddings), and the dtype
         the pipeline's own prompt embeddings have (its text encoder's, else its transformer's)."""

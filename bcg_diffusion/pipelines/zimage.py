@@ -12,7 +12,7 @@ as one graph (no host syncs).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -27,6 +27,8 @@ from ..patches.zimage import (
     with_caption_masks,
 )
 from .base import PipelineAdapter, WarmupRequest
+
+MAX_SEQUENCE_LENGTH = 512  # ZImagePipeline's default: every prompt is padded to this many tokens
 
 
 class ZImageAdapter(PipelineAdapter):
@@ -66,7 +68,7 @@ class ZImageAdapter(PipelineAdapter):
         of every CFG signature, so a service with several negative prompts warms up with each."""
         calls = super().warmup_calls(pipe, request)
         call_kwargs = request.call_kwargs
-        max_sequence_length = call_kwargs.get("max_sequence_length", 512)
+        max_sequence_length = call_kwargs.get("max_sequence_length", MAX_SEQUENCE_LENGTH)
         transformer = pipe.transformer
         negative = None
         if request.cfg:
@@ -85,3 +87,18 @@ class ZImageAdapter(PipelineAdapter):
                 kwargs["negative_prompt_embeds"] = negative
             calls.append(kwargs)
         return calls
+
+    def text_encoder_warmup_calls(
+        self, pipe: Any, call_kwargs: Mapping[str, Any], multiple: int
+    ) -> list[dict[str, Any]]:
+        """The encoder as the pipeline calls it, once per trim bucket up to ``max_sequence_length``, each
+        with one padding token. A prompt whose tokens fill its bucket exactly takes transformers'
+        "every token valid" path, a signature of its own, left to lazy capture."""
+        full = int(call_kwargs.get("max_sequence_length", MAX_SEQUENCE_LENGTH))
+        device = pipe.text_encoder.device
+        input_ids = torch.zeros(1, full, dtype=torch.long, device=device)
+        positions = torch.arange(full, device=device)[None]
+        return [
+            {"input_ids": input_ids, "attention_mask": positions < min(bucket, full) - 1, "output_hidden_states": True}
+            for bucket in range(multiple, full + multiple, multiple)
+        ]
