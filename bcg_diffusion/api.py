@@ -25,6 +25,7 @@ from .hooks import MethodPatches, diffusers_hooks, serialise_calls, unserialise_
 from .patches import FunctionPatch
 from .patches.attention import TEXT_LENGTHS_KWARG
 from .patches.collectives import COLLECTIVES_PATCH, MASK_GATHER_PATCH
+from .patches.group_norm import VAE_GROUP_NORM_PATCH, patch_group_norms
 from .patches.text_encoder import CAUSAL_MASK_PATCH
 from .pipelines import PipelineAdapter, adapter_for
 from .runner import BCGWarning, GraphRunner
@@ -187,6 +188,7 @@ def accelerate(pipe: P, config: AccelerateConfig | None = None, **options: Any) 
         _install(state, component, module, method)
     if config.mode == "fast":
         _trim_text_encoder(pipe, state)
+        _patch_vae_group_norms(pipe, state)
     if not state.runners:
         warnings.warn(
             f"bcg-diffusion: {type(pipe).__name__} has none of {config.components}", BCGWarning, stacklevel=2
@@ -263,6 +265,17 @@ def _trim_text_encoder(pipe: Any, state: _PipelineState) -> None:
         return
     state.text_trim = TrimmedTextEncoder(encoder.forward, multiple)
     state.patches_made.replace(encoder, "forward", state.text_trim)
+
+
+def _patch_vae_group_norms(pipe: Any, state: _PipelineState) -> None:
+    """Fast mode: the accelerated VAE decoder's group norms take their statistics from one parallel
+    reduction (see :mod:`.patches.group_norm`; rounding differs from PyTorch's kernel)."""
+    vae = getattr(pipe, "vae", None)
+    if "vae" not in state.config.components or not isinstance(vae, torch.nn.Module):
+        return
+    decoder = getattr(vae, "decoder", vae)
+    if patch_group_norms(decoder, state.patches_made):
+        state.scoped_patches.append(VAE_GROUP_NORM_PATCH)
 
 
 def _save_compile_cache(state: _PipelineState) -> None:

@@ -3,6 +3,9 @@
 A patch replaces a module-level function with a device-side equivalent that gives the same result
 (tested exactly against the original) but can be captured in a CUDA graph. Patches are process-wide:
 the first accelerated pipeline that needs one applies it, the last one restored reverts it.
+
+Fast mode's patches (``scoped``, ``rope``, ``attention``, ``group_norm``) round differently from the
+original, so they are instance patches of one accelerated model, undone by ``restore``.
 """
 
 from __future__ import annotations

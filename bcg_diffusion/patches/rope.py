@@ -14,7 +14,7 @@ import torch
 
 from .scoped import ProcessorPatch
 
-__all__ = ["QWEN_REAL_ROPE_PATCH", "apply_rotary_emb_qwen"]
+__all__ = ["QWEN_REAL_ROPE_PATCH", "apply_rotary_emb_qwen", "rotate_pairs"]
 
 
 def apply_rotary_emb_qwen(
@@ -32,9 +32,16 @@ def apply_rotary_emb_qwen(
         from diffusers.models.transformers.transformer_qwenimage import apply_rotary_emb_qwen as original
 
         return original(x, freqs_cis, use_real, use_real_unbind_dim)
+    return rotate_pairs(x, torch.view_as_real(freqs_cis))
+
+
+def rotate_pairs(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+    """``x`` (``[B, S, H, D]``) rotated pairwise by ``freqs``, the real view (``[S, D/2, 2]``: cosine,
+    sine) of the complex frequencies: what :func:`apply_rotary_emb_qwen` computes, for callers that
+    slice the frequencies first (a slice of a complex tensor is not compiled by inductor)."""
     pairs = x.float().unflatten(-1, (-1, 2))
     real, imag = pairs[..., 0], pairs[..., 1]
-    freqs = torch.view_as_real(freqs_cis).unsqueeze(1)  # [S, 1, D/2, 2], broadcast over heads
+    freqs = freqs.unsqueeze(1)  # [S, 1, D/2, 2], broadcast over heads
     cos, sin = freqs[..., 0], freqs[..., 1]
     rotated = torch.stack((real * cos - imag * sin, real * sin + imag * cos), dim=-1)
     return rotated.flatten(3).type_as(x)

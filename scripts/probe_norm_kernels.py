@@ -1,0 +1,153 @@
+"""GPU probe: two fast-mode kernel fixes measured side by side at full size, each against the code it replaces.
+
+* Z-Image's VAE decode (random weights, 512² and 1024²) replayed from a CUDA graph, with PyTorch's
+  group norm and with ``patches.group_norm`` (moments from one parallel reduction): time and the
+  largest difference of the images.
+* One Qwen-Image block (full width, random weights, batch 2 = a CFG pair of text lengths 13 and 6),
+  compiled as fast mode compiles it, per-prompt attention with RoPE applied to the whole batch before
+  slicing (the code before run 36) against RoPE applied per group slice (``patches.attention`` now):
+  replayed time per block and the kernels that differ.
+
+    python scripts/probe_norm_kernels.py
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from probe_fast_floor import graph_replay_ms, kernel_table, section  # noqa: E402
+
+from bcg_diffusion import fast  # noqa: E402
+from bcg_diffusion.hooks import MethodPatches  # noqa: E402
+from bcg_diffusion.loading import build_pipeline  # noqa: E402
+from bcg_diffusion.patches import attention  # noqa: E402
+from bcg_diffusion.patches.group_norm import patch_group_norms  # noqa: E402
+from bcg_diffusion.patches.rope import QWEN_REAL_ROPE_PATCH, apply_rotary_emb_qwen  # noqa: E402
+
+
+def vae_group_norm() -> None:
+    pipe = build_pipeline("z-image", "random-full", device="cuda", dtype=torch.bfloat16)
+    vae = pipe.vae
+    for size in (512, 1024):
+        generator = torch.Generator("cuda").manual_seed(0)
+        latents = torch.randn(1, 16, size // 8, size // 8, generator=generator, device="cuda", dtype=torch.bfloat16)
+
+        def decode(latents: torch.Tensor = latents) -> torch.Tensor:
+            return vae.decode(latents, return_dict=False)[0]
+
+        with torch.no_grad():
+            native_ms, native = graph_replay_ms(decode)
+            native = native.clone()
+            patches = MethodPatches()
+            count = patch_group_norms(vae.decoder, patches)
+            try:
+                patched_ms, patched = graph_replay_ms(decode)
+                diff = (patched.float() - native.float()).abs()
+                images = [(t.float() / 2 + 0.5).clamp(0, 1) for t in (patched, native)]
+                mse = F.mse_loss(*images).item()
+                psnr = float("inf") if mse == 0 else 10 * torch.log10(torch.tensor(1 / mse)).item()
+                print(
+                    f"VAE {size}²: native group norm {native_ms:.2f} ms, patched ({count} norms) {patched_ms:.2f} ms; "
+                    f"max abs diff {diff.max().item():.4f}, mean {diff.mean().item():.5f}, image PSNR {psnr:.1f} dB"
+                )
+                kernel_table(decode, f"VAE {size}² patched", top=8)
+            finally:
+                patches.undo()
+
+
+def _rope_before_slicing(processor, attn, hidden_states, encoder_hidden_states, image_rotary_emb, text_lengths):
+    """The per-group attention as it was up to run 35: RoPE on the whole batch, then per-group slices."""
+    batch, text_tokens = encoder_hidden_states.shape[:2]
+    head_dim = attn.inner_dim // attn.heads
+
+    def project(x, linear, norm):
+        x = linear(x).unflatten(-1, (-1, head_dim))
+        return x if norm is None else norm(x)
+
+    image = [
+        project(hidden_states, attn.to_q, attn.norm_q),
+        project(hidden_states, attn.to_k, attn.norm_k),
+        attn.to_v(hidden_states).unflatten(-1, (-1, head_dim)),
+    ]
+    text = [
+        project(encoder_hidden_states, attn.add_q_proj, attn.norm_added_q),
+        project(encoder_hidden_states, attn.add_k_proj, attn.norm_added_k),
+        attn.add_v_proj(encoder_hidden_states).unflatten(-1, (-1, head_dim)),
+    ]
+    image_freqs, text_freqs = image_rotary_emb
+    image[:2] = [apply_rotary_emb_qwen(x, image_freqs, use_real=False) for x in image[:2]]
+    text[:2] = [apply_rotary_emb_qwen(x, text_freqs, use_real=False) for x in text[:2]]
+    rows = batch // len(text_lengths)
+    image_outputs, text_outputs = [], []
+    for group, length in enumerate(text_lengths):
+        first, last = group * rows, (group + 1) * rows
+        query, key, value = (torch.cat([t[first:last, :length], i[first:last]], dim=1) for t, i in zip(text, image))
+        out = attention._diffusers_dispatch(query, key, value)
+        out = out.flatten(2, 3).to(query.dtype)
+        text_outputs.append(F.pad(out[:, :length], (0, 0, 0, text_tokens - length)))
+        image_outputs.append(out[:, length:])
+    return attn.to_out[0](torch.cat(image_outputs)), attn.to_add_out(torch.cat(text_outputs))
+
+
+def qwen_block_ab() -> None:
+    from diffusers.models.transformers.transformer_qwenimage import QwenEmbedRope, QwenImageTransformerBlock
+
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        block = QwenImageTransformerBlock(dim=3072, num_attention_heads=24, attention_head_dim=128)
+        for parameter in block.parameters():
+            if parameter.dim() > 1:
+                torch.nn.init.normal_(parameter, std=parameter.shape[-1] ** -0.5)
+            else:
+                torch.nn.init.normal_(parameter, mean=1.0, std=0.02)
+        block = block.to(torch.bfloat16).eval()
+        rope = QwenEmbedRope(theta=10000, axes_dim=[16, 56, 56], scale_rope=True)
+    lengths, text_tokens = (13, 6), 13
+    hidden = torch.randn(2, 1024, 3072, device="cuda", dtype=torch.bfloat16)
+    text = torch.randn(2, text_tokens, 3072, device="cuda", dtype=torch.bfloat16)
+    mask = (torch.arange(text_tokens, device="cuda")[None] < torch.tensor(lengths, device="cuda")[:, None]).long()
+    temb = torch.randn(2, 3072, device="cuda", dtype=torch.bfloat16)
+    freqs = rope([(1, 32, 32)], max_txt_seq_len=text_tokens, device=torch.device("cuda"))
+    kwargs = {"joint_attention_kwargs": {attention.TEXT_LENGTHS_KWARG: lengths}}
+
+    processor_patches = MethodPatches()
+    QWEN_REAL_ROPE_PATCH.apply(block, processor_patches)
+    attention.QWEN_ATTENTION_PATCH.apply(block, processor_patches)
+    holder = torch.nn.Module()
+    holder.block = block
+    holder._repeated_blocks = ["QwenImageTransformerBlock"]
+    current = attention.qwen_joint_attention_per_group
+    outputs = {}
+    for name, per_group in (("rope before slicing", _rope_before_slicing), ("rope per slice (now)", current)):
+        attention.qwen_joint_attention_per_group = per_group
+        torch._dynamo.reset()
+        compile_patches = MethodPatches()
+        fast.compile_repeated_blocks(holder, compile_patches)
+        try:
+
+            def blocks(count: int = 10):
+                for _ in range(count):
+                    out = block(hidden, text, mask, temb, freqs, **kwargs)
+                return out
+
+            with torch.no_grad():
+                times = [graph_replay_ms(blocks)[0] / 10 for _ in range(3)]
+                outputs[name] = block(hidden, text, mask, temb, freqs, **kwargs)[1].float()
+                print(f"Qwen-Image block, {name}: {statistics.median(times) * 1e3:.1f} us per block ({times})")
+                kernel_table(lambda: blocks(1), f"block, {name}", top=14)
+        finally:
+            compile_patches.undo()
+    attention.qwen_joint_attention_per_group = current
+    first, second = outputs.values()
+    print(f"image output max abs difference between the two: {(first - second).abs().max().item():.4f}")
+
+
+if __name__ == "__main__":
+    section("VAE group norm", vae_group_norm)
+    section("Qwen-Image block A/B", qwen_block_ab)
