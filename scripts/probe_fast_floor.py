@@ -101,27 +101,10 @@ def vae_variants(pipe: Any, height: int, width: int) -> None:
     vae = pipe.vae
     factor = pipe.vae_scale_factor
     generator = torch.Generator("cuda").manual_seed(0)
-    if hasattr(vae.config, "z_dim"):  # Qwen-Image's 3-D VAE: (B, C, frames, h, w)
-        latents = torch.randn(
-            1,
-            vae.config.z_dim,
-            1,
-            height // factor,
-            width // factor,
-            generator=generator,
-            device="cuda",
-            dtype=vae.dtype,
-        )
-    else:
-        latents = torch.randn(
-            1,
-            vae.config.latent_channels,
-            height // factor,
-            width // factor,
-            generator=generator,
-            device="cuda",
-            dtype=vae.dtype,
-        )
+    channels = getattr(vae.config, "z_dim", None) or vae.config.latent_channels
+    frames = (1,) if hasattr(vae.config, "z_dim") else ()  # Qwen-Image's 3-D VAE: (B, C, frames, h, w)
+    shape = (1, channels, *frames, height // factor, width // factor)
+    latents = torch.randn(shape, generator=generator, device="cuda", dtype=vae.dtype)
 
     def eager() -> torch.Tensor:
         return vae.decode(latents, return_dict=False)[0]

@@ -64,22 +64,7 @@ def vae_group_norm() -> None:
 def _rope_before_slicing(processor, attn, hidden_states, encoder_hidden_states, image_rotary_emb, text_lengths):
     """The per-group attention as it was up to run 35: RoPE on the whole batch, then per-group slices."""
     batch, text_tokens = encoder_hidden_states.shape[:2]
-    head_dim = attn.inner_dim // attn.heads
-
-    def project(x, linear, norm):
-        x = linear(x).unflatten(-1, (-1, head_dim))
-        return x if norm is None else norm(x)
-
-    image = [
-        project(hidden_states, attn.to_q, attn.norm_q),
-        project(hidden_states, attn.to_k, attn.norm_k),
-        attn.to_v(hidden_states).unflatten(-1, (-1, head_dim)),
-    ]
-    text = [
-        project(encoder_hidden_states, attn.add_q_proj, attn.norm_added_q),
-        project(encoder_hidden_states, attn.add_k_proj, attn.norm_added_k),
-        attn.add_v_proj(encoder_hidden_states).unflatten(-1, (-1, head_dim)),
-    ]
+    image, text = attention.qwen_joint_projections(attn, hidden_states, encoder_hidden_states)
     image_freqs, text_freqs = image_rotary_emb
     image[:2] = [apply_rotary_emb_qwen(x, image_freqs, use_real=False) for x in image[:2]]
     text[:2] = [apply_rotary_emb_qwen(x, text_freqs, use_real=False) for x in text[:2]]

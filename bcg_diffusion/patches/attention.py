@@ -39,6 +39,7 @@ __all__ = [
     "cudnn_attention_unsupported",
     "dispatch_attention_fn",
     "qwen_joint_attention_per_group",
+    "qwen_joint_projections",
 ]
 
 # The attention keyword argument through which fast mode's CFG batcher tells Qwen-Image's processors
@@ -134,6 +135,30 @@ def _default_backend_active() -> bool:
     return _AttentionBackendRegistry.get_active_backend()[0] == AttentionBackendName.NATIVE
 
 
+def qwen_joint_projections(
+    attn: torch.nn.Module, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Qwen-Image's query, key and value ``[B, S, H, D]`` of the image and of the text stream, the
+    queries and keys RMS-normed, before RoPE: ``([q, k, v] of the image, [q, k, v] of the text)``."""
+    head_dim = attn.inner_dim // attn.heads
+
+    def project(x: torch.Tensor, linear: torch.nn.Module, norm: torch.nn.Module | None) -> torch.Tensor:
+        x = linear(x).unflatten(-1, (-1, head_dim))
+        return x if norm is None else norm(x)
+
+    image = [
+        project(hidden_states, attn.to_q, attn.norm_q),
+        project(hidden_states, attn.to_k, attn.norm_k),
+        project(hidden_states, attn.to_v, None),
+    ]
+    text = [
+        project(encoder_hidden_states, attn.add_q_proj, attn.norm_added_q),
+        project(encoder_hidden_states, attn.add_k_proj, attn.norm_added_k),
+        project(encoder_hidden_states, attn.add_v_proj, None),
+    ]
+    return image, text
+
+
 def qwen_joint_attention_per_group(
     processor: Any,
     attn: torch.nn.Module,
@@ -159,22 +184,7 @@ def qwen_joint_attention_per_group(
     # longer one; fast mode's batcher builds the lengths from the very texts it pads.
     if not torch.compiler.is_compiling() and max(text_lengths) > text_tokens:
         raise ValueError(f"text lengths {text_lengths} exceed the {text_tokens} text tokens given")
-    head_dim = attn.inner_dim // attn.heads
-
-    def project(x: torch.Tensor, linear: torch.nn.Module, norm: torch.nn.Module | None) -> torch.Tensor:
-        x = linear(x).unflatten(-1, (-1, head_dim))
-        return x if norm is None else norm(x)
-
-    image = [
-        project(hidden_states, attn.to_q, attn.norm_q),
-        project(hidden_states, attn.to_k, attn.norm_k),
-        attn.to_v(hidden_states).unflatten(-1, (-1, head_dim)),
-    ]
-    text = [
-        project(encoder_hidden_states, attn.add_q_proj, attn.norm_added_q),
-        project(encoder_hidden_states, attn.add_k_proj, attn.norm_added_k),
-        attn.add_v_proj(encoder_hidden_states).unflatten(-1, (-1, head_dim)),
-    ]
+    image, text = qwen_joint_projections(attn, hidden_states, encoder_hidden_states)
     if image_rotary_emb is not None:
         image_freqs, text_freqs = (torch.view_as_real(freqs) for freqs in image_rotary_emb)
     rows = batch // groups
