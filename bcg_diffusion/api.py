@@ -89,6 +89,32 @@ def _execution_device(pipe: Any) -> torch.device:
     return torch.device(getattr(pipe, "device", "cpu"))
 
 
+def _with_components(pipe: Any, config: AccelerateConfig, adapter: PipelineAdapter) -> AccelerateConfig:
+    """``config`` with its components named: the adapter's defaults when it leaves them to us.
+
+    A text encoder that is not on the transformer's device stays eager (a graph cannot run it): with a
+    warning when the user named it, with a log line when it came with the defaults. A defaulted one
+    with offload or diffusers hooks stays eager too, instead of taking the whole pipeline eager with
+    it (:func:`_eager_reason` does that for components the user names).
+    """
+    chosen = config.components is not None
+    components = config.components if chosen else adapter.default_components
+    encoder = getattr(pipe, "text_encoder", None)
+    if "text_encoder" in components and isinstance(encoder, torch.nn.Module):
+        device = _execution_device(pipe)
+        elsewhere = sorted({str(p.device) for p in encoder.parameters() if p.device != device})
+        reason = f"it is on {elsewhere}, not on the transformer's {device}" if elsewhere else None
+        if reason is None and not chosen and (hasattr(encoder, "_hf_hook") or diffusers_hooks(encoder)):
+            reason = "it has offload or diffusers hooks"
+        if reason is not None:
+            if chosen:
+                warnings.warn(f"bcg-diffusion: the text encoder stays eager: {reason}", BCGWarning, stacklevel=3)
+            else:
+                logger.info("the text encoder stays eager: %s", reason)
+            components = tuple(c for c in components if c != "text_encoder")
+    return dataclasses.replace(config, components=components) if components != config.components else config
+
+
 def _eager_reason(pipe: Any, config: AccelerateConfig, device: torch.device) -> str | None:
     """Why this pipeline must stay eager (None when graphs can be used). Debug mode skips only the
     device checks: it mirrors the graph path, so what would break a graph keeps it eager too."""
@@ -115,7 +141,8 @@ def _eager_reason(pipe: Any, config: AccelerateConfig, device: torch.device) -> 
 
 
 def accelerate(pipe: P, config: AccelerateConfig | None = None, **options: Any) -> P:
-    """Run the pipeline's transformer and VAE decode as replayed breakable CUDA graphs.
+    """Run the pipeline's transformer, VAE decode and (Z-Image) text encoder as replayed breakable
+    CUDA graphs.
 
     Returns the same pipeline object, patched in place: every call then captures one graph per input
     signature (resolution, batch, text length, CFG mode) on first use and replays it afterwards, with
@@ -141,6 +168,8 @@ def accelerate(pipe: P, config: AccelerateConfig | None = None, **options: Any) 
     """
     _check_pipeline(pipe, "accelerate")
     config = AccelerateConfig.from_options(config, options)
+    adapter = adapter_for(pipe)
+    config = _with_components(pipe, config, adapter)
     existing: _PipelineState | None = getattr(pipe, _STATE_ATTR, None)
     if existing is not None:
         if existing.config == config:
@@ -150,7 +179,6 @@ def accelerate(pipe: P, config: AccelerateConfig | None = None, **options: Any) 
             "this pipeline is already accelerated with different options "
             f"({existing.config} vs {config}); call bcg_diffusion.restore(pipe) first"
         )
-    adapter = adapter_for(pipe)
     device = _execution_device(pipe)
     reason = _eager_reason(pipe, config, device)
     state = _PipelineState(config=config, adapter=adapter, active=reason is None, reason=reason)
@@ -410,9 +438,10 @@ def stats(pipe: Any) -> dict[str, Any]:
     while ``lazy_capture`` is off; they ran eagerly), ``evictions`` (signatures dropped to stay
     within ``max_signatures``), ``invalidations`` (times the graphs were dropped because weights or
     settings changed), ``capture_seconds``, ``graph_memory_bytes`` (the shared pool's size now),
-    ``compiled_blocks``, ``compiles`` and ``compile_failure`` (fast mode: blocks compiled, dynamo
-    compiles inside them, first compiles and recompiles, and why the blocks went back to eager
-    forwards, if they did; 0 / None in exact mode), ``cfg_batched`` and ``cfg_batch_dropped`` (fast
+    ``compiled_blocks``, ``compiles``, ``compile_seconds`` and ``compile_failure`` (fast mode: blocks
+    compiled, dynamo compiles inside them, first compiles and recompiles, the wall time of the block
+    calls that compiled, and why the blocks went back to eager forwards, if they did; 0 / None in
+    exact mode), ``cfg_batched`` and ``cfg_batch_dropped`` (fast
     mode: uncond calls served from a batch with their cond call, and speculated halves left unused;
     see :mod:`bcg_diffusion.cfg_batch`), ``text_encoder_trimmed`` (fast mode: text encodings run
     without the prompts' padding, see :mod:`bcg_diffusion.text_trim`), ``signatures`` (one dict per captured signature:
@@ -444,6 +473,7 @@ def stats(pipe: Any) -> dict[str, Any]:
         "graph_memory_bytes": pool_bytes,
         "compiled_blocks": len(state.compiled.names) if state.compiled is not None else 0,
         "compiles": state.compiled.compiles if state.compiled is not None else 0,
+        "compile_seconds": state.compiled.compile_seconds if state.compiled is not None else 0.0,
         "compile_failure": state.compiled.failure if state.compiled is not None else None,
         "cfg_batched": state.cfg_batcher.batched if state.cfg_batcher is not None else 0,
         "cfg_batch_dropped": state.cfg_batcher.dropped if state.cfg_batcher is not None else 0,

@@ -29,6 +29,7 @@ import contextlib
 import functools
 import logging
 import os
+import time
 import types
 import warnings
 from collections.abc import Callable
@@ -76,11 +77,13 @@ def _compile_errors() -> tuple[type[BaseException], ...]:
 @dataclass
 class CompiledBlocks:
     """What :func:`compile_repeated_blocks` compiled: block names, dynamo compiles seen inside them
-    (the first compile of each block class and variant, plus every recompile), and why the blocks went
-    back to their eager forwards, if they did."""
+    (the first compile of each block class and variant, plus every recompile), the wall time of the
+    block calls that compiled (compiling, or loading from the caches, and that one call), and why the
+    blocks went back to their eager forwards, if they did."""
 
     names: list[str] = field(default_factory=list)
     compiles: int = 0
+    compile_seconds: float = 0.0
     failure: str | None = None
 
 
@@ -124,7 +127,7 @@ def _compiled_forward(
     def forward(*args: Any, **kwargs: Any) -> Any:
         if record.failure is not None:
             return original(*args, **kwargs)
-        before = _compiles_so_far()
+        before, started = _compiles_so_far(), time.perf_counter()
         try:
             with _compile_settings():
                 return call_untracked(compiled, *args, **kwargs)
@@ -137,7 +140,10 @@ def _compiled_forward(
             )
             return original(*args, **kwargs)
         finally:
-            record.compiles += _compiles_so_far() - before
+            compiled_now = _compiles_so_far() - before
+            if compiled_now:
+                record.compiles += compiled_now
+                record.compile_seconds += time.perf_counter() - started
 
     return forward
 

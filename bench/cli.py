@@ -30,7 +30,7 @@ from bcg_diffusion.loading import PIPELINE_NAMES, build_pipeline
 
 from . import measure, report
 from .cases import PRESETS, PROMPT_SETS, Case
-from .modes import DEFAULT_MODES, DESCRIPTIONS, EXACT, MODES, OURS, SEPARATE, PreparedMode, prepare
+from .modes import ABLATIONS, DEFAULT_MODES, DESCRIPTIONS, EXACT, MODES, OURS, SEPARATE, PreparedMode, prepare
 
 logger = logging.getLogger("bench")
 
@@ -68,7 +68,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--modes",
         type=_modes,
-        help=f"comma-separated from {', '.join(MODES)} (default on GPU: all but fast-unbatched)",
+        help=f"comma-separated from {', '.join(MODES)} (default on GPU: all but the ablations {', '.join(ABLATIONS)})",
     )
     parser.add_argument("--runs", type=int, default=5, help="timed runs per mode (median, min, max reported)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed runs per mode after the first call")

@@ -6,7 +6,8 @@
 Two accelerated copies of one pipeline (weights shared): the first captures only the largest
 resolution with CFG (the largest single set of signatures); the second warms up every resolution in
 both CFG modes through the one shared pool. Z-Image's warm-up is held to one caption bucket (32
-tokens, the warm-up prompt's), so both sides count resolutions × CFG modes, not caption buckets.
+tokens, the warm-up prompt's), so both sides count resolutions × CFG modes, not caption buckets
+(plus, for Z-Image, one text-encoder graph each: its prompts are padded to one length).
 The pool sizes say how much the shared pool saves over capturing each signature into memory of its
 own. Then, at the largest resolution, it compares the peak allocated memory of one eager call with
 that of one replayed call.

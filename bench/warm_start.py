@@ -11,14 +11,20 @@ Runs three child processes one after another, each building the pipeline, callin
   when the cache is shipped to another machine.
 
 Each child reports its time from process start to the first image, split into start-up (imports,
-building the pipeline) and the first call (compiles or cache loads, warm-up, capture, the call).
+building the pipeline) and the first call (compiles or cache loads, warm-up, capture, the call), and
+of that first call the block calls that compiled (``compile_s``) and the captures (``capture_s``,
+which include the warm-up runs before each capture, so they overlap). ``--profile`` also writes each
+child's first call as a ``cProfile`` summary, with dynamo's compile phase times, next to the report.
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import json
 import os
+import pstats
 import shutil
 import subprocess
 import sys
@@ -45,9 +51,15 @@ def _child(args: argparse.Namespace) -> None:
     pipe.set_progress_bar_config(disable=True)
     accelerate(pipe, mode="fast", compile_cache_dir=args.cache_dir, debug=device.type != "cuda")
     ready = time.perf_counter()
+    profiler = cProfile.Profile() if args.profile_to else None
+    if profiler is not None:
+        profiler.enable()
     pipe(**Case(args.pipeline, args.size, args.size, args.steps, guidance=0.0).kwargs())
     synchronize(device)
     done = time.perf_counter()
+    if profiler is not None:
+        profiler.disable()
+        _write_profile(profiler, Path(args.profile_to))
     report = stats(pipe)
     print(
         "WARM_START "
@@ -57,16 +69,31 @@ def _child(args: argparse.Namespace) -> None:
                 "first_call_s": done - ready,
                 "to_first_image_s": done - _STARTED,
                 "compiles": report["compiles"],
+                "compile_s": report["compile_seconds"],
                 "captures": report["captures"],
+                "capture_s": report["capture_seconds"],
             }
         )
     )
 
 
-def _run_child(args: argparse.Namespace, cache_dir: Path) -> dict[str, Any]:
+def _write_profile(profiler: cProfile.Profile, file: Path) -> None:
+    """The first call's 60 costliest functions (cumulative time), then dynamo's compile phase times."""
+    from torch._dynamo.utils import compile_times
+
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(60)
+    text.write("\ndynamo compile phases (s):\n" + str(compile_times(repr="str")) + "\n")
+    file.parent.mkdir(parents=True, exist_ok=True)
+    file.write_text(text.getvalue())
+
+
+def _run_child(args: argparse.Namespace, cache_dir: Path, label: str) -> dict[str, Any]:
     command = [sys.executable, "-m", "bench.warm_start", "--child", "--cache-dir", str(cache_dir)]
     command += ["--pipeline", args.pipeline, "--weights", args.weights, "--device", args.device]
     command += ["--size", str(args.size), "--steps", str(args.steps)]
+    if args.profile:
+        command += ["--profile-to", str((args.out or Path(".")) / f"first-call-{label}.txt")]
     env = {k: v for k, v in os.environ.items() if k not in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")}
     started = time.perf_counter()
     done = subprocess.run(command, capture_output=True, text=True, env=env, check=False)
@@ -87,6 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--size", type=int, default=512)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--out", type=Path, help="folder for warm-start.json (default: print only)")
+    parser.add_argument("--profile", action="store_true", help="write each first call's cProfile summary to --out")
+    parser.add_argument("--profile-to", help=argparse.SUPPRESS)
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--cache-dir", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -100,14 +129,14 @@ def main(argv: list[str] | None = None) -> int:
     }
     with tempfile.TemporaryDirectory(prefix="bcg-warm-start-") as root:
         first, second = Path(root, "cache"), Path(root, "portable")
-        results["cold"] = _run_child(args, first)
-        results["warm"] = _run_child(args, first)
+        results["cold"] = _run_child(args, first, "cold")
+        results["warm"] = _run_child(args, first, "warm")
         second.mkdir()
         artifacts = first / ARTIFACTS_FILE
         if artifacts.is_file():
             shutil.copy(artifacts, second / ARTIFACTS_FILE)
             results["portable_artifacts_bytes"] = artifacts.stat().st_size
-            results["portable"] = _run_child(args, second)
+            results["portable"] = _run_child(args, second, "portable")
         else:
             results["portable"] = {"error": f"the cold run wrote no {ARTIFACTS_FILE} (torch without the API?)"}
     text = json.dumps(results, indent=2)

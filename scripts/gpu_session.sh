@@ -29,6 +29,8 @@
 #   probe-floor      where fast mode's time goes outside the matrix products (scripts/probe_fast_floor.py)
 #   probe-norms      fast mode's VAE group norm and per-slice RoPE against the code they replace
 #                    (scripts/probe_norm_kernels.py)
+#   probe-blocks     one full-width Z-Image block: its matrix products (cuBLAS, fused, Triton, FP8) and
+#                    RoPE complex against real arithmetic (scripts/probe_block_kernels.py)
 #   memory-z         graph memory of 4 resolutions x 2 CFG modes against one, peak replay vs eager (Z-Image)
 #   parallel         (two GPUs) context parallelism: tests/test_parallel_cuda.py (tiny: ulysses and ring;
 #                    full size: ulysses at 512² and 1024²), then torchrun -m bench.parallel (one GPU against two)
@@ -38,7 +40,7 @@
 #                    for `python scripts/screenshot_replay.py DIR OUT.png` here (the GPU machine has no browser)
 # Everything it writes is under $OUT (logs, results.json/.md/.png); copy it to bench/results/<date>-h200/.
 set -uo pipefail
-[ $# -gt 0 ] || { echo "usage: scripts/gpu_session.sh tests|tests-full|tests-fast|tests-z|te-z|fast-check|profile-qwen|profile-z|fast-qwen-50|ab-attention|probe-floor|probe-norms|compile-max-qwen|memory-z|bench-z|warm-start-z|bench-qwen|bench-qwen-512|bench-qwen-1024|issue2|parallel|serving|demo ..." >&2; exit 2; }
+[ $# -gt 0 ] || { echo "usage: scripts/gpu_session.sh tests|tests-full|tests-fast|tests-z|te-z|fast-check|profile-qwen|profile-z|fast-qwen-50|ab-attention|probe-floor|probe-norms|probe-blocks|compile-max-qwen|memory-z|bench-z|warm-start-z|bench-qwen|bench-qwen-512|bench-qwen-1024|issue2|parallel|serving|demo ..." >&2; exit 2; }
 out=${OUT:-/tmp/bcg-out}
 mkdir -p "$out"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -74,7 +76,7 @@ case "$phase" in
     ;;
   te-z)
     timeout 200 python3 -m bench --pipeline z-image --weights random-full --resolutions 512x512 --steps 8 \
-      --guidance 0 --modes eager,bcg,bcg-te,fast,fast-te --no-progress --out "$out/bench-z-image-te" 2>&1 \
+      --guidance 0 --modes eager,bcg-no-te,bcg,fast-no-te,fast --no-progress --out "$out/bench-z-image-te" 2>&1 \
       | tee "$out/bench-z-image-te.log" | grep -v "^DEBUG" | tail -16
     ;;
   fast-check)
@@ -115,6 +117,9 @@ case "$phase" in
   probe-floor)
     timeout 540 python3 scripts/probe_fast_floor.py --pipeline z-image --pipeline qwen-image 2>&1 \
       | grep -v "^DEBUG" | tee "$out/probe-fast-floor.log" | tail -40
+    ;;
+  probe-blocks)
+    timeout 400 python3 scripts/probe_block_kernels.py 2>&1 | grep -v "^DEBUG" | tee "$out/probe-block-kernels.log" | tail -80
     ;;
   probe-norms)
     timeout 300 python3 scripts/probe_norm_kernels.py 2>&1 | grep -v "^DEBUG" | tee "$out/probe-norm-kernels.log" | tail -40

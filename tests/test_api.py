@@ -63,6 +63,35 @@ def test_components_option_limits_what_is_patched(pipe):
         restore(pipe)
 
 
+def test_default_components_are_the_adapters(pipe):
+    accelerate(pipe, debug=True)
+    try:
+        assert set(stats(pipe)["components"]) == {"transformer", "vae", "text_encoder"}
+        assert accelerate(pipe, debug=True, components=("transformer", "vae", "text_encoder")) is pipe  # the same
+    finally:
+        restore(pipe)
+    qwen = build_pipeline("qwen-image", "tiny", device="cpu")
+    accelerate(qwen, debug=True)
+    try:
+        assert set(stats(qwen)["components"]) == {"transformer", "vae"}
+    finally:
+        restore(qwen)
+
+
+def test_a_text_encoder_on_another_device_stays_eager(pipe, monkeypatch, caplog):
+    from bcg_diffusion import api
+
+    monkeypatch.setattr(api, "_execution_device", lambda pipe: torch.device("meta"))
+    adapter = api.adapter_for(pipe)
+    with caplog.at_level("INFO", logger="bcg_diffusion.api"):
+        config = api._with_components(pipe, AccelerateConfig(debug=True), adapter)
+    assert config.components == ("transformer", "vae")  # defaulted: dropped with a log line, no warning
+    assert "text encoder stays eager" in caplog.text
+    with pytest.warns(BCGWarning, match="text encoder stays eager: it is on"):
+        config = api._with_components(pipe, AccelerateConfig(debug=True, components=("text_encoder", "vae")), adapter)
+    assert config.components == ("vae",)
+
+
 def test_wrapper_keeps_the_signature_of_the_original(pipe):
     import inspect
 

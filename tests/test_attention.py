@@ -22,6 +22,7 @@ from bcg_diffusion.patches.attention import (
     QWEN_ATTENTION_PATCH,
     TEXT_LENGTHS_KWARG,
     ZIMAGE_ATTENTION_PATCH,
+    ZIMAGE_ROPE_PATCH,
     cudnn_attention_unsupported,
     dispatch_attention_fn,
     qwen_joint_attention_per_group,
@@ -96,6 +97,42 @@ def test_cudnn_dispatch_applies_only_where_it_was_measured(qwen):
     assert [type(m.processor) for m in z_image.modules() if "processor" in m.__dict__] == processors
     # Qwen-Image's per-prompt attention keeps diffusers' dispatch, and so applies on any device.
     assert QWEN_ATTENTION_PATCH.condition is None
+
+
+def _zimage_block_call(block, generator: torch.Generator, mask: bool) -> torch.Tensor:
+    tokens, dim = 24, block.dim
+    x = torch.randn(2, tokens, dim, generator=generator)
+    angles = torch.rand(2, tokens, block.head_dim // 2, generator=generator) * 6.28
+    freqs_cis = torch.polar(torch.ones_like(angles), angles)
+    attn_mask = torch.arange(tokens)[None] < torch.tensor([[tokens], [17]]) if mask else None
+    adaln = torch.randn(2, block.adaLN_modulation[0].in_features, generator=generator)
+    return block(x, attn_mask, freqs_cis, adaln)
+
+
+def _diffusers_processor():
+    from diffusers.models.transformers.transformer_z_image import ZSingleStreamAttnProcessor
+
+    return ZSingleStreamAttnProcessor()
+
+
+@pytest.mark.parametrize("mask", [False, True])
+def test_zimage_processor_without_autocast_equals_diffusers(mask):
+    """The Z-Image processor of fast mode (RoPE without diffusers' no-op autocast context) computes
+    exactly what diffusers' does, with and without a key mask; on CPU the cuDNN variant stays off."""
+    transformer = build_pipeline("z-image", "tiny", device="cpu").transformer
+    block = transformer.layers[0]
+    with torch.no_grad():
+        expected = _zimage_block_call(block, torch.Generator().manual_seed(0), mask)
+        patches = MethodPatches()
+        assert ZIMAGE_ATTENTION_PATCH.apply(transformer, patches) == 0  # not on a GPU: the other one
+        assert ZIMAGE_ROPE_PATCH.apply(transformer, patches) > 0
+        try:
+            assert type(block.attention.processor).__call__ is not type(_diffusers_processor()).__call__
+            got = _zimage_block_call(block, torch.Generator().manual_seed(0), mask)
+        finally:
+            patches.undo()
+    assert torch.equal(got, expected)
+    assert type(block.attention.processor).__call__ is type(_diffusers_processor()).__call__
 
 
 def test_patched_processor_takes_text_lengths_and_is_unchanged_without_them(qwen):

@@ -69,8 +69,9 @@ def test_memory_report_fields(tmp_path):
     )
     result = json.loads((tmp_path / "memory.json").read_text())
     assert result["largest_resolution"] == [48, 96]
-    # Per resolution: the VAE and a transformer signature per CFG mode (Z-Image's CFG doubles the batch).
-    assert result["single"]["signatures"] == 2 and result["all"]["signatures"] == 6
+    # Per resolution: the VAE and a transformer signature per CFG mode (Z-Image's CFG doubles the batch);
+    # and one text-encoder signature (its prompts are padded to one length) on each side.
+    assert result["single"]["signatures"] == 3 and result["all"]["signatures"] == 7
     assert {"pool_bytes", "per_signature_bytes"} <= set(result["all"])
     assert {"peak_eager_bytes", "peak_replay_bytes", "pool_ratio_all_over_single"} <= set(result)
 

@@ -9,7 +9,7 @@ from bcg_diffusion import AccelerateConfig
 
 def test_defaults():
     config = AccelerateConfig()
-    assert config.mode == "exact" and not config.debug and config.components == ("transformer", "vae")
+    assert config.mode == "exact" and not config.debug and config.components is None  # the adapter's
 
 
 @pytest.mark.parametrize(

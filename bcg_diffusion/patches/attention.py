@@ -36,6 +36,7 @@ __all__ = [
     "QWEN_ATTENTION_PATCH",
     "TEXT_LENGTHS_KWARG",
     "ZIMAGE_ATTENTION_PATCH",
+    "ZIMAGE_ROPE_PATCH",
     "cudnn_attention_unsupported",
     "dispatch_attention_fn",
     "qwen_joint_attention_per_group",
@@ -257,9 +258,80 @@ QWEN_ATTENTION_PATCH = ProcessorPatch(
     accepts=(TEXT_LENGTHS_KWARG,),
 )
 
+
+def _rotate_complex(x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+    """Z-Image's RoPE as diffusers writes it (``x`` ``[B, S, H, D]`` viewed as complex pairs, times
+    ``freqs_cis`` ``[B, S, D/2]``), but with autocast turned off only when it is on.
+
+    Diffusers wraps the rotation in ``torch.amp.autocast("cuda", enabled=False)`` unconditionally.
+    Compiled, that context becomes ``_enter_autocast`` / ``_exit_autocast`` nodes, with which
+    PyTorch's AOT autograd cache refuses the graph ("Unsupported call_function target
+    _enter_autocast"): every new process then re-traced and re-optimised each compiled block,
+    warm caches or not. Without autocast active the context changes nothing, so it is left out.
+    """
+    if not torch.is_autocast_enabled("cuda"):
+        return _complex_rotation(x, freqs_cis)
+    with torch.amp.autocast("cuda", enabled=False):
+        return _complex_rotation(x, freqs_cis)
+
+
+def _complex_rotation(x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+    pairs = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+    return torch.view_as_real(pairs * freqs_cis.unsqueeze(2)).flatten(3).type_as(x)
+
+
+def _zimage_attention_call(dispatch: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """A ``__call__`` for Z-Image's ``ZSingleStreamAttnProcessor``: diffusers' computation,
+    with the RoPE of :func:`_rotate_complex` and attention through ``dispatch``."""
+
+    def __call__(
+        self: Any,
+        attn: torch.nn.Module,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        freqs_cis: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        query, key, value = (
+            linear(hidden_states).unflatten(-1, (attn.heads, -1)) for linear in (attn.to_q, attn.to_k, attn.to_v)
+        )
+        if attn.norm_q is not None:
+            query = attn.norm_q(query)
+        if attn.norm_k is not None:
+            key = attn.norm_k(key)
+        if freqs_cis is not None:
+            query, key = _rotate_complex(query, freqs_cis), _rotate_complex(key, freqs_cis)
+        if attention_mask is not None and attention_mask.ndim == 2:
+            attention_mask = attention_mask[:, None, None, :]  # [B, S] -> broadcast over heads and queries
+        out = dispatch(
+            query,
+            key,
+            value,
+            attn_mask=attention_mask,
+            dropout_p=0.0,
+            is_causal=False,
+            backend=self._attention_backend,
+            parallel_config=self._parallel_config,
+        )
+        output = attn.to_out[0](out.flatten(2, 3).to(query.dtype))
+        if len(attn.to_out) > 1:
+            output = attn.to_out[1](output)  # dropout
+        return output
+
+    return __call__
+
+
 ZIMAGE_ATTENTION_PATCH = ProcessorPatch(
-    name="zimage attention (cuDNN)",
+    name="zimage attention (cuDNN, RoPE outside autocast)",
     processor_class="ZSingleStreamAttnProcessor",
-    replacements={"dispatch_attention_fn": dispatch_attention_fn},
+    wrap_call=lambda call: _zimage_attention_call(dispatch_attention_fn),
     condition=cudnn_attention_unsupported,
+)
+# Where cuDNN's attention is not used: the same processor with diffusers' dispatch (exactly one of the
+# two applies to a model).
+ZIMAGE_ROPE_PATCH = ProcessorPatch(
+    name="zimage attention (RoPE outside autocast)",
+    processor_class="ZSingleStreamAttnProcessor",
+    wrap_call=lambda call: _zimage_attention_call(_diffusers_dispatch),
+    condition=lambda model: None if cudnn_attention_unsupported(model) else "the cuDNN patch applies instead",
 )

@@ -62,6 +62,8 @@ class PipelineAdapter:
     class_prefixes: tuple[str, ...] = ()
     tested_classes: tuple[str, ...] = ()
     targets: dict[str, str] = {"transformer": "forward", "vae": "decode", "text_encoder": "forward"}
+    # What ``components=None`` accelerates: the components this family was measured faster with.
+    default_components: tuple[str, ...] = ("transformer", "vae")
     patches: tuple[FunctionPatch, ...] = ()
     # Fast mode only: patches that compile better but round differently, scoped to the accelerated model.
     fast_patches: tuple[ProcessorPatch, ...] = ()
