@@ -121,12 +121,24 @@ def _private_copy(function: types.FunctionType) -> types.FunctionType:
     return functools.update_wrapper(copy, function)
 
 
+def _unviewed(value: Any) -> Any:
+    """``value``, or for a tensor that is a view, the same tensor with no view relation (``detach``
+    shares the storage, copies nothing). Dynamo guards on a view input's base: Z-Image calls the same
+    block class with a slice of a padded RoPE table (noise refiner) and with a whole one (main layers),
+    and compiled each twice. Tensors that require grad keep their autograd history."""
+    if isinstance(value, torch.Tensor) and value._base is not None and not value.requires_grad:
+        return value.detach()
+    return value
+
+
 def _compiled_forward(
     compiled: Callable[..., Any], original: Callable[..., Any], record: CompiledBlocks
 ) -> Callable[..., Any]:
     def forward(*args: Any, **kwargs: Any) -> Any:
         if record.failure is not None:
             return original(*args, **kwargs)
+        args = tuple(_unviewed(a) for a in args)
+        kwargs = {k: _unviewed(v) for k, v in kwargs.items()}
         before, started = _compiles_so_far(), time.perf_counter()
         try:
             with _compile_settings():
