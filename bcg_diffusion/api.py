@@ -168,9 +168,9 @@ def accelerate(pipe: P, config: AccelerateConfig | None = None, **options: Any) 
     """
     _check_pipeline(pipe, "accelerate")
     config = AccelerateConfig.from_options(config, options)
-    adapter = adapter_for(pipe)
-    config = _with_components(pipe, config, adapter)
     existing: _PipelineState | None = getattr(pipe, _STATE_ATTR, None)
+    adapter = existing.adapter if existing is not None else adapter_for(pipe)
+    config = _with_components(pipe, config, adapter)
     if existing is not None:
         if existing.config == config:
             logger.info("accelerate(): pipeline already accelerated with these options; nothing to do")

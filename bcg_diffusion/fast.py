@@ -125,7 +125,7 @@ def _unviewed(value: Any) -> Any:
     """``value``, or for a tensor that is a view, the same tensor with no view relation (``detach``
     shares the storage, copies nothing). Dynamo guards on a view input's base: Z-Image calls the same
     block class with a slice of a padded RoPE table (noise refiner) and with a whole one (main layers),
-    and compiled each twice. Tensors that require grad keep their autograd history."""
+    which compiled the block twice. Tensors that require grad keep their autograd history."""
     if isinstance(value, torch.Tensor) and value._base is not None and not value.requires_grad:
         return value.detach()
     return value

@@ -1,4 +1,5 @@
-"""Attention for fast mode: per-prompt joint attention in Qwen-Image's CFG batch, cuDNN for Z-Image.
+"""Attention for fast mode: per-prompt joint attention in Qwen-Image's CFG batch; for Z-Image, cuDNN
+and RoPE outside autocast.
 
 Fast mode batches Qwen-Image's cond and uncond calls (:mod:`bcg_diffusion.cfg_batch`). When the two
 prompts differ in length, the batch pads the shorter one and masks it; with a key mask PyTorch's
@@ -17,6 +18,10 @@ Both change rounding only (another kernel, no padded keys to skip), which is why
 mode's, scoped to the accelerated model (:mod:`bcg_diffusion.patches.scoped`). The cuDNN dispatch is
 applied on compute capability 9.0 and newer only (where it was measured), with cuDNN attention enabled
 in PyTorch (``torch.backends.cuda.enable_cudnn_sdp``).
+
+Z-Image's processor is ours in fast mode, with or without cuDNN (:func:`_zimage_attention_call`):
+diffusers' computation, except that its RoPE no longer enters a no-op ``autocast`` context, which
+kept PyTorch's AOT autograd cache from storing the compiled blocks (see :func:`_rotate_complex`).
 """
 
 from __future__ import annotations
