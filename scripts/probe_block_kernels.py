@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from probe_fast_floor import graph_replay_ms, kernel_table, section  # noqa: E402
+from probe_fast_floor import graph_replay_ms, kernel_table, random_block, section  # noqa: E402
 
 from bcg_diffusion import fast  # noqa: E402
 from bcg_diffusion.hooks import MethodPatches  # noqa: E402
@@ -135,13 +135,7 @@ def zimage_block_rope() -> None:
 
     torch.manual_seed(0)
     with torch.device("cuda"):
-        block = ZImageTransformerBlock(0, DIM, HEADS, HEADS, 1e-5, qk_norm=True, modulation=True)
-        for parameter in block.parameters():
-            if parameter.dim() > 1:
-                torch.nn.init.normal_(parameter, std=parameter.shape[-1] ** -0.5)
-            else:
-                torch.nn.init.normal_(parameter, mean=1.0, std=0.02)
-        block = block.to(torch.bfloat16).eval()
+        block = random_block(ZImageTransformerBlock(0, DIM, HEADS, HEADS, 1e-5, qk_norm=True, modulation=True))
     x = torch.randn(1, TOKENS, DIM, device="cuda", dtype=torch.bfloat16)
     angles = torch.rand(1, TOKENS, DIM // HEADS // 2, device="cuda") * 6.28
     freqs_cis = torch.polar(torch.ones_like(angles), angles)

@@ -52,6 +52,17 @@ def graph_replay_ms(fn: Callable[[], Any], runs: int = 20) -> tuple[float, Any]:
     return statistics.median(times), out
 
 
+def random_block(block: torch.nn.Module) -> torch.nn.Module:
+    """``block`` with random weights at a sane scale (matrices ~ N(0, 1/fan_in), vectors ~ N(1, 0.02):
+    norms and biases near their trained values), in bf16 for inference."""
+    for parameter in block.parameters():
+        if parameter.dim() > 1:
+            torch.nn.init.normal_(parameter, std=parameter.shape[-1] ** -0.5)
+        else:
+            torch.nn.init.normal_(parameter, mean=1.0, std=0.02)
+    return block.to(torch.bfloat16).eval()
+
+
 def kernel_table(fn: Callable[[], Any], label: str, top: int = 25, per: int = 1) -> None:
     """Profile one ``fn()``; print kernel time, count, gaps and the top kernels (divided by ``per``)."""
     from torch.profiler import ProfilerActivity, profile

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from probe_fast_floor import graph_replay_ms, kernel_table, section  # noqa: E402
+from probe_fast_floor import graph_replay_ms, kernel_table, random_block, section  # noqa: E402
 
 from bcg_diffusion import fast  # noqa: E402
 from bcg_diffusion.hooks import MethodPatches  # noqa: E402
@@ -85,13 +85,7 @@ def qwen_block_ab() -> None:
 
     torch.manual_seed(0)
     with torch.device("cuda"):
-        block = QwenImageTransformerBlock(dim=3072, num_attention_heads=24, attention_head_dim=128)
-        for parameter in block.parameters():
-            if parameter.dim() > 1:
-                torch.nn.init.normal_(parameter, std=parameter.shape[-1] ** -0.5)
-            else:
-                torch.nn.init.normal_(parameter, mean=1.0, std=0.02)
-        block = block.to(torch.bfloat16).eval()
+        block = random_block(QwenImageTransformerBlock(dim=3072, num_attention_heads=24, attention_head_dim=128))
         rope = QwenEmbedRope(theta=10000, axes_dim=[16, 56, 56], scale_rope=True)
     lengths, text_tokens = (13, 6), 13
     hidden = torch.randn(2, 1024, 3072, device="cuda", dtype=torch.bfloat16)
