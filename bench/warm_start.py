@@ -14,7 +14,9 @@ Each child reports its time from process start to the first image, split into st
 building the pipeline) and the first call (compiles or cache loads, warm-up, capture, the call), and
 of that first call the block calls that compiled (``compile_s``) and the captures (``capture_s``,
 which include the warm-up runs before each capture, so they overlap). ``--profile`` also writes each
-child's first call as a ``cProfile`` summary, with dynamo's compile phase times, next to the report.
+child's first call as a ``cProfile`` summary, with dynamo's compile phase times, next to the report;
+the profiler slows compiling down (about 2× on the H200, run 45), so a profiled run's times are not
+a warm-start measurement.
 """
 
 from __future__ import annotations

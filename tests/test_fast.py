@@ -56,6 +56,18 @@ def test_compiled_code_runs_through_call_untracked_while_the_tracker_records():
     torch.testing.assert_close(result, (x * 2).sin())  # inductor's sin may round differently from eager's
 
 
+def test_views_reach_compiled_blocks_detached():
+    from bcg_diffusion.fast import _unviewed
+
+    table = torch.randn(4, 6)
+    view = table[:, :3]
+    detached = _unviewed(view)
+    assert detached._base is None and detached.data_ptr() == view.data_ptr() and torch.equal(detached, view)
+    assert _unviewed(table) is table and _unviewed(None) is None and _unviewed(3) == 3
+    trained = torch.randn(4, 6, requires_grad=True)[:, :3]
+    assert _unviewed(trained) is trained  # autograd history kept
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_real_rope_matches_the_complex_original(dtype):
     from diffusers.models.transformers.transformer_qwenimage import apply_rotary_emb_qwen as diffusers_rope
