@@ -109,16 +109,12 @@ def _zimage_block_call(block, generator: torch.Generator, mask: bool) -> torch.T
     return block(x, attn_mask, freqs_cis, adaln)
 
 
-def _diffusers_processor():
-    from diffusers.models.transformers.transformer_z_image import ZSingleStreamAttnProcessor
-
-    return ZSingleStreamAttnProcessor()
-
-
 @pytest.mark.parametrize("mask", [False, True])
 def test_zimage_processor_without_autocast_equals_diffusers(mask):
     """The Z-Image processor of fast mode (RoPE without diffusers' no-op autocast context) computes
     exactly what diffusers' does, with and without a key mask; on CPU the cuDNN variant stays off."""
+    from diffusers.models.transformers.transformer_z_image import ZSingleStreamAttnProcessor
+
     transformer = build_pipeline("z-image", "tiny", device="cpu").transformer
     block = transformer.layers[0]
     with torch.no_grad():
@@ -127,12 +123,12 @@ def test_zimage_processor_without_autocast_equals_diffusers(mask):
         assert ZIMAGE_ATTENTION_PATCH.apply(transformer, patches) == 0  # not on a GPU: the other one
         assert ZIMAGE_ROPE_PATCH.apply(transformer, patches) > 0
         try:
-            assert type(block.attention.processor).__call__ is not type(_diffusers_processor()).__call__
+            assert type(block.attention.processor).__call__ is not ZSingleStreamAttnProcessor.__call__
             got = _zimage_block_call(block, torch.Generator().manual_seed(0), mask)
         finally:
             patches.undo()
     assert torch.equal(got, expected)
-    assert type(block.attention.processor).__call__ is type(_diffusers_processor()).__call__
+    assert type(block.attention.processor).__call__ is ZSingleStreamAttnProcessor.__call__
 
 
 def test_patched_processor_takes_text_lengths_and_is_unchanged_without_them(qwen):
