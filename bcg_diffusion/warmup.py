@@ -10,10 +10,10 @@ from typing import Any
 
 import torch
 
-from .api import _accelerated_state
 from .config import resolution_pairs
 from .pipelines.base import WarmupRequest
 from .runner import BCGWarning
+from .state import accelerated_state
 
 __all__ = ["DEFAULT_WARMUP_PROMPT", "warm_up"]
 
@@ -62,18 +62,20 @@ def warm_up(
     >>> warm_up(pipe, [(1024, 1024), (512, 512)], cfg=(True,))     # doctest: +SKIP
     {'calls': 2, 'captures': 6, 'seconds': 3.1}
     """
-    state = _accelerated_state(pipe, "warm_up")
+    state = accelerated_state(pipe, "warm_up")
     pairs = resolution_pairs(list(resolutions))
     if not state.active:
         logger.warning("warm_up(): the pipeline runs eagerly (%s); nothing to capture", state.reason)
         return {"calls": 0, "captures": 0, "seconds": 0.0}
     started = time.perf_counter()
     calls = 0
-    with state.lock:
-        captures_before = sum(r.counters.captures for r in state.runners.values())
-        evictions_before = state.budget.evictions if state.budget is not None else 0
-        previous = {name: runner.capture_new for name, runner in state.runners.items()}
-        for runner in state.runners.values():
+    group = state.group
+    runners = state.runners
+    with group.lock:
+        captures_before = sum(r.counters.captures for r in runners.values())
+        evictions_before = group.budget.evictions if group.budget is not None else 0
+        previous = {name: runner.capture_new for name, runner in runners.items()}
+        for runner in runners.values():
             runner.capture_new = True
         try:
             for width, height in pairs:
@@ -89,16 +91,13 @@ def warm_up(
                         kwargs.setdefault("generator", torch.Generator("cpu").manual_seed(0))
                         pipe(**kwargs)
                         calls += 1
-            if state.text_trim is not None and "text_encoder" in state.runners:
-                with torch.no_grad():
-                    for kwargs in state.adapter.text_encoder_warmup_calls(pipe, call_kwargs, state.text_trim.multiple):
-                        pipe.text_encoder(**kwargs)
-                        calls += 1
+            for feature in state.all_features():
+                calls += feature.warm_up(pipe, call_kwargs)
         finally:
-            for name, runner in state.runners.items():
+            for name, runner in runners.items():
                 runner.capture_new = previous[name]
-        captures = sum(r.counters.captures for r in state.runners.values()) - captures_before
-        evicted = (state.budget.evictions if state.budget is not None else 0) - evictions_before
+        captures = sum(r.counters.captures for r in runners.values()) - captures_before
+        evicted = (group.budget.evictions if group.budget is not None else 0) - evictions_before
     seconds = time.perf_counter() - started
     if evicted:
         warnings.warn(

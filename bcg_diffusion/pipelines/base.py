@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import PIL.Image
 import torch
 from diffusers.models.attention_dispatch import _AttentionBackendRegistry
 
@@ -47,6 +49,26 @@ class WarmupRequest:
     prompts: Sequence[str]
     text_buckets: tuple[int, ...] | None = None
     call_kwargs: Mapping[str, Any] = field(default_factory=dict)
+
+
+def image_inputs(pipe: Any, request: WarmupRequest) -> dict[str, Any]:
+    """What an img2img or inpaint relative needs on top of a text-to-image call, for a warm-up at the
+    request's size: a grey ``image`` (``strength`` 1.0, so every warm-up step runs the transformer) and,
+    for inpainting, a ``mask_image`` over its left half. Their signatures are the text-to-image ones:
+    the transformer sees latents of the same shape, and the VAE's ``encode`` of the image is not
+    accelerated. Nothing for pipelines that take no image."""
+    parameters = inspect.signature(type(pipe).__call__).parameters
+    if "image" not in parameters or any(key in request.call_kwargs for key in ("image", "mask_image")):
+        return {}
+    width, height = request.width, request.height
+    inputs: dict[str, Any] = {"image": PIL.Image.new("RGB", (width, height), (128, 128, 128))}
+    if "strength" in parameters:
+        inputs["strength"] = 1.0
+    if "mask_image" in parameters:
+        mask = PIL.Image.new("L", (width, height), 0)
+        mask.paste(255, (0, 0, width // 2, height))
+        inputs["mask_image"] = mask
+    return inputs
 
 
 class PipelineAdapter:
@@ -113,9 +135,9 @@ class PipelineAdapter:
 
         return all_tokens_valid
 
-    def install(self, pipe: Any, patches: MethodPatches) -> None:
-        """Instance patches this family needs on ``pipe``'s components, recorded in ``patches`` so that
-        ``restore`` undoes them (none by default)."""
+    def install_module(self, component: str, module: torch.nn.Module, patches: MethodPatches) -> None:
+        """Instance patches this family needs on one component's module, recorded in ``patches`` so that
+        ``restore`` undoes them (none by default). Called once per module, when it is first accelerated."""
 
     def prepare_call(self, component: str) -> Callable[[tuple, dict], tuple[tuple, dict]] | None:
         """Eager preparation of a call's ``(args, kwargs)`` before its signature is taken, e.g. padding
@@ -130,7 +152,10 @@ class PipelineAdapter:
 
     def warmup_calls(self, pipe: Any, request: WarmupRequest) -> list[dict[str, Any]]:
         """Keyword arguments of the warm-up calls for one resolution and CFG mode: one per prompt."""
-        return [self.warmup_kwargs(request.width, request.height, request.cfg, prompt) for prompt in request.prompts]
+        return [
+            {**self.warmup_kwargs(request.width, request.height, request.cfg, prompt), **image_inputs(pipe, request)}
+            for prompt in request.prompts
+        ]
 
     def text_encoder_warmup_calls(
         self, pipe: Any, call_kwargs: Mapping[str, Any], multiple: int
@@ -143,7 +168,7 @@ class PipelineAdapter:
     def embeddings_call(self, pipe: Any, request: WarmupRequest) -> tuple[dict[str, Any], torch.dtype]:
         """A warm-up call's arguments without prompt text (the caller adds embeddings), and the dtype
         the pipeline's own prompt embeddings have (its text encoder's, else its transformer's)."""
-        kwargs = self.warmup_kwargs(request.width, request.height, request.cfg, "")
+        kwargs = {**self.warmup_kwargs(request.width, request.height, request.cfg, ""), **image_inputs(pipe, request)}
         del kwargs["prompt"]
         kwargs.pop("negative_prompt", None)
         text_encoder = getattr(pipe, "text_encoder", None)

@@ -30,7 +30,7 @@ from .base import PipelineAdapter, WarmupRequest
 class QwenImageAdapter(PipelineAdapter):
     name = "qwen-image"
     class_prefixes = ("QwenImage",)
-    tested_classes = ("QwenImagePipeline",)
+    tested_classes = ("QwenImagePipeline", "QwenImageImg2ImgPipeline", "QwenImageInpaintPipeline")
     patches = (TEXT_SEQ_LEN_PATCH,)
     guidance_argument = "true_cfg_scale"  # true CFG: a second transformer call per step when > 1
     fast_patches = (QWEN_REAL_ROPE_PATCH, QWEN_ATTENTION_PATCH)

@@ -34,7 +34,7 @@ MAX_SEQUENCE_LENGTH = 512  # ZImagePipeline's default: every prompt is padded to
 class ZImageAdapter(PipelineAdapter):
     name = "z-image"
     class_prefixes = ("ZImage",)
-    tested_classes = ("ZImagePipeline",)
+    tested_classes = ("ZImagePipeline", "ZImageImg2ImgPipeline", "ZImageInpaintPipeline")
     guidance_values = (0.0, 4.0)  # CFG when guidance_scale > 0
     fast_patches = (ZIMAGE_ATTENTION_PATCH, ZIMAGE_ROPE_PATCH)  # exactly one applies (see patches.attention)
     # The Qwen3 text encoder too: captured, it is byte-equal to eager (H200) and encodes in 17 ms
@@ -42,12 +42,9 @@ class ZImageAdapter(PipelineAdapter):
     default_components = ("transformer", "vae", "text_encoder")
     text_trim_multiple = 64  # the pipeline pads every prompt to 512 tokens for its causal Qwen3 encoder
 
-    def install(self, pipe: Any, patches: MethodPatches) -> None:
-        transformer = getattr(pipe, "transformer", None)
-        if callable(getattr(transformer, "patchify_and_embed", None)):
-            patches.replace(
-                transformer, "patchify_and_embed", patchify_with_caption_masks(transformer.patchify_and_embed)
-            )
+    def install_module(self, component: str, module: torch.nn.Module, patches: MethodPatches) -> None:
+        if component == "transformer" and callable(getattr(module, "patchify_and_embed", None)):
+            patches.replace(module, "patchify_and_embed", patchify_with_caption_masks(module.patchify_and_embed))
 
     def runner_callable(self, component: str, method: Callable[..., Any]) -> Callable[..., Any]:
         if component == "transformer":

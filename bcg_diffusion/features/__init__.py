@@ -1,0 +1,28 @@
+"""Optional features, each a module of its own in the shape of :class:`~.base.Feature`.
+
+:func:`~bcg_diffusion.accelerate` walks :data:`FEATURES` in order; that order is the order of their
+hooks (context parallelism decides about the collectives before fast mode decides whether to compile,
+compiled blocks patch the attention processors before CFG batching asks what they accept).
+"""
+
+from __future__ import annotations
+
+from .base import Feature, Setup, Target
+from .cfg_batching import CfgBatching
+from .compiled_blocks import CompiledBlocks
+from .context_parallel import ContextParallel
+from .text_buckets import TextBuckets
+from .text_trimming import TextTrimming
+from .vae_group_norm import VaeGroupNorm
+
+__all__ = ["FEATURES", "Feature", "Setup", "Target", "defaults"]
+
+FEATURES: list[type[Feature]] = [ContextParallel, CompiledBlocks, CfgBatching, TextTrimming, VaeGroupNorm, TextBuckets]
+
+
+def defaults() -> dict[str, object]:
+    """Every feature's ``stats()`` keys with their values where it is not installed."""
+    merged: dict[str, object] = {}
+    for feature in FEATURES:
+        merged.update(feature.defaults)
+    return merged

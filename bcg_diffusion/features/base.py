@@ -1,0 +1,157 @@
+"""The shape every optional feature takes: decide, install through recorded patches, report, undo.
+
+A feature is one optional part of acceleration (fast mode's compiled blocks, CFG batching, text
+trimming, the VAE group norm, context parallelism, text buckets...). :func:`~bcg_diffusion.accelerate`
+knows none of them by name: it walks :data:`bcg_diffusion.features.FEATURES`, asks each class whether
+it applies (:meth:`Feature.create`) and calls the instances' hooks at fixed points of the install:
+
+1. :meth:`~Feature.prepare`, before any runner exists: change the model (compile blocks, patch
+   processors, apply process-wide patches);
+2. :meth:`~Feature.runner_fn`, per accelerated component: what its runner calls and what else keys
+   its signatures;
+3. :meth:`~Feature.wrap_call`, per accelerated component: a wrapper around its runner's call;
+4. :meth:`~Feature.finish`, after every runner exists: wrap methods from outside (a trimmed text
+   encoder around the accelerated one), patch what the runners call into.
+
+Later, :func:`~bcg_diffusion.stats` merges every instance's :meth:`~Feature.stats` over the class
+defaults, :func:`~bcg_diffusion.warm_up` lets each instance add calls (:meth:`~Feature.warm_up`),
+and ``restore`` closes it (:meth:`~Feature.close`) after undoing the patches it recorded.
+
+A feature lives on one component's module (``component = "transformer"``...) or on the pipeline
+(``component = None``). A module shared by several pipelines is accelerated once (see
+:mod:`bcg_diffusion.group`), so a module feature is created when its module is first taken and lives
+as long as any accelerated pipeline holds that module; a pipeline feature is created for every
+pipeline. Every patch a feature makes goes through the :class:`~bcg_diffusion.hooks.MethodPatches`
+it is handed (its module's, or its pipeline's), which ``restore`` undoes.
+
+>>> class Counting(Feature):                                   # doctest: +SKIP
+...     name, component, defaults = "counting", "transformer", {"counted": 0}
+...     @classmethod
+...     def create(cls, setup):
+...         return cls()
+...     def wrap_call(self, target, call):
+...         def counted(*args, **kwargs):
+...             self.count += 1
+...             return call(*args, **kwargs)
+...         return counted
+...     def stats(self):
+...         return {"counted": self.count}
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+
+from ..config import AccelerateConfig
+from ..hooks import MethodPatches
+
+if TYPE_CHECKING:
+    from ..group import GraphGroup
+    from ..parallel import ParallelLayout
+    from ..pipelines import PipelineAdapter
+    from ..runner import GraphRunner
+
+__all__ = ["Feature", "Setup", "Target"]
+
+
+@dataclass
+class Setup:
+    """What one :func:`~bcg_diffusion.accelerate` call installs into, as features see it.
+
+    Attributes:
+        pipe: the pipeline being accelerated.
+        config: its options, components resolved.
+        adapter: the pipeline family's adapter.
+        group: the :class:`~bcg_diffusion.group.GraphGroup` (pool, lock, consensus) the modules join.
+        modules: the pipeline's component modules this call takes that no accelerated pipeline held
+            before (a module shared with one is already installed: nothing is installed on it again).
+        accelerated: the names in ``modules`` that get a runner (``config.components`` the adapter can
+            target).
+        layout: the transformer's context-parallel layout, or None.
+        attention_kwargs: extra keyword arguments the transformer's attention processors accept,
+            added by features that patch them (fast mode's per-prompt attention).
+        runners: the runners built so far, by component (complete from :meth:`Feature.finish` on).
+    """
+
+    pipe: Any
+    config: AccelerateConfig
+    adapter: PipelineAdapter
+    group: GraphGroup
+    modules: dict[str, torch.nn.Module]
+    accelerated: tuple[str, ...]
+    layout: ParallelLayout | None = None
+    attention_kwargs: set[str] = field(default_factory=set)
+    runners: dict[str, GraphRunner] = field(default_factory=dict)
+
+
+@dataclass
+class Target:
+    """One method of one component that a runner replaces (``transformer.forward``, ``vae.decode``)."""
+
+    component: str
+    module: torch.nn.Module
+    method: str
+    original: Callable[..., Any]  # the method as found, before our wrapper
+    runner: GraphRunner | None = None  # set once built (after runner_fn, before wrap_call)
+
+    @property
+    def signature(self) -> inspect.Signature:
+        return inspect.signature(self.original)
+
+
+class Feature:
+    """Base of every optional feature (see the module docstring for the install order).
+
+    Class attributes:
+        name: short name, for logs.
+        component: the component whose module the feature lives on, or None for the pipeline.
+        defaults: the ``stats()`` keys the feature reports, with their values when it is not installed.
+
+    Every hook is optional; the defaults do nothing.
+    """
+
+    name: ClassVar[str] = ""
+    component: ClassVar[str | None] = None
+    defaults: ClassVar[dict[str, Any]] = {}
+
+    @classmethod
+    def create(cls, setup: Setup) -> Feature | None:
+        """An instance when the feature applies to ``setup`` (None: it does not). Warns
+        (:class:`~bcg_diffusion.BCGWarning`) when the user asked for it and it cannot apply."""
+        return None
+
+    def prepare(self, setup: Setup, patches: MethodPatches) -> None:
+        """Before any runner exists: change the model, recording every patch in ``patches``."""
+
+    def runner_fn(
+        self, target: Target, fn: Callable[..., Any], state_key: Callable[[], Hashable] | None
+    ) -> tuple[Callable[..., Any], Callable[[], Hashable] | None]:
+        """What ``target``'s runner calls and what keys its signatures besides the arguments."""
+        return fn, state_key
+
+    def wrap_call(self, target: Target, call: Callable[..., Any]) -> Callable[..., Any]:
+        """A wrapper around ``target``'s runner call (``target.runner`` is set)."""
+        return call
+
+    def finish(self, setup: Setup, patches: MethodPatches) -> None:
+        """After every runner exists: wrap or patch what they call, recording it in ``patches``."""
+
+    def stats(self) -> dict[str, Any]:
+        """This instance's counters, keys among :attr:`defaults`."""
+        return {}
+
+    def patch_names(self) -> list[str]:
+        """Names of the patches it applied, for ``stats()["patches"]``."""
+        return []
+
+    def warm_up(self, pipe: Any, call_kwargs: dict[str, Any]) -> int:
+        """Extra calls :func:`~bcg_diffusion.warm_up` makes for this feature; returns how many."""
+        return 0
+
+    def close(self) -> None:
+        """Undo what is not a recorded patch (process-wide patches...); called after the patches are undone."""
