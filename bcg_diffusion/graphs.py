@@ -439,6 +439,24 @@ class _BreakableCapture:
         return clean
 
 
+def _release_blas_workspaces() -> None:
+    """Drop PyTorch's cached cuBLAS / cuBLASLt workspaces (one per handle and stream), so that the next
+    matrix product allocates a fresh one.
+
+    Called right before and right after each capture. A workspace that the warm-ups allocated outside
+    the pool would otherwise be baked into the graph while something else owns it: inductor's CUDA-graph
+    trees (``torch.compile(mode="reduce-overhead")``) clear these caches whenever they record and then
+    empty the allocator's cache, and the next replay of our graph used freed memory (an illegal memory
+    access on an H200, full-size Z-Image next to reduce-overhead: ``bench/results/2026-12-01-h200``,
+    run 50). Cleared before, the capture's first product takes its workspace from the graph pool;
+    cleared after, that workspace is an ordinary freed block of the pool, like every other temporary
+    of the graph, that only later captures into the same pool may reuse.
+    """
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear is not None:
+        clear()
+
+
 def _vote_failure(consensus: Any, cause: Exception) -> None:
     """Tell the other ranks this capture failed (they wait in their next vote and stop too)."""
     try:
@@ -460,7 +478,9 @@ def capture_breakable(
     Needs: the current stream is ``pool.stream`` (the capture stream, not the default stream), the
     caller has warmed ``fn`` up on that stream, and every tensor ``fn`` reads from outside is held
     by the caller (static inputs) or tracked (``track_external=True``). Segments begin and end
-    directly: no synchronize or cache emptying per segment.
+    directly: no synchronize or cache emptying per segment. cuBLAS's workspaces are released before
+    and after the capture, so the graph's own come from the pool (see :func:`_release_blas_workspaces`):
+    graphs recorded by others in the process (inductor's, which release them too) cannot free them.
 
     Returns ``(graph, result)``; ``result``'s tensors live in the pool and are rewritten by every
     replay. Because each segment is replayed as soon as it is captured, ``result`` holds real values.
@@ -481,6 +501,7 @@ def capture_breakable(
         )
     capture = _BreakableCapture(pool, capture_error_mode, track_external, consensus)
     token = _ACTIVE.set(capture)
+    _release_blas_workspaces()
     try:
         if capture.tracker is not None:
             capture.tracker.__enter__()
@@ -504,5 +525,6 @@ def capture_breakable(
         raise
     finally:
         _ACTIVE.reset(token)
+        _release_blas_workspaces()
     keepalive: list[Any] = list(capture.tracker.kept.values()) if capture.tracker is not None else []
     return BreakableGraph(capture.steps, keepalive), result
