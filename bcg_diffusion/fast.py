@@ -41,6 +41,7 @@ import torch
 
 from .graphs import call_untracked
 from .hooks import MethodPatches
+from .runner import BCGWarning
 
 __all__ = ["ARTIFACTS_FILE", "CompiledBlocks", "compile_repeated_blocks", "load_compile_cache", "save_compile_cache"]
 
@@ -78,13 +79,16 @@ def _compile_errors() -> tuple[type[BaseException], ...]:
 class CompiledBlocks:
     """What :func:`compile_repeated_blocks` compiled: block names, dynamo compiles seen inside them
     (the first compile of each block class and variant, plus every recompile), the wall time of the
-    block calls that compiled (compiling, or loading from the caches, and that one call), and why the
-    blocks went back to their eager forwards, if they did."""
+    block calls that compiled (compiling, or loading from the caches, and that one call), why the
+    blocks went back to their eager forwards for good, if they did, and how many block calls ran
+    eagerly because hooks sat inside the block (sequential offload...)."""
 
     names: list[str] = field(default_factory=list)
     compiles: int = 0
     compile_seconds: float = 0.0
     failure: str | None = None
+    eager_calls: int = 0  # block calls that ran eagerly because submodules carried hooks
+    hook_warned: bool = False
 
 
 def _compile_settings() -> contextlib.AbstractContextManager[Any]:
@@ -131,11 +135,41 @@ def _unviewed(value: Any) -> Any:
     return value
 
 
+def hooked_submodules(block: torch.nn.Module) -> list[str]:
+    """Names of ``block``'s submodules (not the block itself) that carry hooks compiled code would have
+    to trace: accelerate's (sequential CPU offload) or diffusers' (group offloading, layerwise
+    casting...). Hooks on the block itself wrap its compiled forward from outside and are harmless."""
+    names = []
+    for name, module in block.named_modules():
+        if not name:
+            continue
+        registry = module.__dict__.get("_diffusers_hook")
+        if "_hf_hook" in module.__dict__ or (registry is not None and getattr(registry, "hooks", None)):
+            names.append(name)
+    return names
+
+
 def _compiled_forward(
-    compiled: Callable[..., Any], original: Callable[..., Any], record: CompiledBlocks
+    compiled: Callable[..., Any], original: Callable[..., Any], block: torch.nn.Module, record: CompiledBlocks
 ) -> Callable[..., Any]:
     def forward(*args: Any, **kwargs: Any) -> Any:
         if record.failure is not None:
+            return original(*args, **kwargs)
+        hooked = hooked_submodules(block)
+        if hooked:
+            # Compiling through the hooks would fail or compile another variant (other kernels), and a
+            # failure would retire the compiled blocks for good: run this call eagerly and keep the
+            # compiled entries for when the hooks are gone.
+            record.eager_calls += 1
+            if not record.hook_warned:
+                record.hook_warned = True
+                warnings.warn(
+                    f"bcg-diffusion: fast mode's compiled blocks run their eager forwards while submodules "
+                    f"carry hooks (offload, layerwise casting...: {hooked[:3]}): those calls round like "
+                    "eager, not like fast mode; once the hooks are removed the same compiled blocks run again",
+                    BCGWarning,
+                    stacklevel=2,
+                )
             return original(*args, **kwargs)
         args = tuple(_unviewed(a) for a in args)
         kwargs = {k: _unviewed(v) for k, v in kwargs.items()}
@@ -147,7 +181,9 @@ def _compiled_forward(
             record.failure = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
             warnings.warn(
                 f"bcg-diffusion: fast mode could not compile a block ({record.failure}); every block of this "
-                "pipeline runs its eager forward from now on (graphs still capture them)",
+                "model runs its eager forward from now on (graphs still capture them), so its images round like "
+                "eager's, not like fast mode's; restore and accelerate again to retry",
+                BCGWarning,
                 stacklevel=2,
             )
             return original(*args, **kwargs)
@@ -189,7 +225,8 @@ def compile_repeated_blocks(module: torch.nn.Module, patches: MethodPatches) -> 
         else:  # an instance-level forward someone else installed: compile it as it is
             target = original
         compiled = torch.compile(target, fullgraph=True, dynamic=True)
-        patches.replace(block, "forward", functools.wraps(original)(_compiled_forward(compiled, original, record)))
+        forward = _compiled_forward(compiled, original, block, record)
+        patches.replace(block, "forward", functools.wraps(original)(forward))
         record.names.append(name)
     if not record.names:
         raise ValueError(f"{type(module).__name__} has no submodule of its _repeated_blocks classes {classes}")
