@@ -9,6 +9,7 @@ Instance attributes are used because everything that matters looks methods up on
 from __future__ import annotations
 
 import functools
+import logging
 import threading
 import warnings
 from collections.abc import Callable
@@ -19,7 +20,16 @@ import torch
 
 from .runner import BCGWarning, GraphRunner
 
-__all__ = ["MethodPatches", "diffusers_hooks", "serialise_calls", "unserialise_calls", "watch_component"]
+__all__ = [
+    "MethodPatches",
+    "baked_state",
+    "diffusers_hooks",
+    "serialise_calls",
+    "unserialise_calls",
+    "watch_component",
+]
+
+logger = logging.getLogger(__name__)
 
 _MISSING = object()
 
@@ -71,6 +81,9 @@ class MethodPatches:
 
     _patches: list[_Patch] = field(default_factory=list)
 
+    def __len__(self) -> int:
+        return len(self._patches)
+
     def replace(self, owner: Any, name: str, wrapper: Any) -> None:
         previous = owner.__dict__.get(name, _MISSING)
         object.__setattr__(owner, name, wrapper)
@@ -121,6 +134,81 @@ def _invalidating(method: Callable[..., Any], runner: GraphRunner, reason: str) 
     return wrapper
 
 
+# Where a hot swap copies new LoRA weights into the tensors the graphs read (diffusers'
+# ``load_lora_adapter(..., hotswap=True)`` after ``enable_lora_hotswap(target_rank=...)``), the graphs
+# stay valid: they read weights where they live. Whether it did is checked, not assumed.
+HOTSWAP_METHODS = ("load_lora_adapter",)
+
+_SKIP = object()
+
+
+def _plain(value: Any) -> Any:
+    """``value`` as something comparable that a graph could have baked in: Python scalars as they are,
+    tensors by storage address and layout, containers of those item by item; _SKIP for anything else
+    (objects such as configs, functions)."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, torch.Tensor):
+        return ("tensor", value.data_ptr(), tuple(value.shape), value.stride(), value.dtype, value.device)
+    if isinstance(value, (tuple, list)):
+        items = tuple(_plain(item) for item in value)
+        return _SKIP if any(item is _SKIP for item in items) else (type(value).__name__, items)
+    if isinstance(value, dict):
+        items = tuple((repr(key), _plain(item)) for key, item in value.items())
+        return _SKIP if any(item is _SKIP for _, item in items) else ("dict", tuple(sorted(items, key=repr)))
+    return _SKIP
+
+
+def baked_state(module: torch.nn.Module) -> dict[tuple[str, str], Any]:
+    """What a graph of ``module`` may have baked in: every parameter's and buffer's storage address and
+    layout, and every plain attribute of every submodule (LoRA scalings, ranks, active adapters...).
+    Two snapshots are equal when a change left every graph valid (values written in place)."""
+    state: dict[tuple[str, str], Any] = {}
+    for name, submodule in module.named_modules():
+        for key, tensor in (*submodule._parameters.items(), *submodule._buffers.items()):
+            state[(name, key)] = _plain(tensor)
+        for key, value in submodule.__dict__.items():
+            if key in ("_parameters", "_buffers", "_modules") or key.startswith("_bcg"):
+                continue
+            plain = _plain(value)
+            if plain is not _SKIP:
+                state[(name, key)] = plain
+    return state
+
+
+def _hotswap_aware(method: Callable[..., Any], runner: GraphRunner, reason: str) -> Callable[..., Any]:
+    """Like :func:`_invalidating`, except that a ``hotswap=True`` call that changed nothing a graph
+    bakes in (see :func:`baked_state`) keeps the graphs: counted in ``runner.counters.hotswaps``."""
+    module = getattr(method, "__self__", None)
+
+    @functools.wraps(method)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if not kwargs.get("hotswap") or module is None:
+            try:
+                return method(*args, **kwargs)
+            finally:
+                runner.invalidate(reason)
+        before = baked_state(module)
+        changed = True
+        try:
+            result = method(*args, **kwargs)
+            after = baked_state(module)
+            changed = before != after
+            if changed:
+                differ = sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
+                logger.info(
+                    "%s: the hot swap changed %s (first of %d); graphs dropped", reason, differ[0], len(differ)
+                )
+            return result
+        finally:
+            if changed:
+                runner.invalidate(f"{reason} (hotswap)")
+            else:
+                runner.hotswapped()
+
+    return wrapper
+
+
 def _suspending(method: Callable[..., Any], runner: GraphRunner, reason: str | None) -> Callable[..., Any]:
     @functools.wraps(method)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -133,11 +221,13 @@ def _suspending(method: Callable[..., Any], runner: GraphRunner, reason: str | N
 
 
 def watch_component(patches: MethodPatches, component: str, module: torch.nn.Module, runner: GraphRunner) -> None:
-    """Make every method in :data:`INVALIDATING_METHODS` drop ``runner``'s graphs, and every method in
+    """Make every method in :data:`INVALIDATING_METHODS` drop ``runner``'s graphs (a hot swap of LoRA
+    weights in place excepted, see :data:`HOTSWAP_METHODS`), and every method in
     :data:`SUSPENDING_METHODS` make it run eagerly until the matching removal (or ``restore``)."""
     for name in INVALIDATING_METHODS:
         if callable(getattr(module, name, None)):
-            patches.replace(module, name, _invalidating(getattr(module, name), runner, f"{component}.{name}()"))
+            wrap = _hotswap_aware if name in HOTSWAP_METHODS else _invalidating
+            patches.replace(module, name, wrap(getattr(module, name), runner, f"{component}.{name}()"))
     for enable, disable in SUSPENDING_METHODS.items():
         if not callable(getattr(module, enable, None)):
             continue

@@ -45,6 +45,7 @@ class RunnerCounters:
     capture_seconds: float = 0.0
     misses: int = 0  # calls of an uncaptured signature while capture_new is off (they ran eagerly)
     evictions: int = 0  # signatures dropped to stay within max_signatures
+    hotswaps: int = 0  # LoRA weights hot-swapped in place: graphs kept
 
 
 @dataclass
@@ -414,6 +415,15 @@ class GraphRunner:
                 logger.info("%s: dropping %d captured signature(s): %s", self.name, len(self._entries), reason)
             self._free_entries()
             self.counters.invalidations += 1
+
+    def hotswapped(self) -> None:
+        """New weights were copied into the tensors the graphs read (a LoRA hot swap): graphs stay valid.
+        In fast mode the compiled blocks' guards decide for themselves (tensor values are not guarded)."""
+        with self.lock:
+            self.counters.hotswaps += 1
+            logger.info(
+                "%s: weights hot-swapped in place; %d captured signature(s) kept", self.name, len(self._entries)
+            )
 
     def close(self) -> None:
         """Free every graph and buffer this runner holds; later calls go straight to ``fn``."""
