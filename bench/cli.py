@@ -136,9 +136,18 @@ def run_case(
 def _time_group(
     base: Any, case: Case, names: list[str], args: argparse.Namespace, progress: Any
 ) -> dict[str, dict[str, Any]]:
+    """Prepare, first-call and warm up every mode, then time them interleaved.
+
+    The image every timed run is compared with is eager's first call (untimed, same inputs and seed):
+    so eager's own timed runs are compared with an independent eager call, not with themselves, and a
+    mode is ``identical`` only if every one of its timed runs is byte-equal to it.
+    """
     device = args.device
     entries: dict[str, dict[str, Any]] = {}
     prepared, calls, images = {}, {}, {}
+    reference: torch.Tensor | None = None  # eager's first call
+    comparisons: dict[str, list[dict[str, Any]]] = {}  # per mode, per timed run: against the reference
+    run_images: dict[str, list[torch.Tensor]] = {}  # per timed run, for modes with a reference of their own
     for name in names:
         progress.set_postfix_str(f"{case.label}: {name} first call")
         entry: dict[str, Any] = {"description": DESCRIPTIONS[name]}
@@ -151,6 +160,8 @@ def _time_group(
             logger.info("%s: %s first call", case.label, name)
             first = measure.timed_call(mode.pipe, case, device)
             entry["first_call_s"] = first.total_s
+            if name == "eager":
+                reference = first.images
             logger.info("%s: %s first call took %.2f s", case.label, name, first.total_s)
             for _ in range(args.warmup):
                 measure.timed_call(mode.pipe, case, device)
@@ -176,8 +187,11 @@ def _time_group(
                 continue
             calls[name].append((timing, measure.peak_allocated(device)))
             images.setdefault(name, timing.images)
+            if reference is not None:
+                comparisons.setdefault(name, []).append(_compare(timing.images, reference))
+            if prepared[name].reference is not None:
+                run_images.setdefault(name, []).append(timing.images)
             progress.update(1)
-    reference = images.get("eager")
     eager_median = statistics.median(t.total_s for t, _ in calls["eager"]) if "eager" in calls else None
     for name, timings in calls.items():
         entry = entries[name]
@@ -193,28 +207,42 @@ def _time_group(
         entry["md5"] = measure.image_md5(images[name])
         entry["exact_mode"] = EXACT[name]
         if reference is not None:
-            entry["identical"] = torch.equal(images[name], reference)
-            entry["psnr_db"] = measure.psnr(images[name], reference)
-            entry["max_abs"] = (images[name].float() - reference.float()).abs().max().item()
-        else:
-            entry.update(identical=False, psnr_db=float("nan"), max_abs=float("nan"))
+            runs = comparisons[name]
+            # every timed run against eager's first call; PSNR and max difference: the worst run
+            entry["runs_identical"] = [run["identical"] for run in runs]
+            entry["identical"] = all(entry["runs_identical"])
+            entry["psnr_db"] = min(run["psnr_db"] for run in runs)
+            entry["max_abs"] = max(run["max_abs"] for run in runs)
+        else:  # no eager first call to compare with (eager not in the group, or it failed): not compared
+            entry.update(runs_identical=[], identical=None, psnr_db=float("nan"), max_abs=float("nan"))
         entry["graphs"] = prepared[name].graph_stats()
-        _compare_with_reference(prepared[name], case, device, entry, images[name])
+        _compare_with_reference(prepared[name], case, device, entry, run_images.get(name, []))
     for mode in prepared.values():
         mode.teardown()
     return entries
 
 
+def _compare(images: torch.Tensor, reference: torch.Tensor) -> dict[str, Any]:
+    """One run's images against the reference: byte-equality, PSNR and largest difference."""
+    return {
+        "identical": torch.equal(images, reference),
+        "psnr_db": measure.psnr(images, reference),
+        "max_abs": (images.float() - reference.float()).abs().max().item(),
+    }
+
+
 def _compare_with_reference(
-    mode: PreparedMode, case: Case, device: torch.device, entry: dict[str, Any], images: torch.Tensor
+    mode: PreparedMode, case: Case, device: torch.device, entry: dict[str, Any], runs: list[torch.Tensor]
 ) -> None:
-    """For a mode that names a reference (fast: its compiled blocks without graphs), check byte-equality."""
+    """For a mode that names a reference (fast: its compiled blocks without graphs), check that every
+    timed run (``runs``: their images) is byte-equal to one call of that reference."""
     if mode.reference is None:
         return
     with mode.reference():
         reference = measure.timed_call(mode.pipe, case, device).images
     entry["reference"] = mode.reference_name
-    entry["identical_to_reference"] = torch.equal(images, reference)
+    entry["runs_identical_to_reference"] = [torch.equal(images, reference) for images in runs]
+    entry["identical_to_reference"] = bool(runs) and all(entry["runs_identical_to_reference"])
 
 
 def _profile_case(base: Any, case: Case, args: argparse.Namespace, result: dict[str, Any]) -> None:
@@ -279,15 +307,50 @@ def main(argv: list[str] | None = None) -> int:
     paths = report.write(record, args.out)
     print(report.markdown(record))
     print(f"\nwrote {', '.join(str(p) for p in paths.values())}")
-    all_ok = all(_mode_ok(name, mode) for case in record["cases"] for name, mode in case["modes"].items())
-    return 0 if all_ok else 1
+    problems = [
+        f"{case['label']}: {name}: {problem}"
+        for case in record["cases"]
+        for name, mode in case["modes"].items()
+        if (problem := _mode_problem(name, mode)) is not None
+    ]
+    for problem in problems:
+        print(f"bench: {problem}", file=sys.stderr)
+    return 1 if problems else 0
+
+
+def _graphs_problem(graphs: dict[str, Any]) -> str | None:
+    """Why a mode of ours did not run its graphs (what ``tests/_checks.assert_graphs_ran`` asserts in
+    the tests), or None: they must be active, captured and replayed, with no eager fallback and no
+    miss. Without that, an equality with eager compares eager with itself."""
+    if not graphs.get("active"):
+        return "its graphs were not active (the pipeline ran eagerly)"
+    if graphs.get("captures", 0) <= 0 or graphs.get("replays", 0) <= 0:
+        return (
+            f"no graph was captured and replayed (captures {graphs.get('captures')}, replays {graphs.get('replays')})"
+        )
+    if graphs.get("eager_fallbacks", 0) or graphs.get("misses", 0):
+        return f"calls ran eagerly (eager fallbacks {graphs.get('eager_fallbacks')}, misses {graphs.get('misses')})"
+    return None
+
+
+def _mode_problem(name: str, mode: dict[str, Any]) -> str | None:
+    """Why ``mode`` fails the run's exit status, or None. Eager and our modes must run; a mode of ours
+    must have run its graphs; exact modes must equal eager's first call on every timed run (eager
+    too: its timed runs against that independent call), fast modes their reference on every timed
+    run. A peer that fails is a result, not a failure of the run."""
+    if mode.get("error"):
+        return f"failed: {mode['error']}" if EXACT[name] or name in OURS else None
+    if name in OURS and (problem := _graphs_problem(mode.get("graphs") or {})) is not None:
+        return problem
+    if EXACT[name] and mode.get("identical") is not True:
+        return "not byte-identical to eager's first call on every timed run" + (
+            "" if mode.get("identical") is not None else " (not compared: no eager reference)"
+        )
+    if not EXACT[name] and not mode.get("identical_to_reference", True):
+        return f"not byte-identical to {mode.get('reference', 'its reference')} on every timed run"
+    return None
 
 
 def _mode_ok(name: str, mode: dict[str, Any]) -> bool:
-    """Exit status: eager and our modes must run; exact modes must equal eager, fast its reference. A
-    peer that fails is a result, not a failure of the run."""
-    if mode.get("error"):
-        return not (EXACT[name] or name in OURS)
-    if EXACT[name]:
-        return bool(mode.get("identical"))
-    return bool(mode.get("identical_to_reference", True))
+    """Whether ``mode`` passes the run's exit status (see :func:`_mode_problem`)."""
+    return _mode_problem(name, mode) is None

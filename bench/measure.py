@@ -47,11 +47,15 @@ def timed_call(pipe: Any, case: Case, device: torch.device, seed: int = 0) -> Ca
     """One call with synchronised clocks at the stage boundaries.
 
     Stages: ``encode_prompt`` is timed by wrapping it on the pipeline instance; the end of denoising
-    by a ``callback_on_step_end`` that synchronises at the last step only; decode is the rest.
+    by a ``callback_on_step_end`` that synchronises at the last step only; decode is the rest. The
+    instance's own ``encode_prompt``, if it had one (``text_buckets`` installs its padding there),
+    is what the timing wrapper calls and what is put back afterwards.
     """
     encode_time = [0.0]
     marks: dict[str, float] = {}
     original_encode = pipe.encode_prompt
+    missing = object()
+    previous = pipe.__dict__.get("encode_prompt", missing)
 
     def encode_prompt(*args: Any, **kwargs: Any) -> Any:
         synchronize(device)
@@ -76,7 +80,10 @@ def timed_call(pipe: Any, case: Case, device: torch.device, seed: int = 0) -> Ca
         synchronize(device)
         end = time.perf_counter()
     finally:
-        del pipe.encode_prompt
+        if previous is missing:
+            del pipe.encode_prompt
+        else:
+            pipe.encode_prompt = previous
     denoised = marks.get("denoised", end)
     encoded = marks.get("encoded", start)
     return CallTiming(end - start, encode_time[0], denoised - encoded, end - denoised, images.detach().cpu())

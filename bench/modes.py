@@ -117,7 +117,7 @@ class PreparedMode:
         if self.name not in OURS:
             return {}
         report = stats(self.pipe)
-        keys = ("captures", "replays", "eager_fallbacks", "graph_memory_bytes", "capture_seconds", "active")
+        keys = ("active", "captures", "replays", "eager_fallbacks", "misses", "graph_memory_bytes", "capture_seconds")
         keys += ("compiles", "compile_seconds", "compiled_blocks", "cfg_batched") if self.name in FAST else ()
         return {key: report[key] for key in keys}
 

@@ -23,6 +23,11 @@ def markdown(record: dict[str, Any]) -> str:
     out = [f"`{record['command']}`", "", "Environment: " + json.dumps(record["environment"]), ""]
     if record["environment"].get("device", "").startswith("cpu"):
         out += ["**CPU run: timings are not meaningful (bcg runs in debug mode, without graphs).**", ""]
+    out += [
+        "Same as eager: every timed run byte-equal to eager's first (untimed) call with the same inputs and "
+        "seed; eager's own row compares its timed runs with that call.",
+        "",
+    ]
     for case in record["cases"]:
         out += [f"### {case['label']}", ""]
         out.append(
@@ -37,9 +42,7 @@ def markdown(record: dict[str, Any]) -> str:
             latency = mode["latency_s"]
             stages = mode["stages_s"]
             graphs = mode.get("graphs") or {}
-            same = (
-                "yes (md5)" if mode["identical"] else f"no: PSNR {mode['psnr_db']:.1f} dB, max {mode['max_abs']:.3g}"
-            )
+            same = _same_as_eager(mode)
             if "identical_to_reference" in mode:
                 same += f"; same as {mode['reference']}: {'yes' if mode['identical_to_reference'] else '**no**'}"
             speedup = mode.get("speedup")
@@ -75,6 +78,18 @@ def markdown(record: dict[str, Any]) -> str:
             if shares:
                 out += ["GPU kernel time by kind: " + "; ".join(shares), ""]
     return "\n".join(out)
+
+
+def _same_as_eager(mode: dict[str, Any]) -> str:
+    """The "same as eager" cell: yes, no (how many timed runs differ, the worst PSNR and difference),
+    or not compared."""
+    if mode.get("identical") is None:
+        return "not compared (no eager reference)"
+    if mode["identical"]:
+        return "yes (md5)"
+    runs = mode.get("runs_identical") or []
+    differ = f"{sum(not same for same in runs)} of {len(runs)} runs differ, " if runs else ""
+    return f"no: {differ}PSNR {mode['psnr_db']:.1f} dB, max {mode['max_abs']:.3g}"
 
 
 def verdict(case: dict[str, Any]) -> str:

@@ -6,8 +6,9 @@ Shared by ``test_parallel_cpu.py`` (two spawned processes, gloo, tiny weights, d
     torchrun --nproc_per_node=2 tests/_parallel.py --weights random-full --resolutions 512x512,1024x1024 --out DIR
 
 Each rank writes ``rank<N>.json`` into ``--out``: byte-equality with context-parallel eager per case,
-counters, the error a non-divisible prompt gets, the result of 100 eager collectives after replays,
-and (with graphs) what happened when one rank's capture failed.
+whether those calls ran their graphs (``tests/_checks.py``), counters, the error a non-divisible
+prompt gets, the result of 100 eager collectives after replays, and (with graphs) what happened when
+one rank's capture failed.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ import torch.distributed as dist
 
 if __package__ in (None, ""):  # run as a script by torchrun: the repository root is the parent folder
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from _checks import assert_graphs_ran  # noqa: E402 - tests/ is on sys.path (the script's folder, or spawn's copy)
 
 from bcg_diffusion import accelerate, restore, stats  # noqa: E402
 from bcg_diffusion.loading import build_pipeline  # noqa: E402
@@ -97,12 +100,21 @@ def rank_checks(
     accelerate(pipe, debug=debug)
     report: dict[str, Any] = {"rank": rank, "world": world, "kind": kind, "debug": debug, "cases": {}}
     report["patches"] = stats(pipe)["patches"]
+    # Why the compared calls did not run their graphs (assert_graphs_ran's message per round), if they
+    # did not: recorded, not raised, so every rank stays in step and writes its report.
+    report["graphs_not_run"] = []
+    checked = None
     for round_ in range(2):  # capture, then replay
         for case in cases:
             image = _call(pipe, *case, device)
             entry = report["cases"].setdefault(str(case), {"md5_eager": image_md5(eager[case].cpu()), "equal": True})
             entry["equal"] = entry["equal"] and torch.equal(image, eager[case])
             entry[f"md5_round{round_}"] = image_md5(image.cpu())
+        try:
+            checked = assert_graphs_ran(pipe, checked, captures=round_ == 0)
+        except AssertionError as exc:
+            report["graphs_not_run"].append(f"round {round_}: {exc}")
+            checked = stats(pipe)
     captures = stats(pipe)["captures"]
     for _ in range(50):
         _call(pipe, *cases[0], device)

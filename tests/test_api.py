@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _checks import assert_graphs_ran
 from diffusers import DiffusionPipeline
 
 from bcg_diffusion import AccelerateConfig, BCGWarning, accelerate, restore, stats
@@ -131,6 +132,7 @@ def test_unknown_pipelines():
             assert torch.equal(custom(x), expected)
             assert torch.equal(custom(x), expected)
         assert stats(custom)["replays"] == 1 and stats(custom)["adapter"] == "generic"
+        assert_graphs_ran(custom, captures=True)
     finally:
         restore(custom)
 

@@ -13,6 +13,7 @@ import shutil
 import pytest
 import torch
 from _cases import run_case
+from _checks import assert_graphs_ran
 
 from bcg_diffusion import accelerate, eager, restore, stats
 from bcg_diffusion.cfg_batch import CfgBatcher
@@ -234,6 +235,9 @@ def test_fast_mode_compiles_the_per_group_attention(qwen):
             width=64,
             num_inference_steps=3,
         )
+        # Both calls ran graphs: the compared one captured (two CFG steps, one by one then batched,
+        # leave it nothing to replay), this one also replayed its batch.
+        assert_graphs_ran(qwen, captures=True)
         assert stats(qwen)["compiles"] == compiles
     finally:
         restore(qwen)

@@ -37,6 +37,8 @@ def test_case_fields(record):
         assert len(mode["runs_s"]) == 2 and set(mode["latency_s"]) == {"median", "min", "max"}
         assert set(mode["stages_s"]) == {"encode", "denoise", "decode"}
         assert mode["first_call_s"] > 0 and mode["identical"] and len(mode["md5"]) == 32
+        # every timed run is compared with eager's first call (eager's own runs too: not with themselves)
+        assert mode["runs_identical"] == [True, True]
     profile = case["modes"]["bcg"]["denoise_profile"]  # on CPU: walls only, no kernel time
     assert profile["wall_s"] > 0 and profile["kernel_s"] == 0 and profile["kernel_share"] == {}
     graphs = case["modes"]["bcg"]["graphs"]
@@ -44,6 +46,45 @@ def test_case_fields(record):
     assert graphs["captures"] == 3 and graphs["eager_fallbacks"] == 0
     # 4 calls (first, warm-up, 2 runs) x (2 steps x 2 transformer calls + 1 decode), less the 3 captures
     assert graphs["replays"] == 4 * 5 - 3
+
+
+def test_exit_status_needs_graphs_that_ran():
+    """A mode of ours passes only if its graphs were active, captured and replayed, with no eager
+    fallback and no miss: an equality with eager proves nothing otherwise."""
+    graphs = {"active": True, "captures": 3, "replays": 17, "eager_fallbacks": 0, "misses": 0}
+    ok = {"identical": True, "graphs": graphs}
+    assert cli._mode_ok("bcg", ok)
+    for change in ({"active": False}, {"captures": 0}, {"replays": 0}, {"eager_fallbacks": 1}, {"misses": 2}):
+        assert not cli._mode_ok("bcg", {**ok, "graphs": {**graphs, **change}}), change
+    assert not cli._mode_ok("bcg", {"identical": True, "graphs": {}})
+    assert not cli._mode_ok("bcg", {**ok, "identical": False})  # a timed run differed from eager
+    assert not cli._mode_ok("bcg", {**ok, "identical": None})  # not compared: no eager reference
+    assert cli._mode_ok("eager", {"identical": True}) and not cli._mode_ok("eager", {"identical": False})
+    assert not cli._mode_ok("fast", {"graphs": graphs, "identical_to_reference": False})
+    assert not cli._mode_ok("fast", {"graphs": {**graphs, "replays": 0}, "identical_to_reference": True})
+    assert cli._mode_ok("compile", {"identical": False}) and cli._mode_ok("compile", {"error": "x"})  # peers
+
+
+def test_timed_call_puts_back_the_instances_encode_prompt():
+    """Timing wraps ``encode_prompt`` on the instance; the wrapper text buckets installed there stays."""
+    from bcg_diffusion import accelerate, restore
+    from bcg_diffusion.loading import build_pipeline
+    from bench.cases import Case
+    from bench.measure import timed_call
+
+    pipe = build_pipeline("qwen-image", "tiny", device="cpu")
+    pipe.set_progress_bar_config(disable=True)
+    case, cpu = Case("qwen-image", 32, 32, steps=2, guidance=0.0), torch.device("cpu")
+    timed_call(pipe, case, cpu)
+    assert "encode_prompt" not in pipe.__dict__  # none before, none after
+    accelerate(pipe, debug=True, text_buckets=(32,))
+    try:
+        padded = pipe.__dict__["encode_prompt"]
+        assert timed_call(pipe, case, cpu).encode_s > 0
+        assert pipe.__dict__["encode_prompt"] is padded
+    finally:
+        restore(pipe)
+    assert "encode_prompt" not in pipe.__dict__
 
 
 def test_verdict_says_plainly_when_a_peer_beats_bcg():

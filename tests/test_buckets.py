@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _checks import assert_graphs_ran
 
 from bcg_diffusion import AccelerateConfig, BCGWarning, accelerate, restore, stats
 from bcg_diffusion.buckets import bucket_for, pad_to_bucket, validate_buckets
@@ -64,11 +65,13 @@ def test_bucketed_calls_share_signatures_and_match_the_unpadded_images():
     expected = {p: _call(pipe, p) for p in PROMPTS}
     accelerate(pipe, debug=True, text_buckets=(16, 32), warmup=[(64, 64)], lazy_capture=False)
     try:
-        warmed = stats(pipe)["captures"]
+        checked = stats(pipe)
+        warmed = checked["captures"]
         assert warmed == 3  # a transformer signature per bucket, and the VAE
         for prompt in PROMPTS:
             # fp32 on CPU: the masked path only sums extra exact zeros; measured max 1e-6 here.
             torch.testing.assert_close(_call(pipe, prompt), expected[prompt], atol=1e-5, rtol=0)
+            checked = assert_graphs_ran(pipe, checked, captures=False)
         report = stats(pipe)
         assert report["captures"] == warmed and report["misses"] == 0 and report["eager_fallbacks"] == 0
     finally:

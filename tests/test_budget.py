@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _checks import assert_graphs_ran
 
 from bcg_diffusion import AccelerateConfig, accelerate, eager, restore, stats
 from bcg_diffusion.budget import SignatureBudget
@@ -55,9 +56,11 @@ def test_pipeline_stays_within_the_limit_and_stays_exact():
     # One resolution: a transformer and a VAE signature (the text encoder, which would take a third, kept eager).
     accelerate(pipe, debug=True, max_signatures=2, components=("transformer", "vae"))
     try:
+        checked = None
         for size in (64, 48, 64, 80, 80):
             assert torch.equal(_call(pipe, size), with_eager[size]), size
             assert len(stats(pipe)["signatures"]) <= 2
+            checked = assert_graphs_ran(pipe, checked)  # (re)captured after an eviction, and replayed
         report = stats(pipe)
         # 64, 48 (evicts 64), 64 again (evicts 48), 80 (evicts 64), 80 replays.
         assert report["captures"] == 8 and report["evictions"] == 6, report

@@ -12,6 +12,7 @@ import warnings
 import pytest
 import torch
 from _cases import run_case
+from _checks import assert_graphs_ran
 
 from bcg_diffusion import AccelerateConfig, accelerate, restore, stats
 from bcg_diffusion.cfg_batch import CfgBatcher
@@ -156,7 +157,7 @@ def test_fast_mode_batches_cfg_through_the_runner_and_restore_undoes_it(qwen):
     expected = run_case(qwen, "qwen-image", "true_cfg", height=64, width=64, steps=3)
     _fast_without_compiling(qwen)
     got = run_case(qwen, "qwen-image", "true_cfg", height=64, width=64, steps=3)
-    report = stats(qwen)
+    report = assert_graphs_ran(qwen, captures=True)
     assert (report["cfg_batched"], report["cfg_batch_dropped"]) == (2, 0)
     # Signatures: cond alone and uncond alone (step 0), then their batch (steps 1 and 2).
     assert sum(record["component"] == "transformer" for record in report["signatures"]) == 3

@@ -11,6 +11,7 @@ import warnings
 import pytest
 import torch
 from _cases import run_case
+from _checks import assert_graphs_ran
 from torch._dynamo.utils import counters
 
 from bcg_diffusion import AccelerateConfig, accelerate, eager, restore, stats
@@ -120,6 +121,9 @@ def test_fast_debug_mode_equals_its_compiled_reference(name):
             reference = run_case(pipe, name, case, height=64, width=64)
         assert torch.equal(first, reference)
         assert torch.equal(run_case(pipe, name, case, height=64, width=64), first)
+        # Both compared calls ran graphs: the first captured (Qwen-Image's two CFG steps, one by one
+        # then batched, leave it nothing to replay), the last replayed.
+        assert_graphs_ran(pipe, captures=True)
         report = stats(pipe)
         assert report["compiled_blocks"] > 0 and report["compiles"] > 0 and report["eager_fallbacks"] == 0
         # One compile per structural variant (Z-Image: modulated blocks and not; Qwen-Image: its CFG

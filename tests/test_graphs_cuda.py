@@ -73,6 +73,7 @@ def test_break_that_writes_into_an_argument(pool):
         return buffer + 1
 
     graph, out = _capture(fn, pool, static_x)
+    assert graph.num_breaks == 1 and graph.num_segments == 2  # x * 3 | the round trip | buffer + 1
     for _ in range(3):
         fresh = torch.randn(128, device="cuda")
         static_x.copy_(fresh)
@@ -91,6 +92,7 @@ def test_break_returning_a_python_value_is_checked_on_replay(pool):
         return x * positive_count(x)
 
     graph, out = _capture(fn, pool, static_x)
+    assert graph.num_breaks == 1 and graph.num_segments == 1  # the break comes first: no segment before it
     static_x.copy_(torch.full((8,), 2.0, device="cuda"))
     graph.replay()  # same count: fine
     assert torch.equal(out, torch.full((8,), 16.0, device="cuda"))
@@ -113,7 +115,7 @@ def test_nested_containers_in_and_out():
         out = runner([a, b], {"x": x}, scale=2.0)
         assert torch.equal(out["sum"][0], a + b) and torch.equal(out["sum"][1][0], a * b)
         assert torch.equal(out["scaled"], x * 2.0) and out["none"] is None
-    assert runner.counters.captures == 1 and runner.counters.replays == 3
+    assert runner.counters.captures == 1 and runner.counters.replays == 3 and runner.counters.eager_fallbacks == 0
 
 
 def test_outputs_are_cloned_so_calls_do_not_alias(pool):
@@ -124,6 +126,8 @@ def test_outputs_are_cloned_so_calls_do_not_alias(pool):
     third = runner(first_input)
     assert torch.equal(first, first_input * 2) and torch.equal(second, second_input * 2)
     assert first.data_ptr() != third.data_ptr()
+    # the outputs compared came from one capture and two replays of its graph, not from eager calls
+    assert (runner.counters.captures, runner.counters.replays, runner.counters.eager_fallbacks) == (1, 2, 0)
 
 
 def test_side_stream_inside_a_segment(pool):
@@ -140,6 +144,7 @@ def test_side_stream_inside_a_segment(pool):
 
     static_x = torch.randn(256, device="cuda")
     graph, out = _capture(fn, pool, static_x)
+    assert graph.num_breaks == 1 and graph.num_segments == 2
     fresh = torch.randn(256, device="cuda")
     static_x.copy_(fresh)
     graph.replay()
@@ -162,6 +167,7 @@ def test_exception_in_a_break_leaves_no_capture_open(pool):
         assert not torch.cuda.is_current_stream_capturing()
     graph, out = _capture(forward_with_sync, pool, static_x)  # the next capture works
     torch.cuda.synchronize()
+    assert graph.num_breaks == 1 and graph.num_segments == 2
     assert torch.equal(out, forward_with_sync(static_x))
 
 
@@ -179,6 +185,7 @@ def test_uncapturable_op_without_a_break_falls_back_in_the_runner(pool):
     assert runner.counters.eager_fallbacks == 2
     ok = GraphRunner(lambda x: x + 1, name="ok", pool=pool, lock=threading.RLock())
     assert torch.equal(ok(x), x + 1) and ok.counters.captures == 1  # CUDA state still usable
+    assert torch.equal(ok(x), x + 1) and (ok.counters.replays, ok.counters.eager_fallbacks) == (1, 0)
 
 
 def test_two_captures_share_the_pool_and_replay_interleaved():
@@ -203,7 +210,7 @@ def test_two_captures_share_the_pool_and_replay_interleaved():
         if step % 3 == 2:
             keep.clear()
         assert torch.equal(runner(x), fn(x))
-    assert runner.counters.captures == 2 and runner.counters.replays == 6
+    assert runner.counters.captures == 2 and runner.counters.replays == 6 and runner.counters.eager_fallbacks == 0
 
 
 def test_lazily_cached_tensor_outlives_its_owner(pool):
@@ -225,6 +232,8 @@ def test_lazily_cached_tensor_outlives_its_owner(pool):
     torch.cuda.empty_cache()
     scratch = [torch.full((1024,), 7.0, device="cuda") for _ in range(64)]
     assert torch.equal(runner(x), expected)
+    # that result came from a replay of the graph that reads the dropped table, not from an eager call
+    assert (runner.counters.captures, runner.counters.replays, runner.counters.eager_fallbacks) == (1, 1, 0)
     del scratch
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from _cases import run_case
+from _checks import assert_graphs_ran
 
 from bcg_diffusion import BCGWarning, accelerate, restore, stats
 from bcg_diffusion.loading import build_pipeline
@@ -21,6 +22,14 @@ def pipe():
 
 def _call(pipe):
     return run_case(pipe, "qwen-image", "no_cfg", height=32, width=32, output_type="latent")
+
+
+def _checked_call(pipe, captures=None):
+    """``_call`` through the graphs: asserts that it captured (``captures``) and replayed, never ran eagerly."""
+    before = stats(pipe)
+    result = _call(pipe)
+    assert_graphs_ran(pipe, before, captures=captures)
+    return result
 
 
 def _eager(pipe):
@@ -51,7 +60,7 @@ def test_lora_changes_drop_graphs_and_results_follow_the_lora(pipe):
     config = peft.LoraConfig(r=2, lora_alpha=2, target_modules=["to_q", "to_k", "to_v"], init_lora_weights=False)
     pipe.transformer.add_adapter(config, adapter_name="style")
     assert stats(pipe)["components"]["transformer"]["invalidations"] >= 1
-    with_lora = _call(pipe)
+    with_lora = _checked_call(pipe, captures=True)  # captured again, with the LoRA
     assert not torch.equal(with_lora, plain), "the random LoRA should change the result"
     assert torch.equal(with_lora, _eager(pipe))
     invalidations = stats(pipe)["invalidations"]
@@ -59,7 +68,7 @@ def test_lora_changes_drop_graphs_and_results_follow_the_lora(pipe):
     pipe.transformer.disable_lora()
     pipe.transformer.enable_lora()
     assert stats(pipe)["invalidations"] == invalidations + 3
-    assert torch.equal(_call(pipe), _eager(pipe))
+    assert torch.equal(_checked_call(pipe, captures=True), _eager(pipe))
     pipe.transformer.delete_adapters("style")
     assert torch.equal(_call(pipe), plain)
 
@@ -128,20 +137,20 @@ def test_pipeline_lora_loading_fusing_and_scale_follow_eager(pipe):
     peft = pytest.importorskip("peft")
     plain = _call(pipe)
     pipe.load_lora_weights(_lora_state_dict(pipe, peft), adapter_name="style")
-    with_lora = _call(pipe)
+    with_lora = _checked_call(pipe, captures=True)
     assert not torch.equal(with_lora, plain), "the random LoRA should change the result"
     assert torch.equal(with_lora, _eager(pipe))
     before = stats(pipe)["invalidations"]
     pipe.fuse_lora(lora_scale=0.5)
     assert stats(pipe)["invalidations"] > before
-    fused = _call(pipe)
+    fused = _checked_call(pipe, captures=True)
     assert torch.equal(fused, _eager(pipe))
     assert not torch.equal(fused, with_lora)
     pipe.unfuse_lora()
     # Unfusing subtracts the delta it added, which rounds: compare with eager after the same steps.
-    assert torch.equal(_call(pipe), _eager(pipe))
+    assert torch.equal(_checked_call(pipe, captures=True), _eager(pipe))
     pipe.unload_lora_weights()
-    unloaded = _call(pipe)
+    unloaded = _checked_call(pipe, captures=True)
     assert torch.equal(unloaded, _eager(pipe))
     torch.testing.assert_close(unloaded, plain)  # back to the base weights, up to the unfuse rounding
     assert stats(pipe)["eager_fallbacks"] == 0

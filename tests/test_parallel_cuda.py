@@ -1,8 +1,8 @@
 """Context parallelism with graphs on two GPUs: ``torchrun`` runs ``tests/_parallel.py`` on every rank.
 
-Needs two CUDA GPUs (skipped otherwise). ``BCG_TEST_WEIGHTS=random-full`` checks the full-size
-Qwen-Image at 512² and 1024²; the default tiny weights take seconds. ``BCG_PARALLEL_KINDS`` picks
-the splits (default ``ulysses,ring``).
+Needs two CUDA GPUs (skipped otherwise). Weights from ``BCG_TEST_WEIGHTS`` (comma-separated, as in
+``test_pipelines_cuda.py``): ``random-full`` checks the full-size Qwen-Image at 512² and 1024²; the
+default tiny weights take seconds. ``BCG_PARALLEL_KINDS`` picks the splits (default ``ulysses,ring``).
 The CPU checks of ``test_parallel_cpu.py`` run here again on the GPU reports (all but the consensus
 protocol, which the fault check exercises for real), plus the fault check.
 """
@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from _cases import GPU_WEIGHTS
 from test_parallel_cpu import (  # noqa: F401 - collected here again, on the GPU reports
     test_collectives_patched_while_accelerated_and_reverted,
     test_every_call_equals_context_parallel_eager,
@@ -27,21 +29,22 @@ from test_parallel_cpu import (  # noqa: F401 - collected here again, on the GPU
 
 pytestmark = pytest.mark.cuda
 
-WEIGHTS = os.environ.get("BCG_TEST_WEIGHTS", "tiny")
-RESOLUTIONS = "512x512,1024x1024" if WEIGHTS == "random-full" else "64x64,128x128"
+KINDS = [k.strip() for k in os.environ.get("BCG_PARALLEL_KINDS", "ulysses,ring").split(",") if k.strip()]
 
 
-KINDS = os.environ.get("BCG_PARALLEL_KINDS", "ulysses,ring").split(",")
+def _resolutions(weights: str) -> str:
+    return "512x512,1024x1024" if weights == "random-full" else "64x64,128x128"
 
 
-@pytest.fixture(scope="module", params=KINDS)
+@pytest.fixture(scope="module", params=[(w, k) for w in GPU_WEIGHTS for k in KINDS], ids=str)
 def reports(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     if torch.cuda.device_count() < 2:
         pytest.skip("needs two CUDA GPUs")
-    out = tmp_path_factory.mktemp(f"parallel-{request.param}")
+    weights, kind = request.param
+    out = tmp_path_factory.mktemp("parallel-" + re.sub(r"[^\w.-]", "_", f"{weights}-{kind}"))
     script = Path(__file__).with_name("_parallel.py")
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", str(script)]
-    command += ["--weights", WEIGHTS, "--resolutions", RESOLUTIONS, "--kind", request.param, "--out", str(out)]
+    command += ["--weights", weights, "--resolutions", _resolutions(weights), "--kind", kind, "--out", str(out)]
     # A hang (ranks out of step) is a failure, not a stuck test run.
     subprocess.run(command, check=True, timeout=600)
     return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(2)]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from _cases import CASES, run_case
+from _checks import assert_graphs_ran
 
 from bcg_diffusion import BCGWarning, accelerate, restore, stats
 from bcg_diffusion.loading import build_pipeline
@@ -28,9 +29,11 @@ def test_debug_mode_equals_eager_for_every_case(pipeline):
     }
     accelerate(pipe, debug=True)
     try:
+        checked = None
         for call in calls:
             got = run_case(pipe, name, call[0], height=call[1], width=call[2], output_type=call[3])
             assert torch.equal(got, expected[call]), call
+            checked = assert_graphs_ran(pipe, checked)
         first = stats(pipe)
         assert first["captures"] > 0 and first["replays"] > 0 and first["eager_fallbacks"] == 0
         assert {s["component"] for s in first["signatures"]} <= set(adapter_for(pipe).default_components)
@@ -39,6 +42,7 @@ def test_debug_mode_equals_eager_for_every_case(pipeline):
             assert torch.equal(
                 run_case(pipe, name, call[0], height=call[1], width=call[2], output_type=call[3]), expected[call]
             )
+            checked = assert_graphs_ran(pipe, checked, captures=False)
         second = stats(pipe)
         assert second["captures"] == first["captures"] and second["replays"] > first["replays"]
     finally:

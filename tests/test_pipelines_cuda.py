@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 from _cases import CASES, GPU_WEIGHTS, cuda_pipeline, run_case
+from _checks import assert_graphs_ran
 
 from bcg_diffusion import accelerate, restore, stats
 from bcg_diffusion.loading import build_pipeline
@@ -45,13 +46,16 @@ def test_graphs_equal_eager_bytes(pipeline):
         assert torch.isfinite(image).all(), f"eager output not finite for {call}: the test would prove nothing"
     accelerate(pipe)
     try:
+        checked = None
         for call in calls:  # alternates resolutions and CFG modes: capture, then replay across captures
             assert torch.equal(_run(pipe, name, call), expected[call]), call
+            checked = assert_graphs_ran(pipe, checked)
         first = stats(pipe)
         assert first["active"] and first["eager_fallbacks"] == 0, first["signatures"]
         assert all(s["status"] == "captured" for s in first["signatures"])
         for call in reversed(calls):
             assert torch.equal(_run(pipe, name, call), expected[call]), call
+            checked = assert_graphs_ran(pipe, checked, captures=False)
         second = stats(pipe)
         assert second["captures"] == first["captures"], "a known signature was captured again"
         assert second["replays"] > first["replays"]
@@ -79,14 +83,17 @@ def test_lora_changes_recapture_and_follow_the_lora():
     accelerate(pipe)
     try:
         plain = _run(pipe, "qwen-image", call)
+        checked = assert_graphs_ran(pipe)
         config = peft.LoraConfig(r=2, lora_alpha=2, target_modules=["to_q", "to_k", "to_v"], init_lora_weights=False)
         pipe.transformer.add_adapter(config, adapter_name="style")
         with_lora = _run(pipe, "qwen-image", call)
+        checked = assert_graphs_ran(pipe, checked, captures=True)  # captured again, with the LoRA
         with eager(pipe):
             expected = _run(pipe, "qwen-image", call)
         assert torch.equal(with_lora, expected) and not torch.equal(with_lora, plain)
         pipe.transformer.set_adapters(["style"], weights=[0.5])
         half = _run(pipe, "qwen-image", call)
+        assert_graphs_ran(pipe, checked, captures=True)
         with eager(pipe):
             assert torch.equal(half, _run(pipe, "qwen-image", call))
         report = stats(pipe)
@@ -116,9 +123,11 @@ def test_z_image_text_encoder_graphs_equal_eager(weights):
         expected = [call(p) for p in prompts]
         accelerate(pipe, components=("transformer", "vae", "text_encoder"))
         try:
-            for _ in range(2):  # capture, then replay
+            checked = None
+            for round_ in range(2):  # capture, then replay
                 for prompt, image in zip(prompts, expected):
                     assert torch.equal(call(prompt), image)
+                    checked = assert_graphs_ran(pipe, checked, captures=round_ == 0)
             report = stats(pipe)
             encoder = [s for s in report["signatures"] if s["component"] == "text_encoder"]
             assert len(encoder) == 2 and all(s["status"] == "captured" and s["breaks"] == 1 for s in encoder), encoder

@@ -77,6 +77,8 @@ def test_exception_inside_a_break_during_capture_falls_back_for_that_signature()
     assert record.status == "failed" and "transient failure" in record.reason
     y = torch.ones(4, device="cuda")
     assert torch.equal(runner(y), y * 4) and runner.counters.captures == 1  # another signature still captures
+    assert torch.equal(runner(y), y * 4) and runner.counters.replays == 1  # and replays
+    assert runner.counters.eager_fallbacks == 1  # the failed capture's call only
 
 
 def test_out_of_memory_during_capture_falls_back_and_says_so():
@@ -92,6 +94,7 @@ def test_out_of_memory_during_capture_falls_back_and_says_so():
     assert runner.counters.eager_fallbacks == 1
     other = _runner(lambda x: x * 2, runner.pool)
     assert torch.equal(other(x), x * 2) and other.counters.captures == 1
+    assert torch.equal(other(x), x * 2) and (other.counters.replays, other.counters.eager_fallbacks) == (1, 0)
 
 
 def test_two_pools_do_not_disturb_each_other():
@@ -102,6 +105,9 @@ def test_two_pools_do_not_disturb_each_other():
         assert torch.equal(second(x), x.sin() * 3)
     assert first.pool.handle != second.pool.handle
     assert first.counters.captures == 2 and second.counters.captures == 2
+    # two shapes over six steps: two captures, then four replays each, none eager
+    for runner in (first, second):
+        assert (runner.counters.replays, runner.counters.eager_fallbacks) == (4, 0)
 
 
 def test_long_run_keeps_memory_and_captures_flat():
@@ -117,4 +123,5 @@ def test_long_run_keeps_memory_and_captures_flat():
         del x, out
     torch.cuda.synchronize()
     assert runner.counters.captures == len(shapes) and runner.counters.replays == 200
+    assert runner.counters.eager_fallbacks == 0
     assert torch.cuda.memory_allocated() <= baseline, "allocated memory grew over 200 replays"

@@ -10,6 +10,7 @@ import random
 import pytest
 import torch
 from _cases import GPU_WEIGHTS, cuda_pipeline
+from _checks import assert_graphs_ran
 
 from bcg_diffusion import accelerate, eager, restore, stats, warm_up
 from bcg_diffusion.pipelines import adapter_for
@@ -60,12 +61,13 @@ def test_bucketed_serving_never_captures_after_warm_up(qwen):
     resolutions = RESOLUTIONS[weights]
     accelerate(pipe, text_buckets=(64, 128), warmup=resolutions, lazy_capture=False)
     try:
-        warmed = stats(pipe)
+        warmed = checked = stats(pipe)
         rng = random.Random(0)
         worst = 0.0
         for _ in range(20):
             prompt, size, cfg = _random_prompt(rng), rng.choice(resolutions), rng.random() < 0.5
             image = _call(pipe, prompt, size, cfg)
+            checked = assert_graphs_ran(pipe, checked, captures=False)  # replayed what the warm-up captured
             with eager(pipe):  # eager with the same padding: the graphs must match it exactly
                 assert torch.equal(image, _call(pipe, prompt, size, cfg))
             with without_buckets(pipe):
@@ -84,10 +86,11 @@ def test_eviction_returns_pool_memory_for_reuse(qwen):
     sizes = RESOLUTIONS[weights]
     accelerate(pipe, max_signatures=2)
     try:
-        pool = []
+        pool, checked = [], None
         for _ in range(3):
             for size in sizes:
                 image = _call(pipe, "a red fox", size, cfg=False)
+                checked = assert_graphs_ran(pipe, checked)  # (re)captured after an eviction, and replayed
                 with eager(pipe):
                     assert torch.equal(image, _call(pipe, "a red fox", size, cfg=False))
             pool.append(stats(pipe)["graph_memory_bytes"])
@@ -113,11 +116,12 @@ def test_zimage_caption_buckets_serve_every_prompt_exactly(zimage):
     accelerate(pipe, lazy_capture=False)
     try:
         warm_up(pipe, resolutions, max_sequence_length=128)
-        warmed = stats(pipe)
+        warmed = checked = stats(pipe)
         rng = random.Random(1)
         for _ in range(20):
             prompt, size, cfg = _random_prompt(rng), rng.choice(resolutions), rng.random() < 0.5
             image = _call(pipe, prompt, size, cfg, max_sequence_length=128)
+            checked = assert_graphs_ran(pipe, checked, captures=False)
             with eager(pipe):
                 assert torch.equal(image, _call(pipe, prompt, size, cfg, max_sequence_length=128))
         served = stats(pipe)

@@ -6,6 +6,7 @@ The GPU side (real graphs, the mask preparation as an eager break) is in ``test_
 from __future__ import annotations
 
 import torch
+from _checks import assert_graphs_ran
 
 from bcg_diffusion import accelerate, restore, stats
 from bcg_diffusion.loading import build_pipeline
@@ -37,8 +38,10 @@ def test_z_image_text_encoder_one_signature_per_mask_decision():
     accelerate(pipe, debug=True, components=COMPONENTS)
     try:
         assert qwen3.create_causal_mask is CAUSAL_MASK_PATCH.replacement
+        checked = None
         for prompt, image in zip(PROMPTS, expected):
             assert torch.equal(_call(pipe, prompt), image)
+            checked = assert_graphs_ran(pipe, checked)
         report = stats(pipe)
         encoder = [s for s in report["signatures"] if s["component"] == "text_encoder"]
         # Every prompt is padded to 512 tokens: one signature for the padded prompts, one for the

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from _cases import run_case
+from _checks import assert_graphs_ran
 
 from bcg_diffusion import accelerate, eager, restore, stats, warm_up
 from bcg_diffusion.loading import build_pipeline
@@ -71,6 +72,7 @@ def test_fast_mode_trims_z_image_prompts_and_restore_undoes_it(z_image):
         with pytest.warns(UserWarning, match="falls back to graphs of the eager blocks"):
             accelerate(z_image, mode="fast", debug=True)
         first = run_case(z_image, "z-image", "cfg", height=64, width=64)
+        assert_graphs_ran(z_image, captures=True)
         with eager(z_image):
             reference = run_case(z_image, "z-image", "cfg", height=64, width=64)
         assert torch.equal(first, reference)

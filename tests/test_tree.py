@@ -41,7 +41,10 @@ def test_signature_keys_everything_but_tensor_contents():
     assert spec_of(x) != spec_of(x.half())  # dtype
     assert spec_of(x) != spec_of(x.t().contiguous().t())  # strides
     assert spec_of(x, mask=None) != spec_of(x, mask=torch.ones(2))  # None vs tensor
-    assert spec_of(x, 1) != spec_of(x, 1.0) != spec_of(x, True)  # equal hashes, different code paths
+    # 1, 1.0 and True hash equal but take different code paths: each pair compared (a chained != skips 1 vs True)
+    assert spec_of(x, 1) != spec_of(x, 1.0)
+    assert spec_of(x, 1.0) != spec_of(x, True)
+    assert spec_of(x, 1) != spec_of(x, True)
     assert spec_of([x, x]) != spec_of((x, x))  # container type
     assert spec_of([[(1, 32, 32)]]) != spec_of([[(1, 32, 48)]])  # Python constants
     hash(spec_of(x, {"a": [1, (2, None)]}))

@@ -6,6 +6,7 @@ import logging
 
 import pytest
 import torch
+from _checks import assert_graphs_ran
 
 from bcg_diffusion import AccelerateConfig, BCGWarning, accelerate, eager, restore, stats, warm_up
 from bcg_diffusion.loading import build_pipeline
@@ -37,9 +38,11 @@ def test_after_warm_up_serving_calls_never_capture(name):
         # all padded to 512 tokens: one signature.
         expected = {"qwen-image": 6, "z-image": 2 * (1 + 2 * 16) + 1}[name]
         assert warmed["captures"] == expected and warmed["misses"] == 0, warmed["signatures"]
+        checked = warmed
         for width, height in ((64, 64), (48, 96)):
             for cfg in (False, True):
                 image = _call(pipe, width, height, cfg)
+                checked = assert_graphs_ran(pipe, checked, captures=False)
                 with eager(pipe):
                     assert torch.equal(image, _call(pipe, width, height, cfg))
         served = stats(pipe)
@@ -66,9 +69,11 @@ def test_a_miss_runs_eagerly_is_counted_and_logged_once(caplog):
         assert len(warned) == 2, warned  # once per missed signature (transformer, VAE), not per call
         result = warm_up(pipe, [(80, 80)], cfg=(False,))
         assert result["calls"] == 1 and result["captures"] == 2
-        replays = stats(pipe)["replays"]
+        warmed = stats(pipe)
+        replays = warmed["replays"]
         assert torch.equal(_call(pipe, 80, 80, cfg=False), expected)
         assert stats(pipe)["replays"] > replays and stats(pipe)["misses"] == report["misses"]
+        assert_graphs_ran(pipe, warmed, captures=False)  # the two misses above ran eagerly: this call did not
     finally:
         restore(pipe)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _checks import assert_graphs_ran
 
 from bcg_diffusion import accelerate, eager, restore, stats, warm_up
 from bcg_diffusion.loading import build_pipeline
@@ -91,10 +92,11 @@ def _call(pipe, prompt, cfg, size=64, **extra):
 def test_prompts_of_one_bucket_share_one_signature(pipe):
     accelerate(pipe, debug=True, components=TRANSFORMER_AND_VAE)
     try:
-        lengths = set()
-        for prompt in ("a cat", "a lighthouse on a rocky coast at dusk"):  # 10 and 17 tokens: bucket 32
+        lengths, checked = set(), None
+        for index, prompt in enumerate(("a cat", "a lighthouse on a rocky coast at dusk")):  # 10, 17 tokens: bucket 32
             lengths.add(len(pipe.encode_prompt(prompt, device="cpu", do_classifier_free_guidance=False)[0][0]))
             image = _call(pipe, prompt, cfg=False)
+            checked = assert_graphs_ran(pipe, checked, captures=index == 0)  # the second prompt replays the first's
             with eager(pipe):
                 assert torch.equal(image, _call(pipe, prompt, cfg=False))
         assert len(lengths) == 2
@@ -110,10 +112,12 @@ def test_warm_up_covers_every_prompt_up_to_max_sequence_length(pipe):
         # Per CFG mode: the default prompt's call, then one call per bucket (32, 64, 96); one
         # transformer signature per bucket and CFG mode, and the VAE decode.
         assert result["calls"] == 2 * (1 + 3) and result["captures"] == 2 * 3 + 1
+        checked = stats(pipe)
         for words in (1, 4, 9, 15):
             prompt = " ".join(["word"] * words)
             for cfg in (False, True):
                 image = _call(pipe, prompt, cfg)
+                checked = assert_graphs_ran(pipe, checked, captures=False)
                 with eager(pipe):
                     assert torch.equal(image, _call(pipe, prompt, cfg))
         served = stats(pipe)
@@ -130,10 +134,12 @@ def test_warm_up_with_the_services_negative_prompt(pipe):
     try:
         result = warm_up(pipe, [(64, 64)], cfg=(True,), negative_prompt=negative, max_sequence_length=64)
         assert result["captures"] == 2 + 1  # buckets 32 and 64, each with the negative's 64; the VAE decode
+        checked = stats(pipe)
         for words in (1, 9):  # buckets 32 and 64
             prompt = " ".join(["word"] * words)
             service = {"negative_prompt": negative, "max_sequence_length": 64}
             image = _call(pipe, prompt, cfg=True, **service)
+            checked = assert_graphs_ran(pipe, checked, captures=False)
             with eager(pipe):
                 assert torch.equal(image, _call(pipe, prompt, cfg=True, **service))
         assert (stats(pipe)["captures"], stats(pipe)["misses"]) == (3, 0)
