@@ -11,6 +11,9 @@
 #   tests       core + reliability + tiny-pipeline GPU tests (incl. LoRA re-capture, warm-up, buckets, eviction)
 #   tests-full  full-size (random-weight) Qwen-Image and Z-Image equality with eager
 #   tests-fast  fast mode (compiled blocks in graphs) against its compiled reference, tiny pipelines
+#   tests-coexist    our graphs beside reduce-overhead in one process, then the same without the cuBLAS fix (must fail)
+#   tests-shared     pipelines sharing components, img2img/inpaint relatives, LoRA hot swap, fast mode after offload
+#   hotswap-z        LoRA hot swap with graphs kept against drop-and-recapture, full-size Z-Image (bench.hotswap)
 #   bench-z          Z-Image-Turbo 512² and 1024², 8 steps, no CFG: every mode, with the loop profile
 #   te-z             Z-Image-Turbo 512², 8 steps: eager and our modes with and without the text encoder captured
 #   warm-start-z     fast mode's cold / warm / portable-cache start in fresh processes, Z-Image 512²
@@ -54,6 +57,25 @@ case "$phase" in
     timeout 200 python3 -m pytest -m cuda -q -rs -p no:cacheprovider --tb=short \
       tests/test_graphs_cuda.py tests/test_reliability_cuda.py tests/test_pipelines_cuda.py tests/test_serving_cuda.py \
       2>&1 | tee "$out/pytest-cuda-tiny.log" | tail -15
+    ;;
+  tests-coexist)
+    # our graphs beside torch.compile(mode="reduce-overhead"), both orders (issue 19); then the same test
+    # with the cuBLAS-workspace fix taken out, which must fail (its own process: it may crash)
+    timeout 110 python3 -m pytest -m cuda -q -rs -p no:cacheprovider --tb=short tests/test_coexistence_cuda.py 2>&1 \
+      | tee "$out/pytest-coexistence.log" | tail -8
+    BCG_TEST_WITHOUT_FIX=blas-workspaces timeout 60 python3 -m pytest -m cuda -q -p no:cacheprovider --tb=line \
+      -k ours-first tests/test_coexistence_cuda.py 2>&1 | grep -v "^ *warnings.warn\|Warning" \
+      | tee "$out/pytest-coexistence-without-fix.log" | tail -6
+    ;;
+  tests-shared)
+    # pipelines sharing components, the img2img/inpaint relatives, LoRA hot swap, fast mode after offload
+    timeout 230 python3 -m pytest -m cuda -q -rs -p no:cacheprovider --tb=short tests/test_shared_components.py \
+      tests/test_relatives_cuda.py tests/test_lora_hotswap.py tests/test_fast_hooks.py 2>&1 \
+      | tee "$out/pytest-shared.log" | tail -15
+    ;;
+  hotswap-z)
+    timeout 80 python3 -m bench.hotswap --pipeline z-image --weights random-full --steps 4 --swaps 2 --modes exact \
+      --out "$out/hotswap-z-image" 2>&1 | tee "$out/hotswap-z-image.log" | tail -5
     ;;
   tests-fast)
     timeout 200 python3 -m pytest -q -rs -p no:cacheprovider --tb=short tests/test_fast_cuda.py 2>&1 \
