@@ -26,14 +26,14 @@
 #   profile-z        Z-Image-Turbo 512², 8 steps: eager, bcg and fast with the loop profile (kernel time by kind)
 #   fast-qwen-50     Qwen-Image 512², 50 steps, true CFG 4: eager, fast, fast-unbatched (issue 6's Qwen-Image figure)
 #   ab-attention     fast mode with and without its attention patches (patches/attention.py), Qwen-Image 512²
-#                    10 steps CFG 4 and Z-Image-Turbo 512² 8 steps, back-to-back processes (scripts/ab_attention.sh)
+#                    10 steps CFG 4 and Z-Image-Turbo 512² 8 steps, back-to-back processes (bench/probes/ab_attention.sh)
 #   compile-max-qwen Qwen-Image 512² (QWEN_MAX_RESOLUTIONS=1024x1024 for the other size), 10 steps, true CFG 4:
 #                    torch.compile(mode="reduce-overhead") alone, a whole call (its first call compiles for 4+ min)
-#   probe-floor      where fast mode's time goes outside the matrix products (scripts/probe_fast_floor.py)
+#   probe-floor      where fast mode's time goes outside the matrix products (bench/probes/probe_fast_floor.py)
 #   probe-norms      fast mode's VAE group norm and per-slice RoPE against the code they replace
-#                    (scripts/probe_norm_kernels.py)
+#                    (bench/probes/probe_norm_kernels.py)
 #   probe-blocks     one full-width Z-Image block: its matrix products (cuBLAS, fused, Triton, FP8) and
-#                    RoPE complex against real arithmetic (scripts/probe_block_kernels.py)
+#                    RoPE complex against real arithmetic (bench/probes/probe_block_kernels.py)
 #   memory-z         graph memory of 4 resolutions x 2 CFG modes against one, peak replay vs eager (Z-Image)
 #   parallel         (two GPUs) context parallelism: tests/test_parallel_cuda.py (tiny: ulysses and ring;
 #                    full size: ulysses at 512² and 1024²), then torchrun -m bench.parallel (one GPU against two)
@@ -43,7 +43,7 @@
 #                    for `python scripts/screenshot_replay.py DIR OUT.png` here (the GPU machine has no browser)
 # Everything it writes is under $OUT (logs, results.json/.md/.png); copy it to bench/results/<date>-h200/.
 set -uo pipefail
-[ $# -gt 0 ] || { echo "usage: scripts/gpu_session.sh tests|tests-full|tests-fast|tests-z|te-z|fast-check|profile-qwen|profile-z|fast-qwen-50|ab-attention|probe-floor|probe-norms|probe-blocks|compile-max-qwen|memory-z|bench-z|warm-start-z|bench-qwen|bench-qwen-512|bench-qwen-1024|issue2|parallel|serving|demo ..." >&2; exit 2; }
+[ $# -gt 0 ] || { echo "usage: scripts/gpu_session.sh tests|tests-full|tests-fast|tests-coexist|tests-shared|hotswap-z|tests-z|te-z|fast-check|profile-qwen|profile-z|fast-qwen-50|ab-attention|probe-floor|probe-norms|probe-blocks|compile-max-qwen|memory-z|bench-z|warm-start-z|bench-qwen|bench-qwen-512|bench-qwen-1024|issue2|parallel|serving|demo ..." >&2; exit 2; }
 out=${OUT:-/tmp/bcg-out}
 mkdir -p "$out"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -134,17 +134,17 @@ case "$phase" in
       | tee "$out/fast-qwen-image-50.log" | grep -v "^DEBUG" | tail -14
     ;;
   ab-attention)
-    bash scripts/ab_attention.sh "$out" qwen-image z-image
+    bash bench/probes/ab_attention.sh "$out" qwen-image z-image
     ;;
   probe-floor)
-    timeout 540 python3 scripts/probe_fast_floor.py --pipeline z-image --pipeline qwen-image 2>&1 \
+    timeout 540 python3 -m bench.probes.probe_fast_floor --pipeline z-image --pipeline qwen-image 2>&1 \
       | grep -v "^DEBUG" | tee "$out/probe-fast-floor.log" | tail -40
     ;;
   probe-blocks)
-    timeout 400 python3 scripts/probe_block_kernels.py 2>&1 | grep -v "^DEBUG" | tee "$out/probe-block-kernels.log" | tail -80
+    timeout 400 python3 -m bench.probes.probe_block_kernels 2>&1 | grep -v "^DEBUG" | tee "$out/probe-block-kernels.log" | tail -80
     ;;
   probe-norms)
-    timeout 300 python3 scripts/probe_norm_kernels.py 2>&1 | grep -v "^DEBUG" | tee "$out/probe-norm-kernels.log" | tail -40
+    timeout 300 python3 -m bench.probes.probe_norm_kernels 2>&1 | grep -v "^DEBUG" | tee "$out/probe-norm-kernels.log" | tail -40
     ;;
   compile-max-qwen)
     timeout "${QWEN_MAX_TIMEOUT:-560}" python3 -m bench --pipeline qwen-image --weights random-full \

@@ -1,5 +1,7 @@
 """Does inductor's cudagraph recording break graphs we captured earlier? (issue 19, item 4)
 
+Answered (runs 49–50, `bench/results/2026-12-01-h200/`): yes at full width (an illegal memory access on the next replay), not with small GEMMs; clearing cuBLAS's workspaces around our captures fixes it.
+
 Captures a few bf16 matrix products with our runner, then lets ``torch.compile(mode="reduce-overhead")``
 record its own graphs (which clears cuBLAS's workspaces and empties the allocator's cache), then
 replays ours many times against eager, with freshly filled tensors around. Each order runs in a

@@ -1,5 +1,7 @@
 """Why does fast mode's image change once offload is enabled after accelerate? (issue 19, item 3)
 
+Answered (run 49, `bench/results/2026-12-01-h200/probe-fast-offload-run49.log`): model offload keeps fast mode's image; sequential offload failed the block compile and retired the compiled blocks for good.
+
 Tiny Z-Image in float32 on the GPU, ``accelerate(pipe, mode="fast")``: two calls, then
 ``enable_model_cpu_offload()`` (or the sequential offload) and two more, with dynamo's recompile and
 graph-break logs on and the counters that say which path ran.

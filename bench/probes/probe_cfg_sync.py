@@ -1,10 +1,12 @@
 """GPU probe: what the CFG batcher's per-step timestep check (one host sync) costs end to end.
 
+Answered (run 25, `bench/results/2026-11-30-h200/probe-cfg-sync.log`): the CFG batcher's per-step timestep check costs +1.0% end to end.
+
 Times full-size Qwen-Image (random weights) 512², 50 steps, true CFG 4, ``mode="fast"``, with the
 batcher as shipped and with its value check skipped (identity only, for this measurement; never
 shipped), interleaved A/B/B/A. Prints the medians and their ratio.
 
-    python scripts/probe_cfg_sync.py [--runs 3] [--steps 50]
+    python -m bench.probes.probe_cfg_sync [--runs 3] [--steps 50]
 """
 
 from __future__ import annotations

@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # A/B of fast mode's attention patches (patches/attention.py) in back-to-back processes on one GPU:
 # "on" is fast mode as shipped, "off" the same with the adapter's attention patch removed (Qwen-Image:
-# the CFG batch's masked attention; Z-Image: diffusers' default SDPA choice, flash). Run 32.
-#   PYTHONPATH=... bash scripts/ab_attention.sh OUT_DIR qwen-image z-image
+# the CFG batch's masked attention; Z-Image: diffusers' default SDPA choice, flash). Answered (run 32,
+# bench/results/2026-11-30-h200/RUNS.md): per-prompt attention helps Qwen-Image, cuDNN helps Z-Image only.
+#   PYTHONPATH=... bash bench/probes/ab_attention.sh OUT_DIR qwen-image z-image
 set -uo pipefail
 out=$1; shift
-[ $# -gt 0 ] || { echo "usage: scripts/ab_attention.sh OUT_DIR qwen-image|z-image ..." >&2; exit 2; }
+[ $# -gt 0 ] || { echo "usage: bench/probes/ab_attention.sh OUT_DIR qwen-image|z-image ..." >&2; exit 2; }
 for pipeline in "$@"; do
   for state in on off; do
     if [ "$pipeline" = qwen-image ]; then

@@ -1,4 +1,7 @@
-"""Probe the installed torch's CUDA graph and memory-pool APIs (run on the GPU machine)."""
+"""Probe the installed torch's CUDA graph and memory-pool APIs (run on the GPU machine).
+
+Answered (run 3, `bench/results/2026-11-29-h200/RUNS.md`): which graph and memory-pool calls the installed torch has; an empty segment releases its pool (hence the pool's anchor graph).
+"""
 
 import traceback
 import warnings

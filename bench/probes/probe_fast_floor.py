@@ -1,5 +1,7 @@
 """GPU probe: where fast mode's time goes outside the matrix products, and what compiling more would save.
 
+Answered (run 35, `bench/results/2026-12-01-h200/probe-fast-floor-run35.log`): half of Z-Image's VAE decode was PyTorch's group-norm moments, and Qwen-Image's fused norm + RoPE kernel was a looped reduction.
+
 For full-size random-weight pipelines on one GPU, prints:
 
 * the kernels of one whole fast-mode call, and per denoising step of a call without the decode:
@@ -10,7 +12,7 @@ For full-size random-weight pipelines on one GPU, prints:
   largest difference;
 * the text encoder (Z-Image: Qwen3 at 64 tokens) replayed from a CUDA graph, with its kernels.
 
-    python scripts/probe_fast_floor.py --pipeline z-image [--pipeline qwen-image]
+    python -m bench.probes.probe_fast_floor --pipeline z-image [--pipeline qwen-image]
 """
 
 from __future__ import annotations

@@ -1,5 +1,7 @@
 """GPU probe: what is left inside one fast-mode Z-Image block, measured at full width (random weights).
 
+Answered (run 42, `bench/results/2026-12-01-h200/probe-block-kernels-run42.log`): cuBLAS runs a block's bf16 GEMMs at 650–685 TFLOP/s; fusing q/k/v or gate/up and inductor's Triton templates gain nothing; row-wise FP8 would be 1.2–1.9× faster; diffusers' complex RoPE stays.
+
 * The block's matrix products (``F.linear`` at 1,088 tokens: 1,024 image + one 64-token caption;
   1,024 for the noise refiner) replayed from a CUDA graph, each cycling through eight weight copies so
   that no weight stays in L2: time and TFLOP/s per shape, next to the same product with the query, key
@@ -10,25 +12,21 @@
   writes it (complex multiply: an eager kernel inductor falls back to) against RoPE in real arithmetic,
   fused as inductor likes and applied per sequence slice: replayed time per block and the kernels.
 
-    python scripts/probe_block_kernels.py
+    python -m bench.probes.probe_block_kernels
 """
 
 from __future__ import annotations
 
 import statistics
-import sys
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from probe_fast_floor import graph_replay_ms, kernel_table, random_block, section  # noqa: E402
-
-from bcg_diffusion import fast  # noqa: E402
-from bcg_diffusion.hooks import MethodPatches  # noqa: E402
-from bcg_diffusion.patches import attention  # noqa: E402
+from bcg_diffusion import fast
+from bcg_diffusion.hooks import MethodPatches
+from bcg_diffusion.patches import attention
+from bench.probes.probe_fast_floor import graph_replay_ms, kernel_table, random_block, section
 
 DIM, HEADS, HIDDEN = 3840, 30, 10240
 TOKENS, IMAGE_TOKENS = 1088, 1024
