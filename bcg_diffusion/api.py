@@ -163,7 +163,12 @@ def accelerate(pipe: P, config: AccelerateConfig | None = None, **options: Any) 
         group = GraphGroup(config, adapter, device)
     state.group = group
     with group.lock:
-        state.held = {**held, **group.take(state, {n: m for n, m in modules.items() if n not in held})}
+        try:
+            taken = group.take(state, {n: m for n, m in modules.items() if n not in held})
+        except BaseException:
+            group.close()  # a group of its own, with no member yet: its process-wide patches go too
+            raise
+        state.held = {**held, **taken}
         for record in state.held.values():
             record.holders.append(state)
         group.members.append(state)
@@ -190,6 +195,8 @@ def _release_collected(state: PipelineState) -> None:
     if group is None or state not in group.members:
         return
     with group.lock:
+        for feature in state.features:
+            feature.close()
         group.release(state)
 
 

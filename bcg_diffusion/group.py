@@ -125,11 +125,24 @@ class GraphGroup:
             layout=parallel.layout_of(transformer),
         )
         records = {name: HeldModule(name, module, self) for name, module in modules.items()}
+        features: list[Feature] = []
+        try:
+            self._install(setup, state, records, features)
+        except BaseException:
+            # Leave the modules as they were; the error itself is what the caller must see.
+            _undo(records.values(), features, state)
+            raise
+        taken = {name: r for name, r in records.items() if r.runner is not None or r.features or r.patches}
+        for record in taken.values():
+            object.__setattr__(record.module, _HELD_ATTR, record)
+        return taken
+
+    def _install(self, setup: Setup, state: Any, records: dict[str, HeldModule], features: list[Feature]) -> None:
+        """The install order every feature relies on (see :mod:`bcg_diffusion.features.base`)."""
         for name, record in records.items():
-            adapter.install_module(name, record.module, record.patches)
-        features = []
+            self.adapter.install_module(name, record.module, record.patches)
         for feature_class in feature_registry.FEATURES:  # looked up now: the list is the extension point
-            if feature_class.component is not None and feature_class.component not in modules:
+            if feature_class.component is not None and feature_class.component not in records:
                 continue  # its module is absent, or held already (installed by the pipeline that took it)
             feature = feature_class.create(setup)
             if feature is not None:
@@ -138,20 +151,11 @@ class GraphGroup:
         for feature in features:
             feature.prepare(setup, patches_of[id(feature)])
         for name in setup.accelerated:
-            record = records[name]
-            record.runner = self._install_runner(setup, record, features)
-            setup.runners[name] = record.runner
+            records[name].runner = setup.runners[name] = self._install_runner(setup, records[name], features)
         for feature in features:
             feature.finish(setup, patches_of[id(feature)])
         for feature in features:
             (records[feature.component].features if feature.component else state.features).append(feature)
-        taken = {name: r for name, r in records.items() if r.runner is not None or r.features or r.patches}
-        for record in taken.values():
-            object.__setattr__(record.module, _HELD_ATTR, record)
-        for name, record in records.items():
-            if name not in taken:
-                record.patches.undo()
-        return taken
 
     def _install_runner(self, setup: Setup, record: HeldModule, features: list[Feature]) -> GraphRunner:
         adapter, config = self.adapter, self.config
@@ -210,11 +214,30 @@ class GraphGroup:
             record.module.__dict__.pop(_HELD_ATTR, None)
         self.members.remove(state)
         if not self.members:
+            self.close()
+        return kept
+
+    def close(self) -> None:
+        """No member is left: revert the process-wide patches and let the pool go."""
+        if not self.members:
             for patch in self.function_patches:
                 patch.revert()
             self.function_patches.clear()
             self.pool = None
-        return kept
+
+
+def _undo(records: Any, features: list[Feature], state: Any) -> None:
+    """Take back a half-done install: every patch on the records and the pipeline, runners, features."""
+    for record in records:
+        record.patches.undo()
+        if record.runner is not None:
+            record.runner.close()
+    state.patches.undo()
+    for feature in features:
+        try:
+            feature.close()
+        except Exception as exc:  # the install's own error matters more; say what else went wrong
+            logger.warning("closing feature %s after a failed install raised: %r", feature.name, exc)
 
 
 def _options(config: AccelerateConfig) -> AccelerateConfig:

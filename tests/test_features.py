@@ -182,3 +182,30 @@ def test_the_package_has_no_import_cycle():
     for name in sorted(graph):
         if name not in state:
             visit(name)
+
+
+class FailingFeature(Feature):
+    name = "failing"
+    component = "vae"
+
+    @classmethod
+    def create(cls, setup):
+        return cls()
+
+    def finish(self, setup, patches):
+        patches.replace(setup.modules["vae"], "_half_done", True)
+        raise RuntimeError("boom")
+
+
+def test_a_failing_install_leaves_nothing_behind(monkeypatch):
+    pipe = build_pipeline("z-image", "tiny")
+    monkeypatch.setattr(features_module, "FEATURES", [*features_module.FEATURES, FailingFeature])
+    with pytest.raises(RuntimeError, match="boom"):
+        accelerate(pipe, debug=True)
+    for name in ("transformer", "vae", "text_encoder"):
+        leftovers = [k for k in vars(getattr(pipe, name)) if k in ("forward", "decode", "_half_done") or "bcg" in k]
+        assert not leftovers, (name, leftovers)
+    assert not hasattr(pipe, "_bcg_state")
+    monkeypatch.setattr(features_module, "FEATURES", [f for f in features_module.FEATURES if f is not FailingFeature])
+    accelerate(pipe, debug=True)  # and it can be accelerated afterwards
+    restore(pipe)

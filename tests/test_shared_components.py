@@ -218,3 +218,25 @@ def test_pipelines_accelerated_apart_cannot_be_joined_by_a_third():
     finally:
         restore(a)
         restore(b)
+
+
+def test_a_relative_dropped_without_restore_releases_what_it_held():
+    import gc
+
+    pipe = build_pipeline("z-image", "tiny")
+    pipe.set_progress_bar_config(disable=True)
+    expected = call(pipe)
+    for _ in range(3):  # e.g. a server building a relative per request and forgetting it
+        relative = ZImageImg2ImgPipeline(**pipe.components)
+        accelerate(relative, debug=True)
+        relative.set_progress_bar_config(disable=True)
+        call(relative)
+        del relative
+        gc.collect()
+    accelerate(pipe, debug=True)
+    assert stats(pipe)["shared_with"] == []
+    assert torch.equal(call(pipe), expected)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", BCGWarning)  # nothing else holds the modules any more
+        restore(pipe)
+    _nothing_left([pipe])
