@@ -1,7 +1,8 @@
-"""Gradio demo: the eager and the accelerated image of one pipeline side by side, with latencies and graph costs.
+"""Gradio demo: the reference and the accelerated image of one pipeline side by side, with latencies and graph costs.
 
     python app.py                                            # tiny random pipelines; CPU unless a GPU is there
     python app.py --pipeline z-image --weights random-full   # full-size random weights (needs an NVIDIA GPU)
+    python app.py --pipeline z-image --weights random-full --mode fast   # fast mode selected when the page opens
     python app.py --pipeline z-image --weights Tongyi-MAI/Z-Image-Turbo --port 7861 --share
     python app.py --pipeline z-image --weights random-full --record DIR  # no page: save one generation
     python app.py --replay DIR                                           # the page for that saved generation
@@ -26,6 +27,7 @@ os.environ.setdefault("DO_NOT_TRACK", "1")
 PIPELINES = ("z-image", "qwen-image")  # bcg_diffusion.loading.PIPELINE_NAMES, z-image first: smaller and faster
 RANDOM_WEIGHTS = ("tiny", "random-full")
 DTYPES = ("bfloat16", "float16", "float32")
+ACCELERATIONS = ("exact", "fast")  # bcg_diffusion.demo.ACCELERATIONS (not imported here: see the environment above)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -43,6 +45,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="tiny",
         help="'tiny' (small random models, fine on a CPU), 'random-full' (real architectures, random weights: "
         "needs a big GPU) or a checkpoint: hub id or local directory of the one --pipeline (default: tiny)",
+    )
+    parser.add_argument(
+        "--mode",
+        choices=ACCELERATIONS,
+        default="exact",
+        help="acceleration mode selected when the page opens, warmed up at start and recorded by --record; the "
+        "page offers every mode. exact: graphs of the eager kernels, byte-identical to eager; fast: the "
+        "transformer's blocks compiled inside the graphs, compared with fast mode's reference (its compiled "
+        "blocks without graphs) since it rounds differently from eager (default: exact)",
     )
     parser.add_argument("--device", default=None, help="torch device (default: cuda when available, else cpu)")
     parser.add_argument("--dtype", choices=DTYPES, default=None, help="default: float32 for tiny, else bfloat16")
@@ -87,11 +98,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def build_ui(backend: Any, warmup_status: Any, default_pipeline: str, banner: str = "") -> Any:
+def build_ui(
+    backend: Any, warmup_status: Any, default_pipeline: str, banner: str = "", default_acceleration: str = "exact"
+) -> Any:
     """The page: settings on the left, the two images and the report on the right, warm-up status on top."""
     import gradio as gr
 
     from bcg_diffusion import demo
+
+    accelerations = list(getattr(backend, "accelerations", demo.ACCELERATIONS))
+    if default_acceleration not in accelerations:
+        default_acceleration = accelerations[0]
+
+    def reference_label(name: str) -> str:
+        entry = demo.ACCELERATIONS.get(name)
+        reference = entry.reference if entry is not None else "reference"
+        return reference[:1].upper() + reference[1:]
 
     defaults = backend.defaults(default_pipeline)
     choices = [demo.format_resolution(size) for size in defaults.resolutions]
@@ -104,7 +126,8 @@ def build_ui(backend: Any, warmup_status: Any, default_pipeline: str, banner: st
         gr.Markdown(
             "## bcg-diffusion: eager vs breakable CUDA graphs\n"
             f"Weights `{backend.weights}` on `{backend.device}` ({graphs_note}). Both images come from the same "
-            "pipeline object and seed; the accelerated one should be byte-identical to the eager one."
+            "pipeline object and seed; the accelerated one should be byte-identical to the reference: eager in "
+            "exact mode, the compiled blocks without graphs in fast mode (which rounds differently from eager)."
             + (f"\n\n{banner}" if banner else "")
         )
         status = gr.Markdown(warmup_status.markdown(), elem_id="warmup-status")
@@ -113,9 +136,21 @@ def build_ui(backend: Any, warmup_status: Any, default_pipeline: str, banner: st
                 prompt_value = getattr(backend, "default_prompt", demo.DEFAULT_PROMPT)
                 prompt = gr.Textbox(label="Prompt", value=prompt_value, lines=3, elem_id="prompt")
                 negative = gr.Textbox(label="Negative prompt (used with CFG)", value="", elem_id="negative-prompt")
-                pipeline = gr.Radio(
-                    list(backend.pipelines), value=default_pipeline, label="Pipeline", elem_id="pipeline"
-                )
+                with gr.Row():
+                    pipeline = gr.Radio(
+                        list(backend.pipelines), value=default_pipeline, label="Pipeline", elem_id="pipeline"
+                    )
+                    acceleration = gr.Radio(
+                        accelerations,
+                        value=default_acceleration,
+                        label="Acceleration mode",
+                        info="; ".join(
+                            f"{name}: {demo.ACCELERATIONS[name].summary}"
+                            for name in accelerations
+                            if name in demo.ACCELERATIONS
+                        ),
+                        elem_id="acceleration",
+                    )
                 resolution = gr.Dropdown(
                     choices,
                     value=demo.format_resolution(defaults.resolution),
@@ -133,7 +168,7 @@ def build_ui(backend: Any, warmup_status: Any, default_pipeline: str, banner: st
                     elem_id="guidance",
                 )
                 seed = gr.Number(value=0, precision=0, minimum=0, label="Seed", elem_id="seed")
-                mode = gr.Radio(list(demo.MODES), value=demo.SIDE_BY_SIDE, label="Mode", elem_id="mode")
+                mode = gr.Radio(list(demo.MODES), value=demo.SIDE_BY_SIDE, label="Run", elem_id="mode")
                 button = gr.Button("Generate", variant="primary", elem_id="generate")
             with gr.Column(scale=2):
                 with gr.Row():
@@ -145,9 +180,12 @@ def build_ui(backend: Any, warmup_status: Any, default_pipeline: str, banner: st
                             interactive=False,
                             height=384,
                             buttons=["download", "fullscreen"],
-                            elem_id=f"{label.lower()}-image",
+                            elem_id=f"{name}-image",
                         )
-                        for label in ("Eager", "Accelerated")
+                        for name, label in (
+                            ("eager", reference_label(default_acceleration)),
+                            ("accelerated", "Accelerated"),
+                        )
                     )
                 report = gr.Markdown("Press **Generate**.", elem_id="report")
 
@@ -155,10 +193,14 @@ def build_ui(backend: Any, warmup_status: Any, default_pipeline: str, banner: st
             chosen = backend.defaults(name)
             return gr.update(value=chosen.steps), gr.update(value=chosen.guidance)
 
+        def acceleration_chosen(name: str) -> Any:
+            return gr.update(label=reference_label(name))
+
         pipeline.change(pipeline_defaults, inputs=pipeline, outputs=[steps, guidance], queue=False)
+        acceleration.change(acceleration_chosen, inputs=acceleration, outputs=eager_image, queue=False)
         button.click(
             demo.gradio_handler(backend),
-            inputs=[prompt, negative, pipeline, resolution, steps, guidance, seed, mode],
+            inputs=[prompt, negative, pipeline, resolution, steps, guidance, seed, mode, acceleration],
             outputs=[eager_image, accelerated_image, report],
             concurrency_id="generate",
         )
@@ -206,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
         from bcg_diffusion.demo_record import record
 
         try:
-            result = record(backend, default_pipeline, Path(args.record))
+            result = record(backend, default_pipeline, Path(args.record), acceleration=args.mode)
         except demo.DemoError as exc:
             print(f"app.py: --record: {exc}", file=sys.stderr)
             return 1
@@ -226,10 +268,10 @@ def main(argv: list[str] | None = None) -> int:
             return 2
 
     if resolutions:
-        warmup_status, _ = demo.warm_up_in_background(backend, resolutions, args.pipeline)
+        warmup_status, _ = demo.warm_up_in_background(backend, resolutions, args.pipeline, acceleration=args.mode)
     else:
         warmup_status = demo.WarmupStatus()
-    page = build_ui(backend, warmup_status, default_pipeline)
+    page = build_ui(backend, warmup_status, default_pipeline, default_acceleration=args.mode)
     page.queue(default_concurrency_limit=args.concurrency)
     page.launch(server_name=args.host, server_port=args.port, share=args.share, show_error=False)
     return 0
@@ -252,7 +294,7 @@ def serve_replay(args: argparse.Namespace) -> int:
         "images and numbers; nothing is recomputed here. The recording is the second call at these settings: "
         "the first one captured the graphs, so this one shows only replays."
     )
-    page = build_ui(backend, demo.WarmupStatus(), backend.pipelines[0], banner)
+    page = build_ui(backend, demo.WarmupStatus(), backend.pipelines[0], banner, backend.accelerations[0])
     page.queue(default_concurrency_limit=args.concurrency)
     page.launch(server_name=args.host, server_port=args.port, share=args.share, show_error=False)
     return 0

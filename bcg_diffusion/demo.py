@@ -1,10 +1,12 @@
-"""Logic of the Gradio demo (``app.py``): one pipeline, eager and accelerated, side by side.
+"""Logic of the Gradio demo (``app.py``): one pipeline, its reference and its accelerated image side by side.
 
 :class:`DemoBackend` builds each pipeline once (lazily, per ``(pipeline, weights, device)``) with
-:func:`bcg_diffusion.loading.build_pipeline`, accelerates it once (``debug=True`` off CUDA, where no graph
-can run) and answers requests with :meth:`DemoBackend.generate`: the eager reference runs inside
-:func:`bcg_diffusion.eager` on the same pipeline object, then the accelerated call runs normally; both are
-timed, compared byte for byte and reported with what the graphs cost during the request.
+:func:`bcg_diffusion.loading.build_pipeline`, keeps one accelerated copy of it per acceleration mode (an entry
+of :data:`ACCELERATIONS`: exact or fast; ``debug=True`` off CUDA, where no graph can run) and answers requests
+with :meth:`DemoBackend.generate`: the reference runs inside :func:`bcg_diffusion.eager` on the same pipeline
+object (eager in exact mode; in fast mode its compiled blocks without graphs, fast mode's reference), then the
+accelerated call runs normally; both are timed, compared byte for byte and reported with what the graphs cost
+during the request.
 
 Concurrency: a request holds its pipeline's lock from start to end. Diffusers pipelines keep per-call
 state on the object (scheduler timesteps, guidance settings), and the eager/accelerated comparison and the
@@ -18,13 +20,16 @@ the log. Gradio is imported only by :func:`gradio_handler`, so the backend runs 
 
 from __future__ import annotations
 
+import copy
 import hashlib
+import itertools
 import logging
 import math
 import re
 import threading
 import time
-from collections.abc import Callable, Sequence
+import types
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,9 +41,12 @@ from .loading import DEFAULT_PROMPTS, PIPELINE_NAMES, RANDOM_WEIGHTS, build_pipe
 
 __all__ = [
     "ACCELERATED_ONLY",
+    "ACCELERATIONS",
+    "DEFAULT_ACCELERATION",
     "DEFAULT_PROMPT",
     "MODES",
     "SIDE_BY_SIDE",
+    "Acceleration",
     "DemoBackend",
     "DemoDefaults",
     "DemoError",
@@ -60,6 +68,7 @@ logger = logging.getLogger(__name__)
 SIDE_BY_SIDE = "side by side"
 ACCELERATED_ONLY = "accelerated only"
 MODES: tuple[str, ...] = (SIDE_BY_SIDE, ACCELERATED_ONLY)
+"""What a request runs: the reference and the accelerated call, or the accelerated call alone."""
 DEFAULT_PROMPT = DEFAULT_PROMPTS[1]
 RESOLUTION_MULTIPLE = 16  # Qwen-Image and Z-Image: 8x VAE down-sampling, then 2x2 patches
 MAX_STEPS = 100
@@ -72,6 +81,61 @@ ProgressCallback = Callable[[int, int, str], None]
 
 class DemoError(Exception):
     """A failure explained for the person using the demo: the message is shown to them as it is."""
+
+
+@dataclass(frozen=True)
+class Acceleration:
+    """One way the demo accelerates a pipeline: an entry of :data:`ACCELERATIONS`.
+
+    Everything that differs between modes lives here, so a new mode (caching, FP8) is one more entry, not
+    another branch in the backend or the report.
+
+    Attributes:
+        name: what the page and ``app.py --mode`` call it.
+        options: ``accelerate(pipe, **options)`` (``debug=True`` is added off CUDA).
+        summary: one line on what the mode does, for the page.
+        reference: what the left image is: what the pipeline runs inside ``bcg_diffusion.eager(pipe)`` in this
+            mode, which the accelerated image is compared with.
+        identical: whether the accelerated image must equal that reference byte for byte (a mode that rounds
+            differently from every reference it has says False; the report then gives the largest difference
+            and no verdict).
+        note: what the report adds about the comparison ("" for none).
+    """
+
+    name: str
+    options: Mapping[str, Any]
+    summary: str
+    reference: str = "eager"
+    identical: bool = True
+    note: str = ""
+
+
+ACCELERATIONS: Mapping[str, Acceleration] = types.MappingProxyType(
+    {
+        entry.name: entry
+        for entry in (
+            Acceleration(
+                "exact",
+                types.MappingProxyType({"mode": "exact"}),
+                "graphs of the eager kernels, byte-identical to eager",
+            ),
+            Acceleration(
+                "fast",
+                types.MappingProxyType({"mode": "fast"}),
+                "blocks compiled by inductor inside the graphs, compared with their compiled reference",
+                reference="fast mode's reference",
+                note=(
+                    "**Fast mode is compared with its own reference, not with eager:** the left image is the same "
+                    "pipeline inside `bcg_diffusion.eager(pipe)`, which in fast mode runs its compiled blocks "
+                    "without graphs. Compiled kernels round differently from eager ones, so fast mode promises "
+                    "byte-equality with that reference, not with eager."
+                ),
+            ),
+        )
+    }
+)
+"""The acceleration modes the demo offers, by name (``GenerationRequest.acceleration``)."""
+DEFAULT_ACCELERATION = "exact"
 
 
 @dataclass(frozen=True)
@@ -142,6 +206,7 @@ class GenerationRequest:
     seed: int
     mode: str = SIDE_BY_SIDE
     negative_prompt: str = ""
+    acceleration: str = DEFAULT_ACCELERATION  # a key of ACCELERATIONS
 
     @property
     def uses_cfg(self) -> bool:
@@ -175,6 +240,7 @@ def request_from_ui(
     guidance: Any,
     seed: Any,
     mode: Any,
+    acceleration: Any = None,
     *,
     max_side: int,
 ) -> GenerationRequest:
@@ -196,6 +262,7 @@ def request_from_ui(
         seed=_whole_number(seed, "seed"),
         mode=str(mode) if mode else SIDE_BY_SIDE,
         negative_prompt=negative_prompt.strip() if isinstance(negative_prompt, str) else "",
+        acceleration=str(acceleration) if acceleration else DEFAULT_ACCELERATION,
     )
 
 
@@ -218,7 +285,11 @@ def _finite(value: Any, name: str) -> float:
 
 @dataclass(frozen=True)
 class GraphCost:
-    """What the graphs cost during one request (``stats`` after minus before), and the pool's size after it."""
+    """What the graphs cost during one request (``stats`` after minus before), and the pool's size after it.
+
+    ``compiles`` and ``compile_seconds`` are fast mode's block compiles (0 in exact mode); side by side they
+    happen in the reference call, which runs the compiled blocks first.
+    """
 
     captures: int
     replays: int
@@ -226,6 +297,8 @@ class GraphCost:
     capture_seconds: float
     graph_memory_bytes: int
     graph_memory_delta_bytes: int
+    compiles: int = 0
+    compile_seconds: float = 0.0
 
     @classmethod
     def between(cls, before: dict[str, Any], after: dict[str, Any]) -> GraphCost:
@@ -236,6 +309,8 @@ class GraphCost:
             capture_seconds=after["capture_seconds"] - before["capture_seconds"],
             graph_memory_bytes=after["graph_memory_bytes"],
             graph_memory_delta_bytes=after["graph_memory_bytes"] - before["graph_memory_bytes"],
+            compiles=after.get("compiles", 0) - before.get("compiles", 0),
+            compile_seconds=after.get("compile_seconds", 0.0) - before.get("compile_seconds", 0.0),
         )
 
 
@@ -243,8 +318,11 @@ class GraphCost:
 class GenerationResult:
     """The images, latencies and graph costs of one request.
 
-    ``eager_*`` and ``identical`` are None in accelerated-only mode. ``identical`` is ``torch.equal`` of the
-    two output tensors (before conversion to 8-bit images). ``graphs`` says what the accelerated call ran:
+    ``eager_*`` are the reference call's: the pipeline inside ``bcg_diffusion.eager(pipe)``, which is eager in
+    exact mode and the compiled blocks without graphs in fast mode (the request's :class:`Acceleration` names
+    it). They, ``identical`` and ``max_difference`` are None in accelerated-only mode. ``identical`` is
+    ``torch.equal`` of the two output tensors (before conversion to 8-bit images), ``max_difference`` their
+    largest absolute difference (images in [0, 1]). ``graphs`` says what the accelerated call ran:
     ``"cuda graphs"``, ``"debug"`` (the runner path without graphs, off CUDA) or ``"inactive: <why>"``.
     """
 
@@ -259,6 +337,13 @@ class GenerationResult:
     eager_seconds: float | None = None
     eager_digest: str | None = None
     identical: bool | None = None
+    max_difference: float | None = None
+
+    @property
+    def acceleration(self) -> Acceleration:
+        """The request's entry of :data:`ACCELERATIONS` (a bare one for a mode this version does not know)."""
+        name = self.request.acceleration
+        return ACCELERATIONS.get(name) or Acceleration(name, types.MappingProxyType({}), "", reference="reference")
 
     @property
     def speed_meaningful(self) -> bool:
@@ -277,16 +362,20 @@ class GenerationResult:
 
     def report_markdown(self) -> str:
         """Latencies, speed-up, identity and graph costs as Markdown, with the caveats that apply."""
-        r, c = self.request, self.cost
+        r, c, a = self.request, self.cost, self.acceleration
         if self.speedup is not None:
+            over = "" if a.reference == "eager" else f" over {a.reference}"
             caveat = "" if self.speed_meaningful else " (not meaningful)"
-            identical = "yes" if self.identical else "NO"
-            headline = f"### Speed-up {self.speedup:.2f}x{caveat} · byte-identical: {identical}"
+            if a.identical:
+                comparison = f"byte-identical: {'yes' if self.identical else 'NO'}"
+            else:
+                comparison = f"largest difference from {a.reference}: {_difference(self.max_difference)}"
+            headline = f"### Speed-up {self.speedup:.2f}x{over}{caveat} · {comparison}"
         else:
             headline = f"### Accelerated: {_seconds(self.accelerated_seconds)}"
         settings = (
             f"{r.pipeline}, {r.width}x{r.height}, {r.steps} steps, guidance {r.guidance:g}, seed {r.seed}; "
-            f"`{self.device}`, {self.graphs}"
+            f"{a.name} mode; `{self.device}`, {self.graphs}"
         )
         eager_latency = _seconds(self.eager_seconds) if self.eager_seconds is not None else "not run"
         eager_digest = f"`{self.eager_digest}`" if self.eager_digest else "–"
@@ -297,15 +386,22 @@ class GenerationResult:
             headline,
             settings,
             "",
-            "| | eager | accelerated |",
+            f"| | {a.reference} | accelerated ({a.name}) |",
             "|---|---:|---:|",
             f"| latency | {eager_latency} | {_seconds(self.accelerated_seconds)} |",
             f"| image digest (sha256) | {eager_digest} | `{self.accelerated_digest}` |",
             "",
         ]
         if self.identical is not None:
-            verdict = "**yes**" if self.identical else "**NO**"
-            lines += [f"Byte-identical images: {verdict} (`torch.equal` of the two output tensors).", ""]
+            if a.identical:
+                verdict = "**yes**" if self.identical else "**NO**"
+                lines += [f"Byte-identical images: {verdict} (`torch.equal` of the two output tensors).", ""]
+            else:
+                lines += [
+                    f"Largest difference from {a.reference}: {_difference(self.max_difference)} (images in [0, 1]; "
+                    f"{a.name} mode is not byte-identical to it, nor meant to be).",
+                    "",
+                ]
         lines += [
             "Graphs, this request:",
             "",
@@ -319,6 +415,8 @@ class GenerationResult:
 
     def _notes(self) -> list[str]:
         notes = []
+        if self.identical is not None and self.acceleration.note:
+            notes.append(self.acceleration.note)
         if self.graphs == "debug":
             notes.append(
                 "**Speed numbers are not meaningful here:** off CUDA the accelerated pipeline runs "
@@ -333,7 +431,17 @@ class GenerationResult:
                 "the accelerated latency includes the capture. Generate again with the same settings to see the "
                 "replay speed."
             )
+        if self.cost.compiles:
+            first = self.acceleration.reference if self.identical is not None else "accelerated"
+            notes.append(
+                f"This request compiled the transformer's blocks ({self.cost.compiles} compile(s), "
+                f"{_seconds(self.cost.compile_seconds)}): the first call that ran them ({first}) includes that time."
+            )
         return notes
+
+
+def _difference(value: float | None) -> str:
+    return "–" if value is None else f"{value:.3g}"
 
 
 def _seconds(value: float) -> str:
@@ -362,7 +470,8 @@ def _to_pil(images: torch.Tensor) -> PIL.Image.Image:
 
 @dataclass
 class _Entry:
-    """One pipeline of the backend; ``lock`` is held for a whole request on it (see the module docstring)."""
+    """One accelerated pipeline of the backend (a pipeline in one acceleration mode); ``lock`` is held for a
+    whole request on it (see the module docstring)."""
 
     lock: threading.Lock = field(default_factory=threading.Lock)
     pipe: Any = None
@@ -387,15 +496,35 @@ class _StepReporter:
             self.on_progress(self.offset + step, self.total, f"{self.phase}: step {step}/{self.steps}")
 
 
+def _weight_sharing_copy(pipe: Any) -> Any:
+    """A deep copy of ``pipe`` (never accelerated) whose parameters and buffers are ``pipe``'s own tensors:
+    new module objects to accelerate, no second copy of the weights."""
+    memo: dict[int, Any] = {}
+    for component in getattr(pipe, "components", {}).values():
+        if isinstance(component, torch.nn.Module):
+            for tensor in itertools.chain(component.parameters(), component.buffers()):
+                memo[id(tensor)] = tensor
+    return copy.deepcopy(pipe, memo)
+
+
 class DemoBackend:
     """Builds, accelerates and runs the demo's pipelines; safe to call from many threads at once.
+
+    Acceleration modes: each pipeline is built once, as a template that is never called or accelerated, and
+    each mode (an entry of :data:`ACCELERATIONS`) gets its own copy of it, sharing every weight, accelerated
+    once in that mode on first use and kept. ``accelerate`` refuses other options on a pipeline it accelerated
+    (``restore`` first), and restoring and re-accelerating on every change of mode would throw away the graphs
+    and, in fast mode, the compiled blocks each time; with one copy per ``(pipeline, mode)``, going back to a
+    mode replays at once, the weights are in memory once, and each mode adds only its module objects, graph
+    pool and compiled code.
 
     Args:
         weights: ``"tiny"``, ``"random-full"`` or a checkpoint (hub id or local directory) of the one pipeline in
             ``pipelines``.
         device: where the pipelines run; default ``"cuda"`` when available, else ``"cpu"``. Off CUDA the
             accelerated pipeline is ``accelerate(pipe, debug=True)``.
-        pipelines: the pipeline names this backend serves (a subset of ``PIPELINE_NAMES``).
+        pipelines: the pipeline names this backend serves (a subset of ``PIPELINE_NAMES``). Every pipeline is
+            served in every mode of :data:`ACCELERATIONS`.
         dtype: passed to ``build_pipeline`` (None: its default for ``weights``).
         builder: ``build_pipeline`` or a stand-in with its signature (tests).
 
@@ -423,7 +552,8 @@ class DemoBackend:
         self.pipelines = pipelines
         self.dtype = dtype
         self._builder = builder
-        self._entries: dict[tuple[str, str, str], _Entry] = {}
+        self._templates: dict[tuple[str, str, str], Any] = {}  # built, never accelerated; guarded by _build_lock
+        self._entries: dict[tuple[str, str, str, str], _Entry] = {}
         self._entries_lock = threading.Lock()
         self._build_lock = threading.Lock()
 
@@ -435,11 +565,19 @@ class DemoBackend:
     def defaults(self, pipeline: str) -> DemoDefaults:
         return defaults_for(pipeline, self.weights)
 
-    def pipeline(self, name: str) -> Any:
-        """The built and accelerated pipeline ``name`` (built now if needed). Raises DemoError if it cannot be."""
-        entry = self._entry(name)
+    @property
+    def accelerations(self) -> tuple[str, ...]:
+        """The acceleration modes served (the page's choices): every entry of :data:`ACCELERATIONS`."""
+        return tuple(ACCELERATIONS)
+
+    def pipeline(self, name: str, acceleration: str = DEFAULT_ACCELERATION) -> Any:
+        """The pipeline ``name`` accelerated in mode ``acceleration`` (built now if needed). Raises DemoError if
+        it cannot be."""
+        if acceleration not in ACCELERATIONS:
+            raise DemoError(f"mode {acceleration!r} is not one of {', '.join(ACCELERATIONS)}")
+        entry = self._entry(name, acceleration)
         with entry.lock:
-            return self._ensure_built(entry, name)
+            return self._ensure_built(entry, name, acceleration)
 
     def generate(self, request: GenerationRequest, on_progress: ProgressCallback | None = None) -> GenerationResult:
         """Run ``request``: eager then accelerated (side by side) or accelerated only, on one pipeline object.
@@ -469,8 +607,10 @@ class DemoBackend:
         *,
         prompt: str = DEFAULT_PROMPT,
         steps: int = 2,
+        acceleration: str = DEFAULT_ACCELERATION,
     ) -> list[WarmupStep]:
-        """Build each pipeline and capture its graphs at each resolution: one accelerated call per resolution.
+        """Build each pipeline and capture its graphs at each resolution: one accelerated call per resolution,
+        in mode ``acceleration`` (the other modes warm up on their first request).
 
         Calls use ``prompt`` (graphs are keyed by the prompt's token length, so the page's default prompt then
         replays at once) and each pipeline's default guidance (so the CFG signatures are captured too); the
@@ -493,14 +633,15 @@ class DemoBackend:
         for name in pipelines:
             start = time.perf_counter()
             try:
-                self.pipeline(name)
+                self.pipeline(name, acceleration)
             except DemoError as exc:
                 record(WarmupStep(name, None, False, str(exc), time.perf_counter() - start))
                 for size in resolutions:
                     record(WarmupStep(name, size, False, f"{name} {format_resolution(size)}: skipped", 0.0))
                 continue
             seconds = time.perf_counter() - start
-            record(WarmupStep(name, None, True, f"{name} ready on {self.device} ({seconds:.1f} s)", seconds))
+            ready = f"{name} ({acceleration} mode) ready on {self.device} ({seconds:.1f} s)"
+            record(WarmupStep(name, None, True, ready, seconds))
             defaults = self.defaults(name)
             for width, height in resolutions:
                 request = GenerationRequest(
@@ -512,6 +653,7 @@ class DemoBackend:
                     guidance=defaults.guidance,
                     seed=0,
                     mode=ACCELERATED_ONLY,
+                    acceleration=acceleration,
                 )
                 start = time.perf_counter()
                 try:
@@ -528,11 +670,14 @@ class DemoBackend:
         return outcomes
 
     def close(self) -> None:
-        """Restore every pipeline built so far (``bcg_diffusion.restore``: graphs freed, patches reverted) and
-        forget it. Waits for the requests in flight on each; a later request builds its pipeline again."""
+        """Restore every pipeline accelerated so far, in every mode (``bcg_diffusion.restore``: graphs freed,
+        patches reverted) and forget them and the built pipelines. Waits for the requests in flight on each; a
+        later request builds its pipeline again."""
         with self._entries_lock:
             entries = list(self._entries.values())
             self._entries.clear()
+        with self._build_lock:
+            self._templates.clear()
         for entry in entries:
             with entry.lock:
                 if entry.pipe is not None:
@@ -546,6 +691,8 @@ class DemoBackend:
             )
         if request.mode not in MODES:
             raise DemoError(f"mode {request.mode!r} is not one of {', '.join(MODES)}")
+        if request.acceleration not in ACCELERATIONS:
+            raise DemoError(f"mode {request.acceleration!r} is not one of {', '.join(ACCELERATIONS)}")
         if not request.prompt.strip():
             raise DemoError("type a prompt first")
         parse_resolution(f"{request.width}x{request.height}", self.defaults(request.pipeline).max_side)
@@ -559,25 +706,33 @@ class DemoBackend:
         if not 0 <= request.seed < 2**63:
             raise DemoError(f"seed must be between 0 and 2^63 - 1, got {request.seed}")
 
-    def _entry(self, name: str) -> _Entry:
+    def _entry(self, name: str, acceleration: str) -> _Entry:
         with self._entries_lock:
-            return self._entries.setdefault((name, self.weights, str(self.device)), _Entry())
+            return self._entries.setdefault((name, acceleration, self.weights, str(self.device)), _Entry())
 
-    def _ensure_built(self, entry: _Entry, name: str) -> Any:
-        """Build and accelerate ``name`` into ``entry`` if not done yet; the caller holds ``entry.lock``."""
+    def _ensure_built(self, entry: _Entry, name: str, acceleration: str) -> Any:
+        """Build ``name`` if not done yet, and accelerate a weight-sharing copy of it in mode ``acceleration``
+        into ``entry`` (see the class docstring); the caller holds ``entry.lock``."""
         if entry.pipe is not None:
             return entry.pipe
+        chosen = ACCELERATIONS[acceleration]
         with self._build_lock:
+            key = (name, self.weights, str(self.device))
+            template = self._templates.get(key)
+            if template is None:
+                try:
+                    template = self._builder(name, self.weights, device=self.device, dtype=self.dtype)
+                except Exception as exc:
+                    raise self._failure(exc, f"loading {name} from {self.weights!r}") from None
+                self._templates[key] = template
             try:
-                pipe = self._builder(name, self.weights, device=self.device, dtype=self.dtype)
-            except Exception as exc:
-                raise self._failure(exc, f"loading {name} from {self.weights!r}") from None
-            try:
+                pipe = _weight_sharing_copy(template)
                 pipe.set_progress_bar_config(disable=True)
-                accelerate(pipe, debug=not self.uses_cuda_graphs)
+                accelerate(pipe, debug=not self.uses_cuda_graphs, **chosen.options)
             except Exception as exc:
                 raise self._failure(
-                    exc, f"accelerating {name} ({type(pipe).__name__}), an unsupported model?"
+                    exc,
+                    f"accelerating {name} ({type(template).__name__}) in {chosen.name} mode, an unsupported model?",
                 ) from None
         entry.pipe = pipe
         return pipe
@@ -585,21 +740,22 @@ class DemoBackend:
     def _generate(self, request: GenerationRequest, on_progress: ProgressCallback | None) -> GenerationResult:
         side_by_side = request.mode == SIDE_BY_SIDE
         total = request.steps * (2 if side_by_side else 1)
-        entry = self._entry(request.pipeline)
+        chosen = ACCELERATIONS[request.acceleration]
+        entry = self._entry(request.pipeline, request.acceleration)
         if not entry.lock.acquire(blocking=False):
             if on_progress is not None:
                 on_progress(0, total, f"waiting: {request.pipeline} is busy (warm-up or another request)")
             entry.lock.acquire()
         try:
             if entry.pipe is None and on_progress is not None:
-                on_progress(0, total, f"loading {request.pipeline} ({self.weights})")
-            pipe = self._ensure_built(entry, request.pipeline)
+                on_progress(0, total, f"loading {request.pipeline} ({self.weights}, {chosen.name} mode)")
+            pipe = self._ensure_built(entry, request.pipeline, request.acceleration)
             eager_images = eager_seconds = None
-            if side_by_side:
-                with eager(pipe):
-                    reporter = _StepReporter(on_progress, 0, total, "eager", request.steps)
-                    eager_seconds, eager_images = self._timed_call(pipe, request, reporter)
             before = stats(pipe)
+            if side_by_side:
+                with eager(pipe):  # exact mode: eager; fast mode: its compiled blocks without graphs
+                    reporter = _StepReporter(on_progress, 0, total, chosen.reference, request.steps)
+                    eager_seconds, eager_images = self._timed_call(pipe, request, reporter)
             offset = request.steps if side_by_side else 0
             reporter = _StepReporter(on_progress, offset, total, "accelerated", request.steps)
             accelerated_seconds, accelerated_images = self._timed_call(pipe, request, reporter)
@@ -622,6 +778,9 @@ class DemoBackend:
             eager_seconds=eager_seconds,
             eager_digest=_digest(eager_images) if eager_images is not None else None,
             identical=torch.equal(eager_images, accelerated_images) if eager_images is not None else None,
+            max_difference=(
+                (eager_images - accelerated_images).abs().max().item() if eager_images is not None else None
+            ),
         )
 
     def _timed_call(
@@ -712,8 +871,10 @@ def warm_up_in_background(
     resolutions: Sequence[tuple[int, int]],
     pipelines: Sequence[str] | None = None,
     on_progress: ProgressCallback | None = None,
+    acceleration: str = DEFAULT_ACCELERATION,
 ) -> tuple[WarmupStatus, threading.Thread]:
-    """Start :meth:`DemoBackend.warm_up` in a daemon thread; returns its status and the thread."""
+    """Start :meth:`DemoBackend.warm_up` (in mode ``acceleration``) in a daemon thread; returns its status and
+    the thread."""
     pipelines = tuple(pipelines or backend.pipelines)
     status = WarmupStatus(len(pipelines) * (1 + len(resolutions)))
 
@@ -725,7 +886,7 @@ def warm_up_in_background(
     def run() -> None:
         steps: list[WarmupStep] = []
         try:
-            steps = backend.warm_up(resolutions, pipelines, progress)
+            steps = backend.warm_up(resolutions, pipelines, progress, acceleration=acceleration)
         except Exception:  # the warm-up is a convenience: a bug in it must not take the server down
             logger.exception("demo: warm-up failed")
         finally:
@@ -739,8 +900,9 @@ def warm_up_in_background(
 def gradio_handler(backend: DemoBackend) -> Callable[..., tuple[PIL.Image.Image | None, PIL.Image.Image, str]]:
     """The Generate button's function: page values in, ``(eager image, accelerated image, report)`` out.
 
-    Its inputs are ``(prompt, negative_prompt, pipeline, resolution, steps, guidance, seed, mode)``. Every
-    failure becomes a ``gradio.Error`` with a short message (no traceback reaches the page; it is logged).
+    Its inputs are ``(prompt, negative_prompt, pipeline, resolution, steps, guidance, seed, mode,
+    acceleration)``, the last optional (default exact). Every failure becomes a ``gradio.Error`` with a short
+    message (no traceback reaches the page; it is logged).
     """
     import gradio as gr
 
@@ -753,6 +915,7 @@ def gradio_handler(backend: DemoBackend) -> Callable[..., tuple[PIL.Image.Image 
         guidance: float,
         seed: float,
         mode: str,
+        acceleration: str = DEFAULT_ACCELERATION,
         progress: Any = gr.Progress(),  # noqa: B008 - Gradio injects the request's tracker through this default
     ) -> tuple[PIL.Image.Image | None, PIL.Image.Image, str]:
         def advance(done: int, total: int, description: str) -> None:
@@ -761,7 +924,16 @@ def gradio_handler(backend: DemoBackend) -> Callable[..., tuple[PIL.Image.Image 
         try:
             max_side = backend.defaults(str(pipeline)).max_side
             request = request_from_ui(
-                prompt, negative_prompt, pipeline, resolution, steps, guidance, seed, mode, max_side=max_side
+                prompt,
+                negative_prompt,
+                pipeline,
+                resolution,
+                steps,
+                guidance,
+                seed,
+                mode,
+                acceleration,
+                max_side=max_side,
             )
             return backend.generate(request, advance).outputs()
         except DemoError as exc:

@@ -22,6 +22,7 @@ import PIL.Image
 import torch
 
 from .demo import (
+    DEFAULT_ACCELERATION,
     DEFAULT_PROMPT,
     DemoBackend,
     DemoDefaults,
@@ -97,11 +98,23 @@ def load_result(folder: Path) -> tuple[GenerationResult, dict[str, Any]]:
     return result, environment
 
 
-def record(backend: DemoBackend, pipeline: str, folder: Path, *, prompt: str = DEFAULT_PROMPT) -> GenerationResult:
-    """Generate side by side twice with ``pipeline``'s default settings and save the second (replayed) result."""
+def record(
+    backend: DemoBackend,
+    pipeline: str,
+    folder: Path,
+    *,
+    prompt: str = DEFAULT_PROMPT,
+    acceleration: str = DEFAULT_ACCELERATION,
+    resolution: tuple[int, int] | None = None,
+    steps: int | None = None,
+) -> GenerationResult:
+    """Generate side by side twice with ``pipeline``'s default settings (``resolution`` and ``steps`` if given)
+    in mode ``acceleration`` and save the second (replayed) result."""
     chosen = backend.defaults(pipeline)
-    width, height = chosen.resolution
-    request = GenerationRequest(prompt, pipeline, width, height, chosen.steps, chosen.guidance, seed=0)
+    width, height = resolution or chosen.resolution
+    request = GenerationRequest(
+        prompt, pipeline, width, height, steps or chosen.steps, chosen.guidance, seed=0, acceleration=acceleration
+    )
     backend.generate(request)  # captures
     result = backend.generate(request)  # replays: the latency a user sees from then on
     save_result(result, folder, _environment(backend))
@@ -119,6 +132,7 @@ class RecordedBackend:
         self.result, self.environment = load_result(Path(folder))
         request = self.result.request
         self.pipelines: Sequence[str] = (request.pipeline,)
+        self.accelerations: Sequence[str] = (request.acceleration,)
         self.recorded_weights = str(self.environment.get("weights", "random-full"))
         self.weights = f"{self.recorded_weights} (recorded)"
         where = self.environment.get("gpu") or self.result.device
@@ -139,7 +153,8 @@ class RecordedBackend:
             raise DemoError(
                 "this page replays one result recorded on a GPU; its settings are fixed: "
                 f"{recorded.pipeline}, {recorded.width}x{recorded.height}, {recorded.steps} steps, "
-                f"guidance {recorded.guidance:g}, seed {recorded.seed}, and the prompt it was given"
+                f"guidance {recorded.guidance:g}, seed {recorded.seed}, {recorded.acceleration} mode, and the prompt "
+                "it was given"
             )
         if on_progress is not None:
             total = 2 * recorded.steps

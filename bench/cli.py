@@ -7,7 +7,11 @@ profile runs afterwards.
 
     python -m bench --pipeline z-image --weights random-full --resolutions 512x512,1024x1024 --steps 8
     python -m bench --preset issue3 --pipeline qwen-image --weights random-full --out bench/results/qwen
-    python -m bench --pipeline z-image --weights tiny --device cpu --modes eager,bcg --runs 2   # a smoke run
+    python -m bench --pipeline z-image --weights tiny   # the CPU smoke run (tiny random models)
+
+Results go to ``--out``, by default ``bench-runs/<pipeline>-<UTC timestamp>/`` under the current directory
+(ignored by git: a run never writes into the checkout unless told to). Weights other than ``tiny`` need a
+CUDA GPU: without one the run stops before building anything, says so and exits with status 2.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ import torch
 
 from bcg_diffusion.loading import PIPELINE_NAMES, build_pipeline
 
-from . import measure, report
+from . import measure, report, runs
 from .cases import PRESETS, PROMPT_SETS, Case
 from .modes import ABLATIONS, DEFAULT_MODES, DESCRIPTIONS, EXACT, MODES, OURS, SEPARATE, PreparedMode, prepare
 
@@ -58,7 +62,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", choices=sorted(PRESETS), help="named cases (filtered by --pipeline if given)")
     parser.add_argument("--pipeline", choices=PIPELINE_NAMES, action="append", help="repeatable; default z-image")
-    parser.add_argument("--weights", default="random-full", help="tiny | random-full | hub id | local path")
+    parser.add_argument("--weights", default=runs.DEFAULT_WEIGHTS, help="tiny | random-full | hub id | local path")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--resolutions", type=_resolutions, default=[(512, 512)], help="e.g. 512x512,1024x1024")
     parser.add_argument("--steps", type=int, default=8)
@@ -73,7 +77,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--runs", type=int, default=5, help="timed runs per mode (median, min, max reported)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed runs per mode after the first call")
     parser.add_argument("--profile", action="store_true", help="also profile the denoising loop (kernel time on GPU)")
-    parser.add_argument("--out", type=Path, default=Path("bench/results/latest"), help="output folder")
+    parser.add_argument(
+        "--out", type=Path, default=None, help="output folder (default: bench-runs/<pipeline>-<UTC timestamp>/)"
+    )
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
     if args.runs < 1 or args.warmup < 0:
@@ -81,7 +87,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.device = torch.device(args.device)
     if args.modes is None:
         args.modes = list(DEFAULT_MODES) if args.device.type == "cuda" else ["eager", "bcg"]
+    if args.out is None:
+        args.out = runs.default_out("+".join(_pipeline_names(args)))
     return args
+
+
+def _pipeline_names(args: argparse.Namespace) -> list[str]:
+    """The pipelines the run builds, in order: ``--pipeline``, else the preset's, else z-image."""
+    if args.pipeline:
+        return list(dict.fromkeys(args.pipeline))
+    if args.preset:
+        return list(dict.fromkeys(case.pipeline for case in PRESETS[args.preset])) or [runs.DEFAULT_PIPELINE]
+    return [runs.DEFAULT_PIPELINE]
 
 
 def _cases(args: argparse.Namespace) -> list[Case]:
@@ -90,7 +107,7 @@ def _cases(args: argparse.Namespace) -> list[Case]:
         return [c for c in cases if not args.pipeline or c.pipeline in args.pipeline]
     return [
         Case(name, height, width, args.steps, args.guidance, args.batch, args.prompts)
-        for name in args.pipeline or ["z-image"]
+        for name in args.pipeline or [runs.DEFAULT_PIPELINE]
         for width, height in args.resolutions
     ]
 
@@ -260,6 +277,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logger.setLevel(logging.INFO)
     args = parse_args(argv)
+    pipelines = _pipeline_names(args)
+    if runs.refuse_without_gpu("bench", args.weights, pipelines, runs.smoke_command(pipelines)):
+        return 2
     cases = _cases(args)
     if not cases:
         print("bench: no case selected", file=sys.stderr)

@@ -1,6 +1,6 @@
 """LoRA hot swap with the graphs kept, against dropping and recapturing them (what accelerate did before).
 
-    python -m bench.hotswap --pipeline z-image --weights random-full --out bench/results/latest-hotswap
+    python -m bench.hotswap --pipeline z-image --weights random-full --out bench-runs/hotswap
 
 One pipeline, accelerated (exact, then fast mode), with a random LoRA on every attention projection
 loaded after ``enable_lora_hotswap(target_rank=...)``. Each round hot-swaps another random LoRA of the
@@ -23,6 +23,8 @@ import torch
 
 from bcg_diffusion import accelerate, eager, restore, stats
 from bcg_diffusion.loading import PIPELINE_NAMES, build_pipeline
+
+from . import runs
 
 TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]
 
@@ -120,6 +122,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--modes", default="exact,fast")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
+    smoke = (
+        f"python -m bench.hotswap --pipeline {args.pipeline} --weights tiny --resolution 64x64 --steps 2 --modes exact"
+    )
+    if runs.refuse_without_gpu("bench.hotswap", args.weights, [args.pipeline], smoke):
+        return 2
     width, height = (int(v) for v in args.resolution.split("x"))
     device = "cuda" if torch.cuda.is_available() else "cpu"  # on CPU: debug mode, timings meaningless
     pipe = build_pipeline(

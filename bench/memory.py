@@ -1,7 +1,7 @@
 """Graph memory of many signatures against one, and peak memory of a replayed call against eager.
 
     python -m bench.memory --pipeline z-image --weights random-full \
-        --resolutions 512x512,768x768,1024x1024,768x1344 --out bench/results/memory
+        --resolutions 512x512,768x768,1024x1024,768x1344 --out bench-runs/memory
 
 Two accelerated copies of one pipeline (weights shared): the first captures only the largest
 resolution with CFG (the largest single set of signatures); the second warms up every resolution in
@@ -28,6 +28,7 @@ from bcg_diffusion.loading import PIPELINE_NAMES, build_pipeline
 from bcg_diffusion.patches.zimage import CAPTION_MULTIPLE
 from bcg_diffusion.pipelines import adapter_for
 
+from . import runs
 from .cli import _resolutions
 from .measure import peak_allocated, reset_peak, synchronize
 from .modes import pipeline_copy
@@ -94,6 +95,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--out", type=Path, help="folder for memory.json (default: print only)")
     args = parser.parse_args(argv)
+    smoke = f"python -m bench.memory --pipeline {args.pipeline} --weights tiny --resolutions 64x64,48x96"
+    if runs.refuse_without_gpu("bench.memory", args.weights, [args.pipeline], smoke):
+        return 2
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else None
     pipe = build_pipeline(args.pipeline, args.weights, device=device, dtype=dtype)

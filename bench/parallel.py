@@ -1,6 +1,6 @@
 """``torchrun -m bench.parallel``: Qwen-Image on one GPU against N GPUs with diffusers' context parallelism.
 
-    torchrun --nproc_per_node=2 -m bench.parallel --weights random-full --out bench/results/parallel
+    torchrun --nproc_per_node=2 -m bench.parallel --weights random-full
     torchrun --nproc_per_node=2 -m bench.parallel --parallel ring=2 --resolutions 1024x1024 --steps 50
 
 Every rank builds the pipeline. First rank 0 alone measures it without parallelism (the others wait),
@@ -13,7 +13,8 @@ ulysses=N`` or ``ring=N``, N = the number of processes). For each, eager and bcg
   median of ``--runs`` calls after a first one.
 
 bcg is checked byte-equal to eager of the same layout (one GPU and N GPUs give different bytes: the
-attention is split differently). Rank 0 writes ``parallel.json`` and ``parallel.md`` to ``--out``.
+attention is split differently). Rank 0 writes ``parallel.json`` and ``parallel.md`` to ``--out``
+(default ``bench-runs/parallel-<UTC timestamp>/`` under the current directory).
 Prompts must tokenize to a length that divides by N (diffusers splits text and image tokens evenly).
 """
 
@@ -39,7 +40,7 @@ import torch.distributed as dist
 from bcg_diffusion import accelerate, restore, stats
 from bcg_diffusion.loading import build_pipeline
 
-from . import measure
+from . import measure, runs
 from .cli import _resolutions
 from .modes import pipeline_copy
 
@@ -60,13 +61,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--runs", type=int, default=3, help="timed pipeline calls per mode after the first")
     parser.add_argument("--forward-runs", type=int, default=20, help="timed transformer forwards per mode")
     parser.add_argument("--single-modes", default="eager,bcg", help="modes measured on one GPU ('' for none)")
-    parser.add_argument("--out", type=Path, default=Path("bench/results/parallel"))
+    parser.add_argument(
+        "--out", type=Path, default=None, help="rank 0's output folder (default: bench-runs/parallel-<UTC timestamp>/)"
+    )
     args = parser.parse_args(argv)
     world = dist.get_world_size()
     kind, _, degree = (args.parallel or f"ulysses={world}").partition("=")
     if kind not in ("ulysses", "ring") or not degree.isdigit() or int(degree) != world:
         parser.error(f"--parallel must be ulysses={world} or ring={world} (one split over all {world} processes)")
     args.kind = kind
+    if args.out is None:
+        args.out = runs.default_out("parallel")
     args.single_modes = [m for m in args.single_modes.split(",") if m]
     if any(m not in MODES for m in args.single_modes):
         parser.error(f"--single-modes takes modes from {MODES}")
@@ -252,6 +257,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = parse_args(argv)
         rank = dist.get_rank()
+        smoke = "torchrun --nproc_per_node=2 -m bench.parallel --weights tiny --resolutions 64x64 --steps 2"
+        if runs.no_gpu_message("bench.parallel", args.weights, ["qwen-image"], smoke) is not None:
+            if rank == 0:
+                runs.refuse_without_gpu("bench.parallel", args.weights, ["qwen-image"], smoke)
+            return 2
         dtype = torch.bfloat16 if device.type == "cuda" else None
         base = build_pipeline("qwen-image", args.weights, device=device, dtype=dtype)
         base.set_progress_bar_config(disable=True)

@@ -1,7 +1,7 @@
 """A serving run: warm up, then many requests with random prompts, and count what got captured.
 
     python -m bench.serving --pipeline qwen-image --weights random-full \
-        --resolutions 512x512,1024x1024 --requests 50 --out bench/results/serving
+        --resolutions 512x512,1024x1024 --requests 50 --out bench-runs/serving
 
 ``accelerate(pipe, lazy_capture=False)`` (and, for Qwen-Image, ``text_buckets``), then
 ``warm_up`` at every resolution in both CFG modes, then ``--requests`` calls, each with a random
@@ -36,7 +36,7 @@ from bcg_diffusion import accelerate, eager, restore, stats, warm_up
 from bcg_diffusion.loading import DEFAULT_PROMPTS, PIPELINE_NAMES, build_pipeline
 from bcg_diffusion.pipelines import adapter_for
 
-from . import measure
+from . import measure, runs
 from .cli import _resolutions
 
 QWEN_BUCKETS = (64, 128, 256, 512)
@@ -164,6 +164,9 @@ def markdown(result: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    smoke = f"python -m bench.serving --pipeline {args.pipeline} --weights tiny --resolutions 32x32 --requests 4"
+    if runs.refuse_without_gpu("bench.serving", args.weights, [args.pipeline], smoke):
+        return 2
     dtype = torch.bfloat16 if args.device.type == "cuda" else None
     pipe = build_pipeline(args.pipeline, args.weights, device=args.device, dtype=dtype)
     pipe.set_progress_bar_config(disable=True)

@@ -1,6 +1,6 @@
 """Cold and warm start of fast mode: time to the first image in a fresh process.
 
-    python -m bench.warm_start --pipeline z-image --weights random-full --out bench/results/warm-start
+    python -m bench.warm_start --pipeline z-image --weights random-full --out bench-runs/warm-start
 
 Runs three child processes one after another, each building the pipeline, calling
 ``accelerate(pipe, mode="fast", compile_cache_dir=...)`` and generating one image:
@@ -95,7 +95,7 @@ def _run_child(args: argparse.Namespace, cache_dir: Path, label: str) -> dict[st
     command += ["--pipeline", args.pipeline, "--weights", args.weights, "--device", args.device]
     command += ["--size", str(args.size), "--steps", str(args.steps)]
     if args.profile:
-        command += ["--profile-to", str((args.out or Path(".")) / f"first-call-{label}.txt")]
+        command += ["--profile-to", str(args.out / f"first-call-{label}.txt")]
     env = {k: v for k, v in os.environ.items() if k not in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")}
     started = time.perf_counter()
     done = subprocess.run(command, capture_output=True, text=True, env=env, check=False)
@@ -116,7 +116,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--size", type=int, default=512)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--out", type=Path, help="folder for warm-start.json (default: print only)")
-    parser.add_argument("--profile", action="store_true", help="write each first call's cProfile summary to --out")
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="write each first call's cProfile summary to --out (default with --profile: "
+        "bench-runs/warm-start-<pipeline>-<UTC timestamp>/)",
+    )
     parser.add_argument("--profile-to", help=argparse.SUPPRESS)
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--cache-dir", help=argparse.SUPPRESS)
@@ -124,6 +129,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.child:
         _child(args)
         return 0
+    from . import runs
+
+    smoke = f"python -m bench.warm_start --pipeline {args.pipeline} --weights tiny --device cpu"
+    if runs.refuse_without_gpu("bench.warm_start", args.weights, [args.pipeline], smoke):
+        return 2
+    if args.profile and args.out is None:  # the profiles need a folder: never the current directory
+        args.out = runs.default_out(f"warm-start-{args.pipeline}")
     from bcg_diffusion.fast import ARTIFACTS_FILE
 
     results: dict[str, Any] = {

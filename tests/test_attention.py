@@ -31,6 +31,7 @@ from bcg_diffusion.patches.attention import (
 from bcg_diffusion.pipelines.qwenimage import QwenImageAdapter
 
 needs_compiler = pytest.mark.skipif(shutil.which("g++") is None, reason="inductor on CPU needs a C++ compiler (g++)")
+heavy = pytest.mark.heavy  # compiles with inductor on CPU
 
 
 @pytest.fixture
@@ -212,6 +213,7 @@ def test_masked_prompts_get_no_text_lengths(qwen):
 
 
 @needs_compiler
+@heavy
 def test_fast_mode_compiles_the_per_group_attention(qwen):
     expected = run_case(qwen, "qwen-image", "true_cfg", height=64, width=64)
     accelerate(qwen, mode="fast", debug=True)

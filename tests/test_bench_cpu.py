@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 import torch
@@ -46,6 +47,109 @@ def test_case_fields(record):
     assert graphs["captures"] == 3 and graphs["eager_fallbacks"] == 0
     # 4 calls (first, warm-up, 2 runs) x (2 steps x 2 transformer calls + 1 decode), less the 3 captures
     assert graphs["replays"] == 4 * 5 - 3
+
+
+def _refused(capsys, main, argv) -> str:
+    """``main(argv)`` stops with status 2 before building anything; returns what it printed to stderr."""
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    return captured.err
+
+
+@pytest.fixture
+def no_gpu(monkeypatch, tmp_path):
+    """No CUDA GPU, whatever this machine has; building a pipeline or starting a child process fails the test;
+    the current directory is an empty folder (nothing may be written to it)."""
+    import subprocess
+
+    from bench import hotswap, memory, serving
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("a pipeline was built (or a child started) on a machine without a GPU")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for module in (cli, hotswap, memory, serving):
+        monkeypatch.setattr(module, "build_pipeline", forbidden)
+    monkeypatch.setattr(subprocess, "run", forbidden)
+    monkeypatch.chdir(tmp_path)
+    yield tmp_path
+    assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("argv", [[], ["--pipeline", "z-image", "--weights", "Tongyi-MAI/Z-Image-Turbo"]])
+def test_without_a_gpu_full_size_weights_stop_at_once_and_offer_the_smoke_run(no_gpu, capsys, argv):
+    """The README's main job (``python -m bench``: random-full Z-Image) on a machine without a GPU says so
+    before building anything, with the CPU smoke command to run instead, and exits with status 2."""
+    started = time.perf_counter()
+    err = _refused(capsys, cli.main, argv)
+    assert time.perf_counter() - started < 5
+    assert "needs an NVIDIA GPU with CUDA" in err and "Nothing was built" in err
+    assert "\n    python -m bench --pipeline z-image --weights tiny\n" in err + "\n"
+    err = _refused(capsys, cli.main, ["--pipeline", "qwen-image", "--pipeline", "z-image"])
+    assert "python -m bench --pipeline qwen-image --pipeline z-image --weights tiny" in err
+
+
+def test_python_m_bench_refuses_before_importing_the_pipelines(no_gpu, capsys, monkeypatch):
+    """``python -m bench`` checks before it imports diffusers (seconds, not the ten or so of the imports), and
+    leaves what it cannot tell to ``bench.cli``."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from bench import runs
+
+    assert runs.refuse_early([]) and "--pipeline z-image --weights tiny" in capsys.readouterr().err
+    for argv in (["--help"], ["--preset", "issue2"], ["--weights", "tiny"], ["--pipeline"], ["--pipeline", "flux"]):
+        assert not runs.refuse_early(argv), argv
+    from bcg_diffusion.loading import PIPELINE_NAMES
+
+    assert runs.PIPELINES == PIPELINE_NAMES
+    assert capsys.readouterr().err == ""
+    monkeypatch.undo()  # the real subprocess.run, a process without a GPU
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(root)}
+    code = "import runpy, sys\ntry:\n    runpy.run_module('bench', run_name='__main__')\nfinally:\n"
+    code += "    print('diffusers imported:', 'diffusers' in sys.modules)\n"
+    done = subprocess.run([sys.executable, "-c", code], cwd=no_gpu, env=env, capture_output=True, text=True)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "python -m bench --pipeline z-image --weights tiny" in done.stderr
+    assert done.stdout == "diffusers imported: False\n"
+
+
+def test_without_a_gpu_every_entry_point_refuses_full_size_weights(no_gpu, capsys):
+    from bench import hotswap, memory, serving, warm_start
+
+    for name, main in [("serving", serving.main), ("memory", memory.main), ("hotswap", hotswap.main)]:
+        err = _refused(capsys, main, [])
+        assert f"bench.{name}: --weights random-full" in err and f"python -m bench.{name} " in err
+        assert "--weights tiny" in err
+    err = _refused(capsys, warm_start.main, ["--profile"])
+    assert "python -m bench.warm_start --pipeline z-image --weights tiny --device cpu" in err
+
+
+def test_default_out_is_a_new_folder_git_ignores(monkeypatch):
+    """A run never writes into the checkout by default: ``bench-runs/<pipeline>-<UTC timestamp>/`` under the
+    current directory, which .gitignore covers."""
+    import datetime
+    import re
+    from pathlib import Path
+
+    from bench import runs
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    args = cli.parse_args(["--pipeline", "qwen-image", "--weights", "tiny"])
+    assert args.out.parent == Path("bench-runs") and re.fullmatch(r"qwen-image-\d{8}T\d{6}Z", args.out.name)
+    assert cli.parse_args([]).out.name.startswith("z-image-")
+    assert cli.parse_args(["--pipeline", "qwen-image", "--pipeline", "z-image"]).out.name.startswith(
+        "qwen-image+z-image-"
+    )
+    assert cli.parse_args(["--out", "elsewhere"]).out == Path("elsewhere")
+    moment = datetime.datetime(2026, 12, 1, 22, 30, 5, tzinfo=datetime.timezone(datetime.timedelta(hours=2)))
+    assert runs.default_out("parallel", moment) == Path("bench-runs/parallel-20261201T203005Z")  # in UTC
+    root = Path(__file__).resolve().parent.parent
+    assert "/bench-runs/" in (root / ".gitignore").read_text().splitlines()
 
 
 def test_exit_status_needs_graphs_that_ran():
@@ -117,6 +221,7 @@ def test_memory_report_fields(tmp_path):
     assert {"peak_eager_bytes", "peak_replay_bytes", "pool_ratio_all_over_single"} <= set(result)
 
 
+@pytest.mark.heavy  # starts torchrun: two processes, each importing torch
 def test_parallel_bench_under_torchrun(tmp_path):
     """``torchrun -m bench.parallel`` on two CPU processes (gloo, debug mode): the launch recipe works,
     both layouts are measured, bcg equals eager in each, and rank 0 writes the report."""

@@ -1,7 +1,8 @@
 """The demo page in a real browser: ``app.py`` (tiny pipelines, CPU) driven by headless Chromium through Playwright.
 
-Skips when Playwright or ``/usr/bin/chromium`` is missing, unless ``BCG_REQUIRE_BROWSER=1`` (CI), where that
-fails. Leaves a screenshot in ``test-artifacts/demo.png`` and the server's log in ``test-artifacts/demo-server.log``.
+Skips when Playwright or ``/usr/bin/chromium`` is missing, saying how to run it (:data:`HOW_TO_RUN`), unless
+``BCG_REQUIRE_BROWSER=1`` (CI), where that fails. Leaves a screenshot in ``test-artifacts/demo.png`` and the
+server's log in ``test-artifacts/demo-server.log``.
 """
 
 from __future__ import annotations
@@ -27,16 +28,30 @@ CHROMIUM_ARGS = screenshot_replay.CHROMIUM_ARGS
 SERVER_START_S = 120
 GENERATE_S = 60
 PROMPT = "a lighthouse on a cliff at night"
+HOW_TO_RUN = (
+    "to run it, install Debian's chromium package (`apt-get install chromium`, which gives /usr/bin/chromium) and "
+    "`pip install playwright`; `BCG_REQUIRE_BROWSER=1` makes a missing browser fail instead of skip"
+)
 
 
 def _missing_browser() -> str | None:
     if importlib.util.find_spec("playwright") is None:
-        return "the playwright package is not installed (pip install -e '.[test]')"
+        return "the playwright package is not installed"
     if not (CHROMIUM.is_file() and os.access(CHROMIUM, os.X_OK)):
-        return f"{CHROMIUM} is missing (apt-get install chromium)"
+        return f"{CHROMIUM} is missing"
     if importlib.util.find_spec("gradio") is None:
         return "gradio is not installed (pip install -e '.[test]')"
     return None
+
+
+def _need_browser() -> None:
+    """Skip (or with ``BCG_REQUIRE_BROWSER=1`` fail) the test when the browser or its driver is missing."""
+    missing = _missing_browser()
+    if missing is None:
+        return
+    if os.environ.get("BCG_REQUIRE_BROWSER") == "1":
+        pytest.fail(f"BCG_REQUIRE_BROWSER=1 but {missing}")
+    pytest.skip(f"needs headless Chromium through Playwright ({missing}); {HOW_TO_RUN}")
 
 
 def _log_tail(path: Path, lines: int = 40) -> str:
@@ -54,11 +69,7 @@ def _wait_until_serving(url: str, server: subprocess.Popen, log: Path) -> None:
 @pytest.fixture
 def server_url():
     """``app.py`` on a free localhost port, tiny pipelines on the CPU; killed at the end whatever happens."""
-    missing = _missing_browser()
-    if missing is not None:
-        if os.environ.get("BCG_REQUIRE_BROWSER") == "1":
-            pytest.fail(f"BCG_REQUIRE_BROWSER=1 but {missing}")
-        pytest.skip(missing)
+    _need_browser()
     ARTIFACTS.mkdir(exist_ok=True)
     log = ARTIFACTS / "demo-server.log"
     port = screenshot_replay.free_port()
@@ -102,7 +113,7 @@ def test_generate_shows_both_images_the_timings_and_errors(server_url):
                 assert image.evaluate("img => img.naturalHeight") == 96
             text = report.inner_text()
             assert "latency" in text and "speed-up" in text.lower() and "not meaningful" in text
-            assert "z-image, 128x96, 8 steps" in text
+            assert "z-image, 128x96, 8 steps" in text and "; exact mode; " in text  # the mode that ran
             assert "captures" in text and "graph memory" in text
             assert " s" in text.split("latency", 1)[1].splitlines()[0]  # both latencies are printed in seconds
             ARTIFACTS.mkdir(exist_ok=True)
@@ -114,6 +125,15 @@ def test_generate_shows_both_images_the_timings_and_errors(server_url):
             page.locator("#generate").click()
             page.get_by_text("width 500 is not a multiple of 16").wait_for(timeout=GENERATE_S * 1000)
             assert "Traceback" not in page.content()
+
+            # the mode selector, next to the pipeline choice: choosing fast mode renames the left image,
+            # which is then fast mode's reference (its compiled blocks without graphs), not eager
+            selector = page.locator("#acceleration")
+            assert selector.get_by_label("exact").is_checked() and not selector.get_by_label("fast").is_checked()
+            selector.get_by_label("fast").check()
+            page.locator("#eager-image").get_by_text("Fast mode's reference").first.wait_for(timeout=10_000)
+            selector.get_by_label("exact").check()
+            page.locator("#eager-image").get_by_text("Eager").first.wait_for(timeout=10_000)
         finally:
             browser.close()
     assert not external, f"the page reached outside localhost: {external}"
@@ -121,11 +141,7 @@ def test_generate_shows_both_images_the_timings_and_errors(server_url):
 
 def test_replay_page_screenshot(tmp_path):
     """Record a tiny generation, then screenshot the page replaying it (the H200 screenshot's path)."""
-    missing = _missing_browser()
-    if missing is not None:
-        if os.environ.get("BCG_REQUIRE_BROWSER") == "1":
-            pytest.fail(f"BCG_REQUIRE_BROWSER=1 but {missing}")
-        pytest.skip(missing)
+    _need_browser()
     recording = tmp_path / "recording"
     command = [sys.executable, str(ROOT / "app.py"), "--weights", "tiny", "--device", "cpu", "--pipeline", "z-image"]
     done = subprocess.run(

@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 import logging
+import shutil
 import threading
+import types
 
 import numpy as np
 import pytest
 import torch
 
-from bcg_diffusion import demo
+from bcg_diffusion import demo, stats
 from bcg_diffusion.demo import (
     ACCELERATED_ONLY,
+    ACCELERATIONS,
     SIDE_BY_SIDE,
+    Acceleration,
     DemoBackend,
     DemoError,
     GenerationRequest,
@@ -78,6 +82,9 @@ def test_side_by_side_gives_two_identical_images_labelled_not_meaningful_on_cpu(
     assert result.cost.captures > 0 and result.cost.replays > 0 and result.cost.eager_fallbacks == 0
     assert result.cost.graph_memory_bytes == 0  # debug mode: no graph pool
     assert "not meaningful" in report and "byte-identical: yes" in report and "latency" in report
+    assert result.max_difference == 0.0 and result.request.acceleration == "exact"
+    assert "; exact mode; " in report and "| | eager | accelerated (exact) |" in report  # which mode ran
+    assert "own reference" not in report  # exact mode: compared with eager itself
     # one report per denoising step of each call, plus each call's start (after "loading" on first use)
     assert [done for done, _, text in steps_seen if "step" in text] == [0, 1, 2, 2, 3, 4]
     assert {total for _, total, _ in steps_seen} == {4}
@@ -144,6 +151,7 @@ def test_resolution_forms():
         ({"guidance": -1.0}, "guidance must be between"),
         ({"seed": -5}, "seed must be between"),
         ({"mode": "both"}, "mode"),
+        ({"acceleration": "turbo"}, "mode 'turbo' is not one of exact, fast"),
     ],
 )
 def test_bad_requests_are_refused_before_running(backend, changes, message):
@@ -156,6 +164,9 @@ def test_gradio_handler_turns_errors_into_gradio_errors(backend):
     args = ["a red fox", "", "z-image", "64x64", 2, 0.0, 0, SIDE_BY_SIDE]
     eager_image, accelerated_image, report = handler(*args, progress=lambda *a, **k: None)
     assert eager_image is not None and accelerated_image is not None and "byte-identical: yes" in report
+    assert "exact mode" in handler(*args, "exact", progress=lambda *a, **k: None)[2]  # the page's mode selector
+    with pytest.raises(gr.Error, match="mode 'turbo'"):
+        handler(*args, "turbo", progress=lambda *a, **k: None)
 
     for index, value, message in [(3, "1000x1000", "multiple of 16"), (0, "", "prompt"), (4, None, "steps")]:
         bad = list(args)
@@ -295,3 +306,79 @@ def test_warm_up_status_tells_failures(make_backend):
     thread.join(timeout=120)
     assert status.finished and status.failures
     assert "2 of 2 steps failed" in status.markdown() and "FileNotFoundError" in status.markdown()
+
+
+def test_a_new_mode_is_one_more_entry_in_the_table(make_backend, monkeypatch):
+    """A mode is an entry of ``ACCELERATIONS``: here Qwen-Image's text buckets (not byte-identical to eager:
+    padded tokens round differently), served next to exact mode by one backend, each mode on its own
+    accelerated copy of one built pipeline, sharing its weights; the report gives the difference, no verdict."""
+    buckets = Acceleration(
+        "buckets", types.MappingProxyType({"text_buckets": (64,)}), "prompts padded to 64 tokens", identical=False
+    )
+    monkeypatch.setattr(demo, "ACCELERATIONS", types.MappingProxyType({**ACCELERATIONS, "buckets": buckets}))
+    backend = make_backend("tiny", "cpu", pipelines=["qwen-image"])
+    assert backend.accelerations == ("exact", "fast", "buckets")
+    exact = backend.generate(request("qwen-image"))
+    padded = backend.generate(request("qwen-image", acceleration="buckets"))
+    report = padded.report_markdown()
+    assert padded.identical is not None and padded.max_difference is not None and padded.max_difference < 1e-3
+    assert "largest difference from eager" in report and "nor meant to be" in report
+    assert "byte-identical:" not in report  # no verdict where none is promised
+    assert "; buckets mode; " in report and "| | eager | accelerated (buckets) |" in report
+    assert np.array_equal(pixels(exact.eager_image), pixels(padded.eager_image))  # one eager reference
+    plain, bucketed = backend.pipeline("qwen-image"), backend.pipeline("qwen-image", "buckets")
+    assert plain.transformer is not bucketed.transformer and plain.vae is not bucketed.vae
+    assert all(a is b for a, b in zip(plain.transformer.parameters(), bucketed.transformer.parameters(), strict=True))
+    assert (stats(plain)["mode"], stats(bucketed)["mode"]) == ("exact", "exact")
+    again = backend.generate(request("qwen-image"))  # back to exact: its graphs were kept, nothing rebuilt
+    assert again.identical and again.cost.captures == 0 and again.cost.replays > 0
+    assert backend.pipeline("qwen-image") is plain
+
+
+def test_app_offers_each_mode_next_to_the_pipeline(backend):
+    import app
+
+    assert tuple(ACCELERATIONS) == app.ACCELERATIONS  # app.py names them before importing bcg_diffusion
+    assert app.parse_args([]).mode == "exact" and app.parse_args(["--mode", "fast"]).mode == "fast"
+    with pytest.raises(SystemExit):
+        app.parse_args(["--mode", "turbo"])
+    page = app.build_ui(backend, demo.WarmupStatus(), "z-image", default_acceleration="fast")
+    components = {getattr(block, "elem_id", None): block for block in page.blocks.values()}
+    selector = components["acceleration"]
+    assert [value for _, value in selector.choices] == ["exact", "fast"] and selector.value == "fast"
+    assert selector.parent is components["pipeline"].parent  # one row: pipeline, then mode
+    assert components["eager-image"].label == "Fast mode's reference"
+    generate = [fn for fn in page.fns.values() if components["report"] in fn.outputs]
+    assert len(generate) == 1 and selector in generate[0].inputs
+
+
+@pytest.mark.heavy  # compiles with inductor on CPU
+@pytest.mark.filterwarnings("ignore:Torchinductor does not support code generation for complex operators")
+@pytest.mark.skipif(shutil.which("g++") is None, reason="inductor on CPU needs a C++ compiler (g++)")
+def test_fast_mode_is_compared_with_its_compiled_reference(make_backend):
+    """Fast mode's image equals fast mode's reference (its compiled blocks without graphs, inside
+    ``bcg_diffusion.eager``), which the report names instead of eager; exact mode on the same backend keeps
+    comparing with eager, on a pipeline of its own."""
+    backend = make_backend("tiny", "cpu", pipelines=["z-image"])
+    steps_seen = []
+    fast = backend.generate(request(acceleration="fast"), lambda *args: steps_seen.append(args))
+    report = fast.report_markdown()
+    assert fast.identical is True and fast.max_difference == 0.0 and fast.eager_digest == fast.accelerated_digest
+    assert fast.cost.compiles > 0 and fast.cost.captures > 0 and fast.cost.eager_fallbacks == 0
+    assert "byte-identical: yes" in report and "over fast mode's reference" in report
+    assert "; fast mode; " in report and "| | fast mode's reference | accelerated (fast) |" in report
+    assert (
+        "compared with its own reference, not with eager" in report and "compiled the transformer's blocks" in report
+    )
+    assert [text for _, _, text in steps_seen if "step 0" in text][0] == "fast mode's reference: step 0/2"
+    again = backend.generate(request(acceleration="fast"))
+    assert again.identical and again.cost.compiles == 0 and again.cost.captures == 0 and again.cost.replays > 0
+    assert np.array_equal(pixels(again.accelerated_image), pixels(fast.accelerated_image))
+    report = stats(backend.pipeline("z-image", "fast"))
+    assert report["mode"] == "fast" and report["compiled_blocks"] > 0 and report["compile_failure"] is None
+    exact = backend.generate(request())
+    assert exact.identical and "| | eager | accelerated (exact) |" in exact.report_markdown()
+    assert stats(backend.pipeline("z-image"))["mode"] == "exact"
+    # fast mode rounds differently from eager: close, not necessarily equal (8-bit images)
+    difference = np.abs(pixels(fast.accelerated_image).astype(int) - pixels(exact.accelerated_image).astype(int))
+    assert difference.max() <= 2

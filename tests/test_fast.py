@@ -24,6 +24,7 @@ from bcg_diffusion.patches.rope import QWEN_REAL_ROPE_PATCH, apply_rotary_emb_qw
 from bcg_diffusion.runner import BCGWarning
 
 needs_compiler = pytest.mark.skipif(shutil.which("g++") is None, reason="inductor on CPU needs a C++ compiler (g++)")
+heavy = pytest.mark.heavy  # compiles with inductor on CPU (seconds each even for a one-line function, when cold)
 
 
 def test_fast_mode_options_are_validated():
@@ -40,6 +41,7 @@ class _FakeCapture:
 
 
 @needs_compiler
+@heavy
 def test_compiled_code_runs_through_call_untracked_while_the_tracker_records():
     compiled = torch.compile(lambda x: (x * 2).sin(), fullgraph=True)
     x = torch.randn(8)
@@ -104,6 +106,7 @@ def test_scoped_rope_patch_touches_one_model_only():
 
 
 @needs_compiler
+@heavy
 @pytest.mark.parametrize("name", ["z-image", "qwen-image"])
 def test_fast_debug_mode_equals_its_compiled_reference(name):
     pipe = build_pipeline(name, "tiny", device="cpu")
@@ -151,6 +154,7 @@ def test_fast_mode_without_repeated_blocks_keeps_exact_graphs():
 
 
 @needs_compiler
+@heavy
 def test_compile_cache_artifacts_round_trip(tmp_path):
     compiled = torch.compile(lambda x: x.cos() + 1, fullgraph=True)
     compiled(torch.randn(4))

@@ -53,6 +53,7 @@ def test_hooked_submodules_names_hooks_inside_a_block_only():
 
 
 @needs_compiler
+@pytest.mark.heavy  # compiles with inductor on CPU
 def test_fast_mode_gives_its_own_image_again_once_hooks_are_gone():
     torch._dynamo.reset()
     pipe = build_pipeline("z-image", "tiny")

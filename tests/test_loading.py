@@ -235,6 +235,7 @@ def test_random_full_z_image_has_the_real_sizes():
     assert not pipe.scheduler.config.use_dynamic_shifting and pipe.scheduler.config.shift == 3.0
 
 
+@pytest.mark.heavy  # full-width layers in bfloat16 on the CPU
 @pytest.mark.parametrize("name", PIPELINE_NAMES)
 def test_random_full_width_reduced_depth_is_finite_in_bfloat16(name):
     # One layer each: a CPU test budget. The GPU test below runs the full depth.

@@ -9,6 +9,7 @@ the capture consensus (every rank abandons a capture that failed on one). The gr
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -16,12 +17,17 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+pytestmark = pytest.mark.heavy  # starts two processes, each importing torch and building the pipeline
+
 WORLD = 2
 
 
 def _worker(rank: int, init_file: str, out: str) -> None:
     import _parallel  # tests/ is on sys.path in the spawned process too (spawn copies sys.path)
 
+    # One thread per rank: two ranks of the default thread count each would oversubscribe a small machine's
+    # cores (their OpenMP threads then wait on each other); the checks compare within and across ranks alike.
+    torch.set_num_threads(max(1, (os.cpu_count() or WORLD) // WORLD))
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
     # diffusers picks a device by torch.accelerator.device_count(), 0 without one (a division by zero).
     torch.accelerator.device_count = lambda: 1
