@@ -52,9 +52,10 @@ OURS = ("bcg", "bcg-no-te", "fast", "fast-no-te", "fast-unbatched")
 FAST = ("fast", "fast-no-te", "fast-unbatched")
 WITHOUT_TEXT_ENCODER = ("transformer", "vae")
 # Peers that record CUDA graphs of their own (inductor's cudagraph trees) run in a group of their own,
-# after ours are freed: on the H200 (torch 2.11) a replay of our graphs crashed the process (segfault
-# inside CUDAGraph.replay) once reduce-overhead had recorded in it. Not root-caused yet; cudagraph trees
-# free the cuBLAS workspaces when they record, and graphs captured earlier may still point at them.
+# after ours are freed. That began as the way around a crash (our replay used a cuBLAS workspace that
+# reduce-overhead's recording had freed), fixed since in bcg_diffusion.graphs (runs 50 and 52); it stays
+# so that each side's graph memory and first call are measured without the other's graphs alive, as in
+# every record before.
 SEPARATE = ("compile-max",)
 
 
