@@ -450,7 +450,8 @@ def _release_blas_workspaces() -> None:
     access on an H200, full-size Z-Image next to reduce-overhead: ``bench/results/2026-12-01-h200``,
     run 50). Cleared before, the capture's first product takes its workspace from the graph pool;
     cleared after, that workspace is an ordinary freed block of the pool, like every other temporary
-    of the graph, that only later captures into the same pool may reuse.
+    of the graph, that only later captures into the same pool may reuse. Like inductor's, the release
+    covers every thread's and stream's cached workspace; each is allocated again by its next product.
     """
     clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
     if clear is not None:

@@ -21,6 +21,7 @@ Contract, in short:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import threading
@@ -242,6 +243,4 @@ def _undo(records: Any, features: list[Feature], state: Any) -> None:
 
 def _options(config: AccelerateConfig) -> AccelerateConfig:
     """``config`` without what a warm-up does once (capturing is an action, not a property of the graphs)."""
-    import dataclasses
-
     return dataclasses.replace(config, warmup=(), warmup_cfg=(False, True))

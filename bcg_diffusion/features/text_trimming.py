@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from ..hooks import MethodPatches
 from ..text_trim import TrimmedTextEncoder
 from .base import Feature, Setup
@@ -43,8 +45,6 @@ class TextTrimming(Feature):
     def warm_up(self, pipe: Any, call_kwargs: dict[str, Any]) -> int:
         if not self.captured:
             return 0
-        import torch
-
         calls = self.adapter.text_encoder_warmup_calls(pipe, call_kwargs, self.multiple)
         with torch.no_grad():
             for kwargs in calls:
