@@ -15,7 +15,7 @@ import torch
 
 from . import features
 from .config import AccelerateConfig
-from .group import GraphGroup, held_by
+from .group import GraphGroup, held_by, pipeline_names
 from .hooks import diffusers_hooks, serialise_calls, unserialise_calls
 from .pipelines import PipelineAdapter, adapter_for
 from .runner import BCGWarning
@@ -152,7 +152,7 @@ def accelerate(pipe: P, config: AccelerateConfig | None = None, **options: Any) 
     if len(groups) > 1:
         raise ValueError(
             f"{type(pipe).__name__} holds components of pipelines accelerated apart ("
-            + "; ".join(f"{name}: {_members(record.group)}" for name, record in held.items())
+            + "; ".join(f"{name}: {', '.join(pipeline_names(record.group.members))}" for name, record in held.items())
             + "), whose graphs live in separate pools: restore those pipelines, then accelerate them and this "
             "one again, or build this one from one pipeline's components"
         )
@@ -182,11 +182,6 @@ def accelerate(pipe: P, config: AccelerateConfig | None = None, **options: Any) 
     if config.warmup:
         warm_up(pipe, config.warmup, cfg=config.warmup_cfg)
     return pipe
-
-
-def _members(group: GraphGroup) -> str:
-    names = sorted({type(state.pipe).__name__ for state in group.members if state.pipe is not None})
-    return ", ".join(names) or "a pipeline since collected"
 
 
 def _release_collected(state: PipelineState) -> None:
@@ -221,14 +216,16 @@ def restore(pipe: P) -> P:
     kept = []
     if group is not None:
         with group.lock:
-            for feature in state.features:
-                feature.close()
             state.patches.undo()
+            for feature in state.features:  # after its patches, as Feature.close promises
+                feature.close()
             unserialise_calls(pipe)
             kept = group.release(state)
     object.__delattr__(pipe, STATE_ATTR)
     if kept:
-        names = ", ".join(f"{record.component} (held by {_holders(record)})" for record in kept)
+        names = ", ".join(
+            f"{record.component} (held by {', '.join(pipeline_names(record.holders))})" for record in kept
+        )
         warnings.warn(
             f"bcg-diffusion: restore(): {type(pipe).__name__} shares modules that another accelerated pipeline "
             f"still holds, which stay accelerated, for its calls too: {names}; restore those pipelines as well "
@@ -240,10 +237,6 @@ def restore(pipe: P) -> P:
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.empty_cache()
     return pipe
-
-
-def _holders(record: Any) -> str:
-    return ", ".join(sorted({type(s.pipe).__name__ for s in record.holders if s.pipe is not None})) or "?"
 
 
 @contextlib.contextmanager
@@ -312,11 +305,7 @@ def stats(pipe: Any) -> dict[str, Any]:
             reported.update(feature.stats())
         patches = [patch.name for patch in group.function_patches] if group is not None else []
         patches += [name for feature in installed for name in feature.patch_names()]
-        shared_with = sorted(
-            {type(other.pipe).__name__ for other in group.members if other is not state and other.pipe is not None}
-            if group is not None
-            else set()
-        )
+        shared_with = pipeline_names(group.members, but=state) if group is not None else []
     totals = ("captures", "replays", "eager_fallbacks", "misses", "evictions", "invalidations", "hotswaps")
     totals += ("capture_seconds",)
     return {

@@ -45,7 +45,7 @@ from .runner import GraphRunner
 if TYPE_CHECKING:
     from .pipelines import PipelineAdapter
 
-__all__ = ["GraphGroup", "HeldModule", "held_by"]
+__all__ = ["GraphGroup", "HeldModule", "held_by", "pipeline_names"]
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +65,12 @@ class HeldModule:
     runner: GraphRunner | None = None
     features: list[Feature] = field(default_factory=list)
     holders: list[Any] = field(default_factory=list)
+
+
+def pipeline_names(states: Any, but: Any = None) -> list[str]:
+    """Sorted class names of the live pipelines of ``states`` (pipeline states), ``but`` left out; for
+    messages and ``stats()["shared_with"]`` (a state refers to its pipeline weakly)."""
+    return sorted({type(s.pipe).__name__ for s in states if s is not but and s.pipe is not None})
 
 
 def held_by(module: Any) -> HeldModule | None:
@@ -98,7 +104,7 @@ class GraphGroup:
     # ------------------------------------------------------------------------------------- membership
     def check_joins(self, pipe: Any, config: AccelerateConfig, adapter: PipelineAdapter) -> None:
         """Raise ValueError unless ``pipe`` may join: same adapter, same options (a warm-up aside)."""
-        others = ", ".join(sorted({type(state.pipe).__name__ for state in self.members})) or "a restored pipeline"
+        others = ", ".join(pipeline_names(self.members)) or "a pipeline since collected"
         if adapter.name != self.adapter.name:
             raise ValueError(
                 f"{type(pipe).__name__} shares components with {others}, accelerated with the {self.adapter.name} "
