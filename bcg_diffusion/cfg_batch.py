@@ -212,6 +212,15 @@ class CfgBatcher:
         self._last_latents, self._last_text = _Ref(latents), _Ref(text)
         return self._call(*args, **kwargs)
 
+    def pass_through(self) -> None:
+        """The caller runs this call unbatched: drop what was speculated and learned, so no later call
+        is served a half computed for other inputs."""
+        if self._pending is not None:
+            self._pending = None
+            self._drop("the next call ran unbatched")
+        self._negative = None
+        self._forget()
+
     def _unbatchable(self, arguments: dict[str, Any]) -> str | None:
         spec = self._spec
         for name in (spec.latents, spec.text):

@@ -18,7 +18,13 @@ Contract of an eager break, during capture:
   into a buffer the graph owns, the following segments read that buffer, and each replay copies the
   fresh result into it. Returned Python values (ints, bools...) are frozen into the later segments,
   so a replay whose break returns a different value raises :class:`BreakResultMismatch` instead of
-  silently replaying the wrong code path.
+  silently replaying the wrong code path. The exception names the break and what it returned, so
+  the caller can replay or capture the graph of that other path (a *branch*: the runner does, see
+  :mod:`bcg_diffusion.runner`); :attr:`BreakableGraph.path` says which way every break went;
+* it may run more than once per call: a replay that takes another branch starts that branch's
+  graph from the beginning, which runs the breaks before the branch point again. A break must give
+  the same result for the same inputs and change nothing a second run would see (host syncs,
+  copies and Python decisions do; a break that counts its calls does not).
 
 Memory: every segment and every capture of a :class:`GraphPool` allocates from one CUDA graph
 memory pool. A pool block freed during capture A may be reused by capture B, which is safe only for
@@ -79,7 +85,17 @@ _EMPTY_GRAPH_WARNING = "The CUDA Graph is empty"
 
 
 class BreakResultMismatch(RuntimeError):
-    """A break returned, on replay, something the captured segments after it were not built for."""
+    """A break returned, on replay, something the captured segments after it were not built for.
+
+    ``index`` is the break's position among the graph's breaks (0-based) and ``spec`` the structure
+    of what it returned this time (see :mod:`bcg_diffusion.tree`): together with the specs of the
+    breaks before it, they name the other path of the forward that this replay must take.
+    """
+
+    def __init__(self, message: str, index: int | None = None, spec: Hashable = None) -> None:
+        super().__init__(message)
+        self.index = index
+        self.spec = spec
 
 
 def is_capturing() -> bool:
@@ -193,7 +209,8 @@ class _EagerStep:
             name = getattr(self.fn, "__qualname__", repr(self.fn))
             raise BreakResultMismatch(
                 f"eager break {name} returned a value of a different structure, shape or Python value than at "
-                "capture; the graph segments after it were captured for the old value"
+                "capture; the graph segments after it were captured for the old value",
+                spec=spec,
             )
         for bridge, fresh in zip(self.bridges, leaves):
             if bridge.data_ptr() != fresh.data_ptr():
@@ -219,9 +236,25 @@ class BreakableGraph:
     def num_breaks(self) -> int:
         return sum(isinstance(step, _EagerStep) for step in self.steps)
 
+    @property
+    def path(self) -> tuple[Hashable, ...]:
+        """The result spec of every break, in order: which way each Python decision went at capture."""
+        return tuple(step.result_spec for step in self.steps if isinstance(step, _EagerStep))
+
     def replay(self) -> None:
+        """Run every step in order. Raises :class:`BreakResultMismatch` (with ``index`` set) when a
+        break returns what it did not return at capture; the steps before it have run, none after."""
+        index = 0
         for step in self.steps:
-            step.run()
+            if isinstance(step, _EagerStep):
+                try:
+                    step.run()
+                except BreakResultMismatch as exc:
+                    exc.index = index
+                    raise
+                index += 1
+            else:
+                step.run()
 
     def reset(self) -> None:
         """Free the graphs and drop every reference they held."""

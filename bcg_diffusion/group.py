@@ -213,6 +213,8 @@ class GraphGroup:
             if record.holders:
                 kept.append(record)
                 continue
+            for feature in record.features:
+                feature.before_undo()
             record.patches.undo()
             if record.runner is not None:
                 record.runner.close()

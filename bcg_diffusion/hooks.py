@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from .runner import BCGWarning, GraphRunner
+from .step_cache import SUPPORTED_HOOKS
 
 __all__ = [
     "MethodPatches",
@@ -57,11 +58,10 @@ INVALIDATING_METHODS = (
     "set_default_attn_processor",
 )
 # Methods that install diffusers hooks a graph cannot follow, mapped to the method that removes them
-# (None: no such method). Caching hooks (FirstBlockCache...) decide on the host, every step, whether to
-# skip blocks, so a graph would freeze one decision; layerwise casting and group offloading replace the
-# weights around every forward. While such hooks are on, the component runs eagerly.
+# (None: no such method): layerwise casting and group offloading replace the weights around every
+# forward. While such hooks are on, the component runs eagerly. (Cache hooks are followed: see
+# bcg_diffusion.step_cache; enable_cache and disable_cache need no patch, the signature keys see them.)
 SUSPENDING_METHODS: dict[str, str | None] = {
-    "enable_cache": "disable_cache",
     "enable_layerwise_casting": None,
     "enable_group_offload": None,
 }
@@ -108,13 +108,14 @@ class MethodPatches:
 
 
 # diffusers' context-parallel hooks split inputs on the device and gather outputs with a collective
-# that runs as an eager break (bcg_diffusion.parallel): graphs can hold them.
-_GRAPH_SAFE_HOOK_PREFIXES = ("cp_input---", "cp_output---")
+# that runs as an eager break (bcg_diffusion.parallel), and the cache hooks of step_cache.SUPPORTED_HOOKS
+# have their decisions and state carried through the graphs: graphs can hold them.
+_GRAPH_SAFE_HOOK_PREFIXES = ("cp_input---", "cp_output---", *SUPPORTED_HOOKS)
 
 
 def diffusers_hooks(module: torch.nn.Module) -> list[str]:
-    """Names of the diffusers hooks on ``module``'s tree that graphs cannot hold (cache, layerwise
-    casting, group offload...): every hook but context parallelism's."""
+    """Names of the diffusers hooks on ``module``'s tree that graphs cannot hold (FasterCache, layerwise
+    casting, group offload...): every hook but context parallelism's and the supported caches'."""
     names: set[str] = set()
     for submodule in module.modules():
         registry = getattr(submodule, "_diffusers_hook", None)

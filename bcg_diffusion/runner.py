@@ -7,6 +7,20 @@ the same buffers, so CFG's cond and uncond results would otherwise overwrite eac
 
 A signature whose capture fails runs eagerly from then on, with one warning naming the reason; it is
 not retried. Errors the eager callable itself raises (bad shapes...) propagate unchanged.
+
+**Branches.** A break that returns a Python value (a cache's "skip the remaining blocks?") freezes
+the code after it. When a replay's break returns another value, the runner takes that other *path*:
+it replays the signature's graph for it if one was captured, else captures one there and then (from
+the same static inputs, so the capture takes the same way), up to :data:`MAX_PATHS` per signature.
+Every decision is made on the host each call, exactly as eager makes it; each outcome replays a graph
+of its own. Switching paths re-runs the graph up to the branch point (see
+:class:`~bcg_diffusion.graphs.BreakableGraph`).
+
+**Outer state.** A callable may read and write state that is not in its arguments (diffusers' cache
+hooks keep residuals and step counters between calls). An :class:`OuterState` makes that safe: its
+``key()`` joins the signature, its tensors live in buffers outside the graph pool that the graphs
+update in place, warm-ups and captures start from the same state as the call, and after a replay the
+Python side of the state is set to what the capture left.
 """
 
 from __future__ import annotations
@@ -17,8 +31,8 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Hashable
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import torch
 
@@ -27,13 +41,41 @@ from .budget import SignatureBudget
 from .graphs import BreakableGraph, BreakResultMismatch, GraphPool, capture_breakable
 from .tree import UnsupportedValue, describe, differences, flatten, unflatten
 
-__all__ = ["BCGWarning", "GraphRunner", "RunnerCounters", "SignatureRecord"]
+__all__ = ["MAX_PATHS", "BCGWarning", "GraphRunner", "OuterState", "RunnerCounters", "SignatureRecord"]
 
 logger = logging.getLogger(__name__)
 
 
+# Paths (branch outcomes) one signature may capture; a signature that needs more runs eagerly.
+MAX_PATHS = 8
+
+
 class BCGWarning(UserWarning):
     """A bcg-diffusion warning: something runs eagerly (slower, still correct) and here is why."""
+
+
+class OuterState(Protocol):
+    """State that the runner's callable reads and writes besides its arguments (see the module docstring).
+
+    The runner calls, in this order per call: ``key()`` (before the lookup; what of the state decides
+    the code path, hashable; raise :class:`~bcg_diffusion.tree.UnsupportedValue` with a reason to run
+    the call eagerly), then for a capture ``checkpoint()`` once and ``rewind(token)`` before every
+    warm-up and before the capture, ``persist()`` at the end of every run it captures or warms up
+    (inside the capture: it must only copy into buffers that a warm-up already allocated), and
+    ``record()`` after the capture; after a replay, ``apply(record)`` with that capture's record.
+    """
+
+    def key(self) -> Hashable: ...
+
+    def checkpoint(self) -> Any: ...
+
+    def rewind(self, token: Any) -> None: ...
+
+    def persist(self) -> None: ...
+
+    def record(self) -> Any: ...
+
+    def apply(self, record: Any) -> None: ...
 
 
 @dataclass
@@ -46,6 +88,8 @@ class RunnerCounters:
     misses: int = 0  # calls of an uncaptured signature while capture_new is off (they ran eagerly)
     evictions: int = 0  # signatures dropped to stay within max_signatures
     hotswaps: int = 0  # LoRA weights hot-swapped in place: graphs kept
+    branches: int = 0  # paths captured after the first, where a break's Python result changed
+    branch_switches: int = 0  # replays that went on in another captured path than the last one
 
 
 @dataclass
@@ -62,6 +106,7 @@ class SignatureRecord:
     memory_bytes: int = 0
     capture_seconds: float = 0.0
     replays: int = 0
+    paths: int = 0  # graphs captured for this signature: one per way its breaks' decisions went
 
 
 class _EagerReplay:
@@ -86,13 +131,34 @@ class _EagerReplay:
 
 
 @dataclass
+class _Path:
+    """One captured way through a signature's forward: its graph, outputs and outer-state record."""
+
+    graph: BreakableGraph | _EagerReplay
+    outputs: list[torch.Tensor]
+    output_spec: Hashable
+    outer: Any = None
+
+    @property
+    def decisions(self) -> tuple[Hashable, ...]:
+        return getattr(self.graph, "path", ())
+
+
+@dataclass
 class _Entry:
     key: Hashable
     record: SignatureRecord
     static_inputs: list[torch.Tensor]
-    graph: BreakableGraph | _EagerReplay | None = None
-    outputs: list[Any] | None = None
-    output_spec: Hashable = None
+    spec: Hashable = None
+    paths: list[_Path] = field(default_factory=list)
+    current: _Path | None = None  # the path the last call took; None: the signature runs eagerly
+
+    def reset(self) -> None:
+        for path in self.paths:
+            path.graph.reset()
+        self.paths.clear()
+        self.current = None
+        self.static_inputs = []
 
 
 def _static_copy(tensor: torch.Tensor) -> torch.Tensor:
@@ -156,7 +222,6 @@ class GraphRunner:
         self.track_external_tensors = track_external_tensors
         self.state_key = state_key
         self.call_key = call_key
-        self._keyed = state_key is not None or call_key is not None
         self.capture_new = capture_new
         self.budget = budget
         self.consensus = consensus
@@ -167,6 +232,8 @@ class GraphRunner:
         self.closed = False
         self.bypass = 0  # > 0 inside bcg_diffusion.eager(pipe): plain calls, graphs kept
         self.suspended: str | None = None  # why every call currently runs eagerly (e.g. a cache hook)
+        self.outer_state: OuterState | None = None  # set by a feature (step caching) after construction
+        self._specs: set[Hashable] = set()  # argument structures captured at least once
 
     # ----------------------------------------------------------------------------------------- call
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -189,25 +256,41 @@ class GraphRunner:
             leaves, spec = flatten((args, kwargs))
         except UnsupportedValue as exc:
             return self._eager(f"unsupported:{exc}", str(exc), args, kwargs)
-        key = (spec, self._state(args, kwargs)) if self._keyed else spec
         with self.lock:
+            try:
+                key = (spec, self._state(args, kwargs)) if self._keyed else spec
+            except UnsupportedValue as exc:
+                return self._eager(f"unsupported:{exc}", str(exc), args, kwargs)
             entry = self._entries.get(key)
             if entry is None:
                 if not self.capture_new:
                     return self._miss(key, spec, args, kwargs)
                 return self._capture(key, spec, leaves, args, kwargs)
-            if entry.graph is None:
+            if entry.current is None:
                 self.counters.eager_fallbacks += 1
                 return self.fn(*args, **kwargs)
             if self.budget is not None:
                 self.budget.touch(self, key)
             return self._replay(entry, leaves, args, kwargs)
 
+    @property
+    def _keyed(self) -> bool:
+        return self.state_key is not None or self.call_key is not None or self.outer_state is not None
+
     def _state(self, args: tuple, kwargs: dict) -> Hashable:
         return (
             self.state_key() if self.state_key is not None else None,
             self.call_key(args, kwargs) if self.call_key is not None else None,
+            self.outer_state.key() if self.outer_state is not None else None,
         )
+
+    def _run(self, args: tuple, kwargs: dict) -> Any:
+        """One run that a graph captures or that warms one up: the callable, then the outer state's
+        persistence (captured with it)."""
+        result = self.fn(*args, **kwargs)
+        if self.outer_state is not None:
+            self.outer_state.persist()
+        return result
 
     def _miss(self, key: Hashable, spec: Hashable, args: tuple, kwargs: dict) -> Any:
         """A signature never captured while capture is off: run eagerly; log it the first time."""
@@ -231,19 +314,63 @@ class GraphRunner:
     def _replay(self, entry: _Entry, leaves: list[torch.Tensor], args: tuple, kwargs: dict) -> Any:
         for static, fresh in zip(entry.static_inputs, leaves):
             static.copy_(fresh)
-        try:
-            entry.graph.replay()
-        except BreakResultMismatch as exc:
-            self._disable(entry, f"{type(exc).__name__}: {exc}")
-            self.counters.eager_fallbacks += 1
-            return self.fn(*args, **kwargs)
+        path = entry.current
+        for _ in range(MAX_PATHS + 1):  # each switch fixes one more decision, so this ends sooner
+            try:
+                path.graph.replay()
+                break
+            except BreakResultMismatch as exc:
+                if exc.index is None or self.consensus is not None:
+                    # Ranks of a context-parallel model must take every path together: not supported.
+                    return self._give_up(entry, f"{type(exc).__name__}: {exc}", args, kwargs)
+                branch = path.decisions[: exc.index] + (exc.spec,)
+                found = next((p for p in entry.paths if p.decisions[: len(branch)] == branch), None)
+                if found is None:
+                    return self._branch(entry, branch, args, kwargs)
+                self.counters.branch_switches += 1
+                path = found
+        else:
+            return self._give_up(entry, "a break's results changed between two runs of one input", args, kwargs)
+        entry.current = path
+        if self.outer_state is not None and not self.debug:
+            self.outer_state.apply(path.outer)
         entry.record.replays += 1
         self.counters.replays += 1
-        return self._cloned_outputs(entry)
+        return self._cloned_outputs(path)
+
+    def _give_up(self, entry: _Entry, reason: str, args: tuple, kwargs: dict) -> Any:
+        self._disable(entry, reason)
+        self.counters.eager_fallbacks += 1
+        return self.fn(*args, **kwargs)
+
+    def _branch(self, entry: _Entry, branch: tuple[Hashable, ...], args: tuple, kwargs: dict) -> Any:
+        """Capture the path a replay's decisions chose, from the signature's static inputs."""
+        if len(entry.paths) >= MAX_PATHS:
+            return self._give_up(entry, f"its breaks took more than {MAX_PATHS} different paths", args, kwargs)
+        static_args, static_kwargs = unflatten(entry.spec, entry.static_inputs)
+        started = time.perf_counter()
+        path = self._capture_cuda(entry, static_args, static_kwargs, warmup_runs=1)
+        if path is None:
+            self.counters.eager_fallbacks += 1
+            return self.fn(*args, **kwargs)
+        if path.decisions[: len(branch)] != branch:
+            path.graph.reset()
+            return self._give_up(entry, "a break decided differently at capture than at replay", args, kwargs)
+        elapsed = time.perf_counter() - started
+        entry.paths.append(path)
+        entry.current = path
+        entry.record.paths += 1
+        entry.record.capture_seconds += elapsed
+        self.counters.branches += 1
+        self.counters.capture_seconds += elapsed
+        logger.info(
+            "%s: captured path %d of %s in %.3f s", self.name, len(entry.paths), entry.record.signature, elapsed
+        )
+        return self._cloned_outputs(path)
 
     @staticmethod
-    def _cloned_outputs(entry: _Entry) -> Any:
-        return unflatten(entry.output_spec, [leaf.clone() for leaf in entry.outputs])
+    def _cloned_outputs(path: _Path) -> Any:
+        return unflatten(path.output_spec, [leaf.clone() for leaf in path.outputs])
 
     # -------------------------------------------------------------------------------------- capture
     def _capture(self, key: Hashable, spec: Hashable, leaves: list[torch.Tensor], args: tuple, kwargs: dict) -> Any:
@@ -254,7 +381,7 @@ class GraphRunner:
             state=repr(key[1]) if self._keyed else "",
         )
         self._log_miss(key, spec)
-        entry = _Entry(key=key, record=record, static_inputs=[])
+        entry = _Entry(key=key, record=record, static_inputs=[], spec=spec)
         self._entries[key] = entry
         if not self.debug:
             misplaced = sorted({str(leaf.device) for leaf in leaves if leaf.device != self.pool.device})
@@ -268,12 +395,19 @@ class GraphRunner:
         static_args, static_kwargs = unflatten(spec, entry.static_inputs)
         try:
             if self.debug:
-                self._capture_debug(entry, static_args, static_kwargs)
+                path = self._capture_debug(static_args, static_kwargs)
             else:
-                captured = self._capture_cuda(entry, static_args, static_kwargs)
-                if not captured:
+                # An argument structure captured before under another outer state (a cache's next step)
+                # has run its lazy initialisation already: one warm-up, for the state's buffers.
+                warmups = 1 if self.outer_state is not None and spec in self._specs else self.warmup_runs
+                path = self._capture_cuda(entry, static_args, static_kwargs, warmup_runs=warmups)
+                if path is None:
                     self.counters.eager_fallbacks += 1
                     return self.fn(*args, **kwargs)
+            entry.paths.append(path)
+            entry.current = path
+            record.paths = 1
+            self._specs.add(spec)
         except BaseException:
             # The eager callable itself failed (in a warm-up): the user's error, not ours. Forget the
             # signature so a corrected call captures normally.
@@ -293,7 +427,7 @@ class GraphRunner:
             record.breaks,
             record.memory_bytes / 2**20,
         )
-        return self._cloned_outputs(entry)
+        return self._cloned_outputs(path)
 
     def _log_miss(self, key: Hashable, spec: Hashable, captured: bool = True) -> None:
         """Say what is new about this signature, against the nearest one already captured."""
@@ -332,21 +466,33 @@ class GraphRunner:
             "; ".join(nearest[:4]) + (f" (+{len(nearest) - 4} more)" if len(nearest) > 4 else ""),
         )
 
-    def _capture_debug(self, entry: _Entry, args: tuple, kwargs: dict) -> None:
-        outputs, output_spec = flatten(self.fn(*args, **kwargs))
-        entry.outputs, entry.output_spec = outputs, output_spec
-        entry.graph = _EagerReplay(self.fn, args, kwargs, outputs, output_spec)
+    def _capture_debug(self, args: tuple, kwargs: dict) -> _Path:
+        outputs, output_spec = flatten(self._run(args, kwargs))
+        graph = _EagerReplay(lambda *a, **k: self._run(a, k), args, kwargs, outputs, output_spec)
+        return _Path(graph, outputs, output_spec)
 
-    def _capture_cuda(self, entry: _Entry, args: tuple, kwargs: dict) -> bool:
-        """Warm up, then capture. False (and the entry disabled) if the capture failed."""
+    def _capture_cuda(self, entry: _Entry, args: tuple, kwargs: dict, warmup_runs: int) -> _Path | None:
+        """Warm up, then capture one path. None (and the entry disabled) if the capture failed.
+
+        With an outer state, every run starts from the state the call found (``rewind``), and at least
+        one warm-up runs: it allocates the state's buffers, which the capture may not.
+        """
         pool = self.pool
+        outer = self.outer_state
+        token = outer.checkpoint() if outer is not None else None
+        if outer is not None:
+            warmup_runs = max(warmup_runs, 1)
         stream = pool.stream  # kept: a failed capture may move the pool to a new stream (GraphPool.renew)
         caller_stream = torch.cuda.current_stream(pool.device)
         stream.wait_stream(caller_stream)
         try:
             with torch.cuda.stream(stream):
-                for _ in range(self.warmup_runs):
-                    self.fn(*args, **kwargs)
+                for _ in range(warmup_runs):
+                    if outer is not None:
+                        outer.rewind(token)
+                    self._run(args, kwargs)
+                if outer is not None:
+                    outer.rewind(token)
         finally:
             caller_stream.wait_stream(stream)
 
@@ -355,7 +501,7 @@ class GraphRunner:
         try:
             with torch.cuda.stream(stream):
                 graph, result = capture_breakable(
-                    lambda: self.fn(*args, **kwargs),
+                    lambda: self._run(args, kwargs),
                     pool,
                     capture_error_mode=self.capture_error_mode,
                     track_external=self.track_external_tensors,
@@ -364,23 +510,20 @@ class GraphRunner:
             outputs, output_spec = flatten(result)
         except Exception as exc:  # any capture failure: fall back for this signature, say why
             caller_stream.wait_stream(stream)
+            if outer is not None:  # the eager call that follows must start where this one did
+                outer.rewind(token)
             self._disable(entry, f"capture failed: {type(exc).__name__}: {str(exc).strip().splitlines()[0][:300]}")
-            return False
+            return None
         caller_stream.wait_stream(stream)
-        entry.graph, entry.outputs, entry.output_spec = graph, outputs, output_spec
-        entry.record.segments = graph.num_segments
-        entry.record.breaks = graph.num_breaks
-        entry.record.memory_bytes = max(0, pool.reserved_bytes() - reserved_before)
-        return True
+        entry.record.segments = max(entry.record.segments, graph.num_segments)
+        entry.record.breaks = max(entry.record.breaks, graph.num_breaks)
+        entry.record.memory_bytes += max(0, pool.reserved_bytes() - reserved_before)
+        return _Path(graph, outputs, output_spec, outer.record() if outer is not None else None)
 
     def _disable(self, entry: _Entry, reason: str) -> None:
         if self.budget is not None:  # a disabled signature holds no graph: nothing left to evict
             self.budget.forget(self, entry.key)
-        if entry.graph is not None:
-            entry.graph.reset()
-        entry.graph = None
-        entry.outputs = None
-        entry.static_inputs = []
+        entry.reset()
         entry.record.status = "failed"
         entry.record.reason = reason
         self._warn_once(
@@ -399,11 +542,7 @@ class GraphRunner:
         entry = self._entries.pop(key, None)
         if entry is None:
             return
-        if entry.graph is not None:
-            entry.graph.reset()
-        entry.graph = None
-        entry.outputs = None
-        entry.static_inputs = []
+        entry.reset()
         self.counters.evictions += 1
         logger.info("%s: evicted %s", self.name, entry.record.signature)
 
@@ -415,6 +554,19 @@ class GraphRunner:
                 logger.info("%s: dropping %d captured signature(s): %s", self.name, len(self._entries), reason)
             self._free_entries()
             self.counters.invalidations += 1
+
+    def drop(self, outer_key: Callable[[Hashable], bool], reason: str) -> None:
+        """Drop the signatures whose outer-state key (see :class:`OuterState`) ``outer_key`` accepts:
+        what they bake in is gone for good. Other signatures keep their graphs."""
+        with self.lock:
+            doomed = [key for key in self._entries if self._keyed and outer_key(key[1][2])]
+            for key in doomed:
+                entry = self._entries.pop(key)
+                if self.budget is not None:
+                    self.budget.forget(self, key)
+                entry.reset()
+            if doomed:
+                logger.info("%s: dropped %d captured signature(s): %s", self.name, len(doomed), reason)
 
     def hotswapped(self) -> None:
         """New weights were copied into the tensors the graphs read (a LoRA hot swap): graphs stay valid.
@@ -435,9 +587,5 @@ class GraphRunner:
         if self.budget is not None:
             self.budget.forget(self)
         for entry in self._entries.values():
-            if entry.graph is not None:
-                entry.graph.reset()
-            entry.graph = None
-            entry.outputs = None
-            entry.static_inputs = []
+            entry.reset()
         self._entries.clear()

@@ -31,10 +31,25 @@ from typing import Any
 import torch
 
 from bcg_diffusion.loading import PIPELINE_NAMES, build_pipeline
+from bcg_diffusion.step_cache import SkipCounter
 
 from . import measure, report, runs
+from .caching import CACHES, cache_config
+from .caching import describe as describe_cache
 from .cases import PRESETS, PROMPT_SETS, Case
-from .modes import ABLATIONS, DEFAULT_MODES, DESCRIPTIONS, EXACT, MODES, OURS, SEPARATE, PreparedMode, prepare
+from .modes import (
+    ABLATIONS,
+    CACHED,
+    DEFAULT_MODES,
+    DESCRIPTIONS,
+    EXACT,
+    MODES,
+    OURS,
+    SEPARATE,
+    PreparedMode,
+    baseline,
+    prepare,
+)
 
 logger = logging.getLogger("bench")
 
@@ -73,6 +88,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--modes",
         type=_modes,
         help=f"comma-separated from {', '.join(MODES)} (default on GPU: all but the ablations {', '.join(ABLATIONS)})",
+    )
+    parser.add_argument("--cache", choices=CACHES, default="magcache", help="the step cache of the +cache modes")
+    parser.add_argument("--cache-threshold", type=float, default=0.2, help="FirstBlockCache's threshold")
+    parser.add_argument(
+        "--cache-max-skip",
+        type=int,
+        default=2,
+        help="MagCache: skips in a row; TaylorSeer: steps between computes - 1",
     )
     parser.add_argument("--runs", type=int, default=5, help="timed runs per mode (median, min, max reported)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed runs per mode after the first call")
@@ -162,7 +185,12 @@ def _time_group(
     device = args.device
     entries: dict[str, dict[str, Any]] = {}
     prepared, calls, images = {}, {}, {}
-    reference: torch.Tensor | None = None  # eager's first call
+    baselines: dict[str, torch.Tensor] = {}  # eager's and eager+cache's first calls
+    counters: dict[str, Any] = {}  # per +cache mode: the calls its cache skipped
+
+    def cache() -> Any:
+        return cache_config(args.cache, case.steps, threshold=args.cache_threshold, max_skip=args.cache_max_skip)
+
     comparisons: dict[str, list[dict[str, Any]]] = {}  # per mode, per timed run: against the reference
     run_images: dict[str, list[torch.Tensor]] = {}  # per timed run, for modes with a reference of their own
     for name in names:
@@ -170,20 +198,26 @@ def _time_group(
         entry: dict[str, Any] = {"description": DESCRIPTIONS[name]}
         entries[name] = entry
         try:
-            mode = prepare(name, base, device)
+            mode = prepare(name, base, device, cache=cache)
             prepared[name] = mode
             entry["note"] = mode.note
+            if name in CACHED:
+                entry["cache"] = describe_cache(
+                    args.cache, case.steps, threshold=args.cache_threshold, max_skip=args.cache_max_skip
+                )
             measure.reset_peak(device)
             logger.info("%s: %s first call", case.label, name)
             first = measure.timed_call(mode.pipe, case, device)
             entry["first_call_s"] = first.total_s
-            if name == "eager":
-                reference = first.images
+            if name in ("eager", "eager+cache"):
+                baselines[name] = first.images
             logger.info("%s: %s first call took %.2f s", case.label, name, first.total_s)
             for _ in range(args.warmup):
                 measure.timed_call(mode.pipe, case, device)
             progress.update(1 + args.warmup)
             calls[name] = []
+            if name in CACHED:
+                counters[name] = SkipCounter(mode.pipe.transformer)
         except Exception as exc:  # a peer that cannot run this case is a result, not a crash
             logger.exception("mode %s failed on %s", name, case.label)
             entry["error"] = f"{type(exc).__name__}: {exc}"
@@ -204,12 +238,13 @@ def _time_group(
                 continue
             calls[name].append((timing, measure.peak_allocated(device)))
             images.setdefault(name, timing.images)
-            if reference is not None:
-                comparisons.setdefault(name, []).append(_compare(timing.images, reference))
+            if baseline(name) in baselines:
+                comparisons.setdefault(name, []).append(_compare(timing.images, baselines[baseline(name)]))
             if prepared[name].reference is not None:
                 run_images.setdefault(name, []).append(timing.images)
             progress.update(1)
     eager_median = statistics.median(t.total_s for t, _ in calls["eager"]) if "eager" in calls else None
+    cached_median = statistics.median(t.total_s for t, _ in calls["eager+cache"]) if "eager+cache" in calls else None
     for name, timings in calls.items():
         entry = entries[name]
         latencies = [t.total_s for t, _ in timings]
@@ -221,16 +256,22 @@ def _time_group(
         }
         entry["peak_memory_bytes"] = max(peak for _, peak in timings)
         entry["speedup"] = eager_median / entry["latency_s"]["median"] if eager_median else None
+        if name in CACHED:
+            entry["speedup_vs_eager_cache"] = cached_median / entry["latency_s"]["median"] if cached_median else None
+            counter = counters.pop(name)
+            counter.remove()
+            entry["cache_skipped"] = {"calls": counter.calls, "skipped": counter.skipped, "fraction": counter.fraction}
         entry["md5"] = measure.image_md5(images[name])
         entry["exact_mode"] = EXACT[name]
-        if reference is not None:
+        entry["baseline"] = baseline(name)
+        if comparisons.get(name):
             runs = comparisons[name]
-            # every timed run against eager's first call; PSNR and max difference: the worst run
+            # every timed run against eager's (eager+cache's) first call; PSNR and max difference: the worst run
             entry["runs_identical"] = [run["identical"] for run in runs]
             entry["identical"] = all(entry["runs_identical"])
             entry["psnr_db"] = min(run["psnr_db"] for run in runs)
             entry["max_abs"] = max(run["max_abs"] for run in runs)
-        else:  # no eager first call to compare with (eager not in the group, or it failed): not compared
+        else:  # no baseline first call to compare with (not in the group, or it failed): not compared
             entry.update(runs_identical=[], identical=None, psnr_db=float("nan"), max_abs=float("nan"))
         entry["graphs"] = prepared[name].graph_stats()
         _compare_with_reference(prepared[name], case, device, entry, run_images.get(name, []))
@@ -363,7 +404,7 @@ def _mode_problem(name: str, mode: dict[str, Any]) -> str | None:
     if name in OURS and (problem := _graphs_problem(mode.get("graphs") or {})) is not None:
         return problem
     if EXACT[name] and mode.get("identical") is not True:
-        return "not byte-identical to eager's first call on every timed run" + (
+        return f"not byte-identical to {baseline(name)}'s first call on every timed run" + (
             "" if mode.get("identical") is not None else " (not compared: no eager reference)"
         )
     if not EXACT[name] and not mode.get("identical_to_reference", True):

@@ -19,6 +19,7 @@ import torch
 from diffusers.utils import BaseOutput
 
 from bcg_diffusion import accelerate, eager, restore, stats
+from bcg_diffusion.step_cache import enable_cache
 
 logger = logging.getLogger(__name__)
 
@@ -31,11 +32,17 @@ MODES: tuple[str, ...] = (
     "fast-unbatched",
     "compile",
     "compile-max",
+    "eager+cache",
+    "bcg+cache",
+    "fast+cache",
+    "compile+cache",
 )
+# The modes with a step cache (``--cache``): they compare with eager+cache as the others with eager.
+CACHED: tuple[str, ...] = ("eager+cache", "bcg+cache", "fast+cache", "compile+cache")
 # Ablations of what our defaults add: the text encoder's graphs and fast mode's CFG batching.
 ABLATIONS: tuple[str, ...] = ("bcg-no-te", "fast-no-te", "fast-unbatched")
 # What a run without --modes compares on a GPU: ours as a user gets them, and the peers.
-DEFAULT_MODES: tuple[str, ...] = tuple(m for m in MODES if m not in ABLATIONS)
+DEFAULT_MODES: tuple[str, ...] = tuple(m for m in MODES if m not in ABLATIONS and m not in CACHED)
 DESCRIPTIONS = {
     "eager": "diffusers as is",
     "bcg": "bcg-diffusion accelerate(pipe), exact mode (debug mode on CPU: no graphs, timings not meaningful)",
@@ -45,11 +52,24 @@ DESCRIPTIONS = {
     "fast-unbatched": "fast with batch_cfg=False: true CFG's cond and uncond calls one by one (what batching adds)",
     "compile": "diffusers regional compile: transformer.compile_repeated_blocks(fullgraph=True)",
     "compile-max": 'torch.compile(transformer, mode="reduce-overhead") (inductor with its own CUDA graphs)',
+    "eager+cache": "diffusers as is with the step cache (transformer.enable_cache; --cache)",
+    "bcg+cache": "bcg exact mode with the same step cache inside its graphs",
+    "fast+cache": "fast mode with the same step cache inside its graphs",
+    "compile+cache": "regional compile (compile_repeated_blocks, fullgraph=False: the cache's hooks break graphs) "
+    "with the same step cache",
 }
 EXACT = {"eager": True, "bcg": True, "bcg-no-te": True, "fast": False, "fast-no-te": False, "fast-unbatched": False}
 EXACT.update({"compile": False, "compile-max": False})
-OURS = ("bcg", "bcg-no-te", "fast", "fast-no-te", "fast-unbatched")
-FAST = ("fast", "fast-no-te", "fast-unbatched")
+EXACT.update({"eager+cache": True, "bcg+cache": True, "fast+cache": False, "compile+cache": False})
+OURS = ("bcg", "bcg-no-te", "fast", "fast-no-te", "fast-unbatched", "bcg+cache", "fast+cache")
+FAST = ("fast", "fast-no-te", "fast-unbatched", "fast+cache")
+
+
+def baseline(name: str) -> str:
+    """The mode whose first call an exact mode's images must equal: eager, with the cache if ``name`` has one."""
+    return "eager+cache" if name in CACHED else "eager"
+
+
 WITHOUT_TEXT_ENCODER = ("transformer", "vae")
 # Peers that record CUDA graphs of their own (inductor's cudagraph trees) run in a group of their own,
 # after ours are freed. That began as the way around a crash (our replay used a cuBLAS workspace that
@@ -120,14 +140,29 @@ class PreparedMode:
         report = stats(self.pipe)
         keys = ("active", "captures", "replays", "eager_fallbacks", "misses", "graph_memory_bytes", "capture_seconds")
         keys += ("compiles", "compile_seconds", "compiled_blocks", "cfg_batched") if self.name in FAST else ()
+        keys += ("cache_states", "cache_branches", "cache_branch_switches") if self.name in CACHED else ()
         return {key: report[key] for key in keys}
 
 
-def prepare(name: str, base: Any, device: torch.device) -> PreparedMode:
-    """Set up mode ``name`` on a fresh copy of ``base``. Raises ValueError for an unknown mode."""
+def prepare(name: str, base: Any, device: torch.device, cache: Callable[[], Any] | None = None) -> PreparedMode:
+    """Set up mode ``name`` on a fresh copy of ``base``; ``cache()`` gives the step cache config of the
+    ``+cache`` modes (enabled on the copy before it is accelerated or compiled). Raises ValueError for
+    an unknown mode, or a ``+cache`` mode without ``cache``."""
     if name not in MODES:
         raise ValueError(f"unknown mode {name!r}; choose from {MODES}")
     pipe = pipeline_copy(base)
+    if name in CACHED:
+        if cache is None:
+            raise ValueError(f"mode {name} needs a cache config")
+        enable_cache(pipe, cache())
+        name = name.removesuffix("+cache")
+        mode = _prepare(name, pipe, device, fullgraph=False)
+        mode.name = f"{name}+cache"
+        return mode
+    return _prepare(name, pipe, device)
+
+
+def _prepare(name: str, pipe: Any, device: torch.device, fullgraph: bool = True) -> PreparedMode:
     if name == "eager":
         return PreparedMode(name, pipe, lambda: None)
     debug = device.type != "cuda"
@@ -153,7 +188,7 @@ def prepare(name: str, base: Any, device: torch.device) -> PreparedMode:
             reference_name="its compiled blocks without graphs",
         )
     if name == "compile":
-        pipe.transformer.compile_repeated_blocks(fullgraph=True)
+        pipe.transformer.compile_repeated_blocks(fullgraph=fullgraph)
     else:
         _compile_with_own_graphs(pipe.transformer)
 

@@ -32,7 +32,7 @@ def markdown(record: dict[str, Any]) -> str:
         out += [f"### {case['label']}", ""]
         out.append(
             "| mode | median (s) | min / max (s) | speed-up vs eager | first call (s) | encode / denoise / decode (s) "
-            "| peak mem (MiB) | graph mem (MiB) | captures / replays | same as eager |"
+            "| peak mem (MiB) | graph mem (MiB) | captures / replays | same as eager (+cache: as eager+cache) |"
         )
         out.append("|---|---|---|---|---|---|---|---|---|---|")
         for name, mode in case["modes"].items():
@@ -46,6 +46,12 @@ def markdown(record: dict[str, Any]) -> str:
             if "identical_to_reference" in mode:
                 same += f"; same as {mode['reference']}: {'yes' if mode['identical_to_reference'] else '**no**'}"
             speedup = mode.get("speedup")
+            if mode.get("cache_skipped"):
+                skipped = mode["cache_skipped"]
+                versus = mode.get("speedup_vs_eager_cache")
+                same += f"; cache skipped {skipped['skipped']}/{skipped['calls']} calls"
+                if versus is not None and name != "eager+cache":
+                    same += f", {versus:.2f}× vs eager+cache"
             out.append(
                 f"| {name} | {latency['median']:.3f} | {latency['min']:.3f} / {latency['max']:.3f} | "
                 f"{'–' if speedup is None else f'**{speedup:.2f}×**'} | {mode['first_call_s']:.2f} | "

@@ -13,6 +13,10 @@
 #   tests-fast  fast mode (compiled blocks in graphs) against its compiled reference, tiny pipelines
 #   tests-coexist    our graphs beside reduce-overhead in one process, then the same without the cuBLAS fix (must fail)
 #   tests-shared     pipelines sharing components, img2img/inpaint relatives, LoRA hot swap, fast mode after offload
+#   tests-cache      step caching inside graphs: every diffusers cache, both pipelines, exact and fast (tiny)
+#   bench-cache-qwen-1024  Qwen-Image 1024², 50 steps, true CFG 4: eager, eager+cache, bcg+cache, fast+cache (MagCache)
+#   bench-cache-qwen-512   Qwen-Image 512², 50 steps, true CFG 4: eager, bcg, eager+cache, bcg+cache (MagCache)
+#   bench-cache-z          Z-Image-Turbo 512² and 1024², 8 steps: eager, fast, eager+cache, fast+cache, compile+cache
 #   hotswap-z        LoRA hot swap with graphs kept against drop-and-recapture, full-size Z-Image (bench.hotswap)
 #   bench-z          Z-Image-Turbo 512² and 1024², 8 steps, no CFG: every mode, with the loop profile
 #   te-z             Z-Image-Turbo 512², 8 steps: eager and our modes with and without the text encoder captured
@@ -43,7 +47,7 @@
 #                    for `python scripts/screenshot_replay.py DIR OUT.png` here (the GPU machine has no browser)
 # Everything it writes is under $OUT (logs, results.json/.md/.png); copy it to bench/results/<date>-h200/.
 set -uo pipefail
-[ $# -gt 0 ] || { echo "usage: scripts/gpu_session.sh tests|tests-full|tests-fast|tests-coexist|tests-shared|hotswap-z|tests-z|te-z|fast-check|profile-qwen|profile-z|fast-qwen-50|ab-attention|probe-floor|probe-norms|probe-blocks|compile-max-qwen|memory-z|bench-z|warm-start-z|bench-qwen|bench-qwen-512|bench-qwen-1024|issue2|parallel|serving|demo ..." >&2; exit 2; }
+[ $# -gt 0 ] || { echo "usage: scripts/gpu_session.sh tests|tests-full|tests-fast|tests-coexist|tests-shared|tests-cache|bench-cache-qwen-1024|bench-cache-qwen-512|bench-cache-z|hotswap-z|tests-z|te-z|fast-check|profile-qwen|profile-z|fast-qwen-50|ab-attention|probe-floor|probe-norms|probe-blocks|compile-max-qwen|memory-z|bench-z|warm-start-z|bench-qwen|bench-qwen-512|bench-qwen-1024|issue2|parallel|serving|demo ..." >&2; exit 2; }
 out=${OUT:-/tmp/bcg-out}
 mkdir -p "$out"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -72,6 +76,25 @@ case "$phase" in
     timeout 230 python3 -m pytest -m cuda -q -rs -p no:cacheprovider --tb=short tests/test_shared_components.py \
       tests/test_relatives_cuda.py tests/test_lora_hotswap.py tests/test_fast_hooks.py 2>&1 \
       | tee "$out/pytest-shared.log" | tail -15
+    ;;
+  tests-cache)
+    timeout 420 python3 -m pytest -m cuda -q -rs -s -p no:cacheprovider --tb=short tests/test_step_cache_cuda.py 2>&1 \
+      | grep -v "Warning\|warnings.warn" | tee "$out/pytest-step-cache.log" | tail -40
+    ;;
+  bench-cache-qwen-1024)
+    timeout 480 python3 -m bench --pipeline qwen-image --weights random-full --resolutions 1024x1024 --steps 50 \
+      --guidance 4 --modes eager,eager+cache,bcg+cache,fast+cache --runs 3 --warmup 0 --no-progress \
+      --out "$out/cache-qwen-1024" 2>&1 | grep -v "Warning\|warnings.warn" | tee "$out/cache-qwen-1024.log" | tail -14
+    ;;
+  bench-cache-qwen-512)
+    timeout 300 python3 -m bench --pipeline qwen-image --weights random-full --resolutions 512x512 --steps 50 \
+      --guidance 4 --modes eager,bcg,eager+cache,bcg+cache --runs 3 --warmup 0 --no-progress \
+      --out "$out/cache-qwen-512" 2>&1 | grep -v "Warning\|warnings.warn" | tee "$out/cache-qwen-512.log" | tail -12
+    ;;
+  bench-cache-z)
+    timeout 330 python3 -m bench --pipeline z-image --weights random-full --resolutions 512x512,1024x1024 --steps 8 \
+      --modes eager,fast,eager+cache,fast+cache,compile+cache --runs 5 --no-progress \
+      --out "$out/cache-z" 2>&1 | grep -v "Warning\|warnings.warn" | tee "$out/cache-z.log" | tail -24
     ;;
   hotswap-z)
     timeout 80 python3 -m bench.hotswap --pipeline z-image --weights random-full --steps 4 --swaps 2 --modes exact \

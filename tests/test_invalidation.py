@@ -73,12 +73,15 @@ def test_lora_changes_drop_graphs_and_results_follow_the_lora(pipe):
     assert torch.equal(_call(pipe), plain)
 
 
-def test_cache_hooks_suspend_graphs_until_disabled(pipe):
-    from diffusers.hooks import FirstBlockCacheConfig
+def test_an_unsupported_cache_runs_eagerly_with_the_reason_until_disabled(pipe):
+    from diffusers.hooks import PyramidAttentionBroadcastConfig
 
     _call(pipe)
-    pipe.transformer.enable_cache(FirstBlockCacheConfig(threshold=0.2))
-    with pytest.warns(BCGWarning, match="cache"):
+    config = PyramidAttentionBroadcastConfig(
+        spatial_attention_block_skip_range=2, current_timestep_callback=lambda: pipe.current_timestep
+    )
+    pipe.transformer.enable_cache(config)
+    with pytest.warns(BCGWarning, match="pyramid_attention_broadcast.*not supported"):
         cached = _call(pipe)
     report = stats(pipe)["components"]["transformer"]
     assert report["eager_fallbacks"] >= 2 and torch.isfinite(cached).all()
@@ -111,15 +114,18 @@ def test_layerwise_casting_after_accelerate_runs_eagerly(pipe):
     assert not stats(pipe)["active"]
 
 
-def test_pipelines_with_diffusers_hooks_are_left_eager():
-    from diffusers.hooks import FirstBlockCacheConfig
+def test_pipelines_with_unsupported_diffusers_hooks_are_left_eager():
+    from diffusers.hooks import PyramidAttentionBroadcastConfig
 
-    pipe = build_pipeline("qwen-image", "tiny", device="cpu")  # Z-Image's transformer has no CacheMixin
-    pipe.transformer.enable_cache(FirstBlockCacheConfig(threshold=0.2))
+    pipe = build_pipeline("qwen-image", "tiny", device="cpu")
+    config = PyramidAttentionBroadcastConfig(
+        spatial_attention_block_skip_range=2, current_timestep_callback=lambda: pipe.current_timestep
+    )
+    pipe.transformer.enable_cache(config)
     with pytest.warns(BCGWarning, match="diffusers hooks"):
         accelerate(pipe, debug=True)
     try:
-        assert not stats(pipe)["active"] and "fbc" in stats(pipe)["reason"]
+        assert not stats(pipe)["active"] and "pyramid_attention_broadcast" in stats(pipe)["reason"]
     finally:
         restore(pipe)
 

@@ -2,6 +2,7 @@
 
 :func:`~bcg_diffusion.accelerate` walks :data:`FEATURES` in order; that order is the order of their
 hooks (context parallelism decides about the collectives before fast mode decides whether to compile,
+step caching takes a cache's hooks off the blocks before they compile,
 compiled blocks patch the attention processors before CFG batching asks what they accept).
 """
 
@@ -11,13 +12,22 @@ from .base import Feature, Setup, Target
 from .cfg_batching import CfgBatching
 from .compiled_blocks import CompiledBlocks
 from .context_parallel import ContextParallel
+from .step_caching import StepCaching
 from .text_buckets import TextBuckets
 from .text_trimming import TextTrimming
 from .vae_group_norm import VaeGroupNorm
 
 __all__ = ["FEATURES", "Feature", "Setup", "Target", "defaults"]
 
-FEATURES: list[type[Feature]] = [ContextParallel, CompiledBlocks, CfgBatching, TextTrimming, VaeGroupNorm, TextBuckets]
+FEATURES: list[type[Feature]] = [
+    ContextParallel,
+    StepCaching,
+    CompiledBlocks,
+    CfgBatching,
+    TextTrimming,
+    VaeGroupNorm,
+    TextBuckets,
+]
 
 
 def defaults() -> dict[str, object]:

@@ -15,7 +15,8 @@ it applies (:meth:`Feature.create`) and calls the instances' hooks at fixed poin
 
 Later, :func:`~bcg_diffusion.stats` merges every instance's :meth:`~Feature.stats` over the class
 defaults, :func:`~bcg_diffusion.warm_up` lets each instance add calls (:meth:`~Feature.warm_up`),
-and ``restore`` closes it (:meth:`~Feature.close`) after undoing the patches it recorded.
+and ``restore`` closes it (:meth:`~Feature.close`) after undoing the patches it recorded
+(:meth:`~Feature.before_undo` runs just before).
 
 A feature lives on one component's module (``component = "transformer"``...) or on the pipeline
 (``component = None``). A module shared by several pipelines is accelerated once (see
@@ -152,6 +153,9 @@ class Feature:
     def warm_up(self, pipe: Any, call_kwargs: dict[str, Any]) -> int:
         """Extra calls :func:`~bcg_diffusion.warm_up` makes for this feature; returns how many."""
         return 0
+
+    def before_undo(self) -> None:
+        """Called just before ``restore`` undoes the patches of the module it lives on."""
 
     def close(self) -> None:
         """Undo what is not a recorded patch (process-wide patches...); called after the patches are undone."""

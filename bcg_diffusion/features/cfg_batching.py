@@ -14,6 +14,7 @@ from typing import Any
 from ..cfg_batch import CfgBatcher
 from ..patches.attention import TEXT_LENGTHS_KWARG
 from ..runner import BCGWarning
+from ..step_cache import cache_hooks
 from .base import Feature, Setup, Target
 
 __all__ = ["CfgBatching"]
@@ -52,8 +53,15 @@ class CfgBatching(Feature):
         lengths_key = TEXT_LENGTHS_KWARG if TEXT_LENGTHS_KWARG in self.attention_kwargs else None
         batcher = self.batcher = CfgBatcher(call, target.signature, self.spec, text_lengths_key=lengths_key)
 
+        module = target.module
+
         def batched(*args: Any, **kwargs: Any) -> Any:
             with self.lock:  # the batcher keeps state between calls
+                if cache_hooks(module):
+                    # A cache keeps one state per call (cache_context "cond" / "uncond") and decides per
+                    # call: one batch of both would mix them. Calls run one by one while a cache is on.
+                    batcher.pass_through()
+                    return call(*args, **kwargs)
                 return batcher(*args, **kwargs)
 
         return batched

@@ -1,0 +1,101 @@
+"""Step caching: diffusers' cache hooks on the transformer keep their graphs (see :mod:`bcg_diffusion.step_cache`).
+
+Always installed on an accelerated transformer: a cache may be enabled before ``accelerate`` or at
+any time after, and disabled again; the signature keys follow the hooks that are on. Fast mode
+compiles the blocks' own forwards: a cache enabled before ``accelerate`` is taken off while they
+compile and put back (with the same config) so that its hooks wrap the compiled blocks from outside,
+and the same is done in reverse on ``restore``.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+from ..hooks import MethodPatches
+from ..runner import BCGWarning
+from ..step_cache import DEFAULT_CONTEXT, CacheState, _needs_context, cache_hooks
+from .base import Feature, Setup, Target
+
+__all__ = ["StepCaching"]
+
+
+class StepCaching(Feature):
+    name = "step caching"
+    component = "transformer"
+    defaults = {"cache_hooks": [], "cache_states": 0, "cache_branches": 0, "cache_branch_switches": 0}
+
+    def __init__(self, setup: Setup) -> None:
+        self.module = setup.modules["transformer"]
+        self.state = CacheState(self.module)
+        self.fast = setup.config.mode == "fast"
+        self.reenable: Any = None  # the cache config taken off while fast mode compiled the blocks
+        self.target: Target | None = None
+
+    @classmethod
+    def create(cls, setup: Setup) -> StepCaching | None:
+        return cls(setup) if "transformer" in setup.accelerated else None
+
+    def prepare(self, setup: Setup, patches: MethodPatches) -> None:
+        if self.fast and cache_hooks(self.module):
+            self.reenable = self._take_off("accelerate")
+
+    def _take_off(self, when: str) -> Any:
+        config = getattr(self.module, "_cache_config", None)
+        if config is None:
+            warnings.warn(
+                f"bcg-diffusion: at {when}, cache hooks {cache_hooks(self.module)} were applied without "
+                "enable_cache(); fast mode compiles the blocks under them as they are. Enable the cache with "
+                "transformer.enable_cache(config) (or bcg_diffusion.enable_cache) instead",
+                BCGWarning,
+                stacklevel=5,
+            )
+            return None
+        self.module.disable_cache()
+        return config
+
+    def finish(self, setup: Setup, patches: MethodPatches) -> None:
+        if self.reenable is not None:
+            self.module.enable_cache(self.reenable)
+            self.reenable = None
+
+    def wrap_call(self, target: Target, call: Callable[..., Any]) -> Callable[..., Any]:
+        if target.component != "transformer":
+            return call
+        self.target = target
+        runner = target.runner
+        runner.outer_state = self.state
+        state = self.state
+        state.on_removed = lambda managers: runner.drop(
+            lambda key: key is not None and state.mentions(key, managers), "cache hooks removed"
+        )
+        module = self.module
+
+        def in_cache_context(*args: Any, **kwargs: Any) -> Any:
+            # Set outside the runner: the signature key reads the context's state.
+            if _needs_context(module):
+                with module.cache_context(DEFAULT_CONTEXT):
+                    return call(*args, **kwargs)
+            return call(*args, **kwargs)
+
+        return in_cache_context
+
+    def stats(self) -> dict[str, Any]:
+        counters = self.target.runner.counters if self.target is not None else None
+        return {
+            "cache_hooks": cache_hooks(self.module),
+            "cache_states": len(self.state.keys_seen),
+            "cache_branches": counters.branches if counters else 0,
+            "cache_branch_switches": counters.branch_switches if counters else 0,
+        }
+
+    def before_undo(self) -> None:
+        if self.fast and cache_hooks(self.module):
+            self.reenable = self._take_off("restore")
+
+    def close(self) -> None:
+        self.state.close()
+        if self.reenable is not None:
+            self.module.enable_cache(self.reenable)
+            self.reenable = None

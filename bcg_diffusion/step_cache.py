@@ -1,0 +1,486 @@
+"""Step caching inside graphs: diffusers' cache hooks (FirstBlockCache, TaylorSeer, MagCache) kept
+exact while the transformer replays captured graphs.
+
+A cache hook decides on the host, every step, whether to run the remaining blocks or reuse what it
+kept from earlier steps, and it keeps that (residuals, Taylor factors, step counters) in Python
+objects between calls. A replay runs no Python, so three things are made explicit:
+
+* **Decisions on device data** (FirstBlockCache's ``.item()`` of a residual difference) become eager
+  breaks (:data:`DECISIONS`) whose Python result picks which captured path continues: the runner's
+  branches (:mod:`bcg_diffusion.runner`). Each outcome replays a graph of its own.
+* **Decisions on host state** (a step counter, MagCache's accumulated error) are fixed for a given
+  state, so the Python part of the state before the call joins the signature (:meth:`CacheState.key`):
+  each distinct state replays its own graph, and after a replay the Python state is set to what the
+  capture left (:meth:`CacheState.apply`).
+* **Tensors kept between steps** live in buffers of their own, outside the graph pool, one per
+  (hook state, cache context, attribute, position, layout). A run copies what the hooks kept into them
+  at its end (:meth:`CacheState.persist`, captured with the forward), so every graph reads and writes
+  the state where it lives and no other capture can reuse that memory.
+
+The per-call reset (``reset_state``, which pipelines call after the last step) runs eagerly between
+pipeline calls and only drops the Python references; the buffers stay for the next call. Cache
+contexts (Qwen-Image's ``cache_context("cond")`` and ``("uncond")``) each have their own state, so
+their graphs and buffers are apart.
+
+Supported: the hooks of :data:`SUPPORTED_HOOKS`. Any other stateful hook (FasterCache,
+PyramidAttentionBroadcast...) makes the call run eagerly with the reason (see :meth:`CacheState.key`).
+
+Z-Image's transformer has no ``enable_cache`` in diffusers 0.42.1: :func:`enable_cache` gives it
+diffusers' own (``CacheMixin``), so the same hooks and block registry apply to it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Hashable
+from typing import Any
+
+import torch
+
+from .graphs import eager_break
+from .tree import UnsupportedValue, flatten, unflatten
+
+__all__ = ["DECISIONS", "SUPPORTED_HOOKS", "CacheState", "SkipCounter", "cache_hooks", "disable_cache", "enable_cache"]
+
+logger = logging.getLogger(__name__)
+
+# diffusers' names of the hooks whose state we carry (see diffusers.hooks.*): graphs may hold them.
+SUPPORTED_HOOKS = ("fbc_leader_block_hook", "fbc_block_hook", "taylorseer_cache", "mag_cache_leader_block_hook",
+                   "mag_cache_block_hook")  # fmt: skip
+
+# (hook class name, method) pairs that read device data on the host: each runs as an eager break.
+DECISIONS = (("FBCHeadBlockHook", "_should_compute_remaining_blocks"),)
+
+# The context our callers set when the pipeline sets none (Z-Image's calls no cache_context): the name
+# MagCache's own hooks fall back to.
+DEFAULT_CONTEXT = "inference"
+
+_DECISION_ATTR = "_bcg_decision"
+
+
+def _registries(module: torch.nn.Module) -> list[Any]:
+    root = getattr(module, "_diffusers_hook", None)
+    if root is None:
+        if not any(hasattr(m, "_diffusers_hook") for m in module.modules()):
+            return []
+        from diffusers.hooks import HookRegistry
+
+        root = HookRegistry.check_if_exists_or_initialize(module)
+    return [root, *root._get_child_registries()]
+
+
+def cache_hooks(module: torch.nn.Module) -> list[str]:
+    """Names of the stateful diffusers hooks on ``module``'s tree (a cache's), sorted."""
+    names = set()
+    for registry in _registries(module):
+        names.update(name for name, hook in registry.hooks.items() if getattr(hook, "_is_stateful", False))
+    return sorted(names)
+
+
+def _unsupported(name: str, hook: Any) -> str | None:
+    if name not in SUPPORTED_HOOKS:
+        return (
+            f"the cache hook {name!r} ({type(hook).__name__}) is not supported inside graphs (supported: "
+            "FirstBlockCache, TaylorSeerCache, MagCache)"
+        )
+    config = getattr(hook, "config", None)
+    if getattr(config, "calibrate", False):
+        return "MagCache in calibration mode appends a host value every step; calibrate eagerly, then accelerate"
+    return None
+
+
+def _plain_config(hook: Any) -> Hashable:
+    """The hook's own settings that its Python code reads (thresholds, intervals): part of the key."""
+    items = []
+    for name, value in sorted(vars(hook).items()):
+        if name in ("fn_ref", "state_manager", "_metadata") or name.startswith("_bcg"):
+            continue
+        if isinstance(value, (bool, int, float, str, type(None), torch.dtype)):
+            items.append((name, value))
+        elif dataclass_fields := getattr(value, "__dataclass_fields__", None):
+            items.append((name, repr({f: getattr(value, f) for f in dataclass_fields})))
+    return tuple(items)
+
+
+class _Holder:
+    """One hook's state manager, with the buffers of its states."""
+
+    def __init__(self, name: str, hook: Any, manager: Any) -> None:
+        self.name, self.hook, self.manager = name, hook, manager
+        self.buffers: dict[Hashable, torch.Tensor] = {}
+
+    @property
+    def context(self) -> str | None:
+        context = self.manager._context
+        return None if context is None else context.name
+
+    def state(self) -> Any:
+        context = self.context
+        return None if context is None else self.manager._state_cache.get(context)
+
+
+def _layout(tensor: torch.Tensor) -> Hashable:
+    return (tuple(tensor.shape), tensor.stride(), tensor.dtype, tensor.device)
+
+
+class CacheState:
+    """The cache hooks' state on one module, carried through its graphs (a runner's
+    :class:`~bcg_diffusion.runner.OuterState`; see the module docstring for the contract).
+
+    Needs the hooks' state to be plain data: tensors, Python scalars, dtypes, devices, and lists,
+    tuples and dicts of those (every supported hook's is). Raises
+    :class:`~bcg_diffusion.tree.UnsupportedValue` from :meth:`key` otherwise, and for unsupported hooks,
+    which the runner turns into an eager call with the reason.
+    """
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.module = module
+        self._holders: dict[int, _Holder] = {}  # by id(manager)
+        self._decisions: list[Any] = []  # hooks whose decision method we made an eager break
+        self.keys_seen: set[Hashable] = set()
+        # Called with the ids of state managers whose hooks were removed (disable_cache): graphs keyed
+        # on them can never be replayed again, and their buffers go with them.
+        self.on_removed: Callable[[set[int]], None] | None = None
+
+    # ------------------------------------------------------------------------------ discovery
+    def _live(self) -> list[_Holder]:
+        """The holders of the hooks on the module now (new ones get theirs; removed ones are dropped)."""
+        live: dict[int, _Holder] = {}
+        for registry in _registries(self.module):
+            for name in registry._hook_order:
+                hook = registry.hooks[name]
+                if not getattr(hook, "_is_stateful", False):
+                    continue
+                reason = _unsupported(name, hook)
+                if reason is not None:
+                    raise UnsupportedValue(reason)
+                self._make_decisions_breaks(hook)
+                for value in vars(hook).values():
+                    if type(value).__name__ == "StateManager":
+                        holder = self._holders.get(id(value))
+                        if holder is None or holder.manager is not value:
+                            holder = _Holder(name, hook, value)
+                        live[id(value)] = holder
+        removed = self._holders.keys() - live.keys()
+        self._holders = live
+        if removed:
+            self.keys_seen = {key for key in self.keys_seen if not self.mentions(key, removed)}
+            if self.on_removed is not None:
+                self.on_removed(set(removed))
+        return list(live.values())
+
+    @staticmethod
+    def mentions(key: Hashable, managers: set[int]) -> bool:
+        """Whether ``key`` (from :meth:`key`) names one of the state managers with these ids."""
+        return any(part[0] in managers for part in key)
+
+    def _make_decisions_breaks(self, hook: Any) -> None:
+        if _DECISION_ATTR in vars(hook):
+            return
+        for cls_name, method in DECISIONS:
+            if type(hook).__name__ == cls_name:
+                setattr(hook, method, eager_break(getattr(hook, method)))
+                setattr(hook, _DECISION_ATTR, method)
+                self._decisions.append(hook)
+
+    def close(self) -> None:
+        """Give the hooks their own decision methods back and drop every buffer."""
+        for hook in self._decisions:
+            method = vars(hook).pop(_DECISION_ATTR, None)
+            if method is not None:
+                vars(hook).pop(method, None)
+        self._decisions.clear()
+        self._holders.clear()
+
+    @property
+    def active(self) -> bool:
+        """Whether any supported cache hook is on the module (cheap: diffusers caches the registries)."""
+        return bool(cache_hooks(self.module))
+
+    # ----------------------------------------------------------------------------- the state
+    def _settle(self, holder: _Holder, state: Any, allocate: bool) -> None:
+        """Move every tensor of ``state`` into its holder's buffer for its place and layout."""
+        context = holder.context
+        moves: list[tuple[str, Hashable, list[torch.Tensor]]] = []
+        buffers = set(map(id, holder.buffers.values()))
+        for attr, value in list(vars(state).items()):
+            leaves, spec = flatten(value)
+            if not leaves:
+                continue
+            targets = []
+            for index, leaf in enumerate(leaves):
+                where = (context, attr, index, _layout(leaf))
+                buffer = holder.buffers.get(where)
+                if buffer is None:
+                    if not allocate:
+                        raise RuntimeError(
+                            f"{holder.name} kept a new tensor ({attr}[{index}]) during a capture that no warm-up "
+                            "kept: its buffer cannot be allocated inside the graph"
+                        )
+                    buffer = holder.buffers[where] = torch.empty_strided(
+                        leaf.shape, leaf.stride(), dtype=leaf.dtype, device=leaf.device
+                    )
+                targets.append(buffer)
+            if any(t is not leaf for t, leaf in zip(targets, leaves)):
+                moves.append((attr, spec, list(zip(targets, leaves))))
+        # A state may move a kept tensor to another place (FasterCache-style [old[-1], new]): read every
+        # buffer that is a source before writing any.
+        sources = {}
+        for _, _, pairs in moves:
+            for target, leaf in pairs:
+                if target is not leaf and id(leaf) in buffers and id(leaf) not in sources:
+                    sources[id(leaf)] = leaf.clone()
+        for attr, spec, pairs in moves:
+            for target, leaf in pairs:
+                if target is not leaf:
+                    target.copy_(sources.get(id(leaf), leaf))
+            setattr(state, attr, unflatten(spec, [target for target, _ in pairs]))
+
+    def key(self) -> Hashable:
+        """What of the hooks' state decides the code: per hook, its settings, the cache context and the
+        Python structure and values of that context's state. Moves stray tensors into their buffers first.
+        """
+        parts = []
+        for holder in self._live():
+            state = holder.state()
+            if state is not None:
+                self._settle(holder, state, allocate=True)
+                _, spec = flatten(vars(state))
+            else:
+                spec = None
+            # The manager's id keys its buffers' addresses, which the graphs bake in: hooks enabled again
+            # (new managers, new buffers) must not replay graphs of the old ones. Holders keep the
+            # managers alive, so the ids are not reused while a key names them.
+            parts.append(
+                (
+                    id(holder.manager),
+                    holder.name,
+                    type(holder.hook).__name__,
+                    _plain_config(holder.hook),
+                    holder.context,
+                    spec,
+                )
+            )
+        key = tuple(parts)
+        self.keys_seen.add(key)
+        return key
+
+    def persist(self) -> None:
+        for holder in self._holders.values():
+            state = holder.state()
+            if state is not None:
+                self._settle(holder, state, allocate=not _capturing())
+
+    def checkpoint(self) -> list[tuple[_Holder, str | None, Any, dict[str, Any], list[torch.Tensor]]]:
+        token = []
+        for holder in self._holders.values():
+            state = holder.state()
+            attrs = _copy(vars(state)) if state is not None else {}
+            values = [leaf.clone() for leaf in flatten(attrs)[0]] if state is not None else []
+            token.append((holder, holder.context, state, attrs, values))
+        return token
+
+    def rewind(self, token: list[tuple[_Holder, str | None, Any, dict[str, Any], list[torch.Tensor]]]) -> None:
+        for holder, context, state, attrs, values in token:
+            if context is None:
+                continue
+            cache = holder.manager._state_cache
+            if state is None:
+                cache.pop(context, None)
+                continue
+            cache[context] = state
+            vars(state).clear()
+            vars(state).update(_copy(attrs))
+            for buffer, value in zip(flatten(attrs)[0], values):
+                buffer.copy_(value)
+
+    def record(self) -> list[tuple[_Holder, str | None, dict[str, tuple[Hashable, list[torch.Tensor]]] | None]]:
+        recorded = []
+        for holder in self._holders.values():
+            state = holder.state()
+            flat = None
+            if state is not None:
+                flat = {attr: _swap(flatten(value)) for attr, value in vars(state).items()}
+            recorded.append((holder, holder.context, flat))
+        return recorded
+
+    def apply(self, recorded: list[tuple[_Holder, str | None, dict[str, tuple[Hashable, list]] | None]]) -> None:
+        for holder, context, flat in recorded:
+            if context is None:
+                continue
+            cache = holder.manager._state_cache
+            if flat is None:
+                cache.pop(context, None)
+                continue
+            state = cache.get(context)
+            if state is None:
+                manager = holder.manager
+                state = cache[context] = manager._state_cls(*manager._init_args, **manager._init_kwargs)
+            for attr, (spec, leaves) in flat.items():
+                setattr(state, attr, unflatten(spec, leaves))
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def _swap(flat: tuple[list[torch.Tensor], Hashable]) -> tuple[Hashable, list[torch.Tensor]]:
+    leaves, spec = flat
+    return spec, leaves
+
+
+def _copy(attrs: dict[str, Any]) -> dict[str, Any]:
+    """A copy of a state's attributes with containers of their own and the same tensors."""
+    return {attr: unflatten(*_swap(flatten(value))) for attr, value in attrs.items()}
+
+
+# ------------------------------------------------------------------------------- Z-Image support
+_MIXED_ATTR = "_bcg_cache_mixin"  # on a class we derived with diffusers' CacheMixin: the original class
+
+
+def enable_cache(pipe_or_module: Any, config: Any) -> None:
+    """Enable one of diffusers' caches (``FirstBlockCacheConfig(...)``...) on a pipeline's transformer.
+
+    The same as ``pipe.transformer.enable_cache(config)`` where the transformer has it (Qwen-Image).
+    Z-Image's transformer has no ``enable_cache`` in diffusers 0.42.1: its instance gets a subclass of
+    its own class (same name) with diffusers' ``CacheMixin``, so ``enable_cache``, ``disable_cache``,
+    ``cache_context`` and diffusers' hooks and block registry apply to it unchanged, and its calls run
+    in the cache context :data:`DEFAULT_CONTEXT` when the pipeline sets none (Z-Image's sets none).
+    Works before or after :func:`~bcg_diffusion.accelerate`, eager or accelerated.
+
+    Raises:
+        TypeError: ``pipe_or_module`` is neither a pipeline with a transformer nor a module.
+        ValueError: from diffusers, for a cache already enabled or a config it does not know.
+
+    >>> enable_cache(pipe, FirstBlockCacheConfig(threshold=0.2))      # doctest: +SKIP
+    """
+    module = getattr(pipe_or_module, "transformer", pipe_or_module)
+    if not isinstance(module, torch.nn.Module):
+        raise TypeError(f"enable_cache needs a pipeline with a transformer or a module, got {type(module).__name__}")
+    if not callable(getattr(module, "enable_cache", None)):
+        _add_cache_mixin(module)
+    if vars(type(module)).get(_MIXED_ATTR) is not None:
+        config = _zimage_defaults(module, config)
+    module.enable_cache(config)
+
+
+def disable_cache(pipe_or_module: Any) -> None:
+    """Undo :func:`enable_cache`: ``transformer.disable_cache()``, and on Z-Image what it added."""
+    module = getattr(pipe_or_module, "transformer", pipe_or_module)
+    module.disable_cache()
+    original = type(module).__dict__.get(_MIXED_ATTR)
+    if original is not None:
+        object.__setattr__(module, "__class__", original)
+        vars(module).pop("_cache_config", None)
+
+
+def _add_cache_mixin(module: torch.nn.Module) -> None:
+    from diffusers.models.cache_utils import CacheMixin
+
+    if type(module).__name__ == "ZImageTransformer2DModel":
+        _register_zimage_block()
+    original = type(module)
+    namespace = {
+        "__module__": original.__module__,
+        "__qualname__": original.__qualname__,
+        "__call__": _call_in_default_context,
+        _MIXED_ATTR: original,
+    }
+    object.__setattr__(module, "__class__", type(original.__name__, (original, CacheMixin), namespace))
+    object.__setattr__(module, "_cache_config", None)
+
+
+def _register_zimage_block() -> None:
+    """diffusers' block registry names Z-Image's block input ``hidden_states`` (its default); the forward
+    calls it ``x``, and FirstBlockCache asks for ``hidden_states`` by that name. Registered again with
+    both names (process-wide: before, any FirstBlockCache on Z-Image failed in diffusers itself)."""
+    import inspect
+
+    from diffusers.hooks._helpers import TransformerBlockMetadata, TransformerBlockRegistry
+    from diffusers.models.transformers.transformer_z_image import ZImageTransformerBlock
+
+    parameters = list(inspect.signature(ZImageTransformerBlock.forward).parameters)[1:]
+    indices = {name: index for index, name in enumerate(parameters)}
+    indices["hidden_states"] = indices["x"]
+    metadata = TransformerBlockMetadata(
+        return_hidden_states_index=0, return_encoder_hidden_states_index=None, hidden_states_argument_name="x"
+    )
+    metadata._cached_parameter_indices = indices
+    TransformerBlockRegistry.register(ZImageTransformerBlock, metadata)
+
+
+# TaylorSeer's default patterns name Qwen-Image's and FLUX's attention modules, none of Z-Image's.
+ZIMAGE_TAYLORSEER_IDENTIFIERS = [r"^layers\.\d+\.attention$"]
+
+
+def _zimage_defaults(module: torch.nn.Module, config: Any) -> Any:
+    import dataclasses
+
+    if type(config).__name__ == "TaylorSeerCacheConfig" and not (
+        config.cache_identifiers or config.skip_predict_identifiers or config.use_lite_mode
+    ):
+        return dataclasses.replace(config, cache_identifiers=list(ZIMAGE_TAYLORSEER_IDENTIFIERS))
+    return config
+
+
+def _call_in_default_context(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+    if _needs_context(self):
+        with self.cache_context(DEFAULT_CONTEXT):
+            return torch.nn.Module.__call__(self, *args, **kwargs)
+    return torch.nn.Module.__call__(self, *args, **kwargs)
+
+
+def _needs_context(module: torch.nn.Module) -> bool:
+    if _MIXED_ATTR not in type(module).__dict__:
+        return False
+    for registry in _registries(module):
+        for hook in registry.hooks.values():
+            if getattr(hook, "_is_stateful", False):
+                for value in vars(hook).values():
+                    if type(value).__name__ == "StateManager":
+                        return value._context is None
+    return False
+
+
+class SkipCounter:
+    """Counts the transformer calls a cache skipped (the benchmark's and tests' "fraction skipped").
+
+    A forward hook on the transformer reads, after each call, whether the call computed its blocks:
+    FirstBlockCache's and MagCache's ``should_compute``, TaylorSeer's "updated at this step". It reads
+    the state the hooks (eager) or the graphs' records (accelerated) left, so it counts both alike.
+    ``remove()`` takes the hook off.
+
+    >>> counter = SkipCounter(pipe.transformer); pipe(prompt); counter.fraction   # doctest: +SKIP
+    """
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.module = module
+        self.calls = 0
+        self.skipped = 0
+        self._handle = module.register_forward_hook(self._count)
+
+    @property
+    def fraction(self) -> float:
+        return self.skipped / self.calls if self.calls else 0.0
+
+    def remove(self) -> None:
+        self._handle.remove()
+
+    def _count(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        computed = None
+        for registry in _registries(self.module):
+            for hook in registry.hooks.values():
+                manager = getattr(hook, "state_manager", None)
+                if manager is None or not manager._state_cache:
+                    continue
+                context = manager._context.name if manager._context is not None else DEFAULT_CONTEXT
+                state = manager._state_cache.get(context)
+                if state is None:
+                    continue
+                if hasattr(state, "should_compute"):
+                    computed = bool(state.should_compute)
+                elif hasattr(state, "last_update_step"):
+                    computed = computed or state.last_update_step == state.current_step
+        if computed is not None:
+            self.calls += 1
+            self.skipped += not computed
