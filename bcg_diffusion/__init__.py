@@ -8,15 +8,19 @@ from .api import accelerate, eager, restore, stats
 from .config import AccelerateConfig
 from .graphs import BreakResultMismatch, eager_break
 from .runner import BCGWarning
+from .step_cache import SkipCounter, disable_cache, enable_cache
 from .warmup import warm_up
 
 __all__ = [
     "AccelerateConfig",
     "BCGWarning",
     "BreakResultMismatch",
+    "SkipCounter",
     "accelerate",
+    "disable_cache",
     "eager",
     "eager_break",
+    "enable_cache",
     "restore",
     "stats",
     "warm_up",

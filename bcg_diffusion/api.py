@@ -20,6 +20,7 @@ from .hooks import diffusers_hooks, serialise_calls, unserialise_calls
 from .pipelines import PipelineAdapter, adapter_for
 from .runner import BCGWarning
 from .state import STATE_ATTR, PipelineState, accelerated_state, check_pipeline
+from .step_cache import CACHE_DIT_REASON, cache_dit_enabled
 from .warmup import warm_up
 
 __all__ = ["accelerate", "eager", "restore", "stats"]
@@ -82,9 +83,12 @@ def _eager_reason(pipe: Any, config: AccelerateConfig, device: torch.device) -> 
         hooks = diffusers_hooks(module) if isinstance(module, torch.nn.Module) else []
         if hooks:
             return (
-                f"{name} has diffusers hooks {hooks} (caching, layerwise casting or group offloading decide on the "
-                "host or move weights every forward); remove them, or accept eager speed"
+                f"{name} has diffusers hooks {hooks} (a cache other than FirstBlockCache, TaylorSeer and MagCache, "
+                "layerwise casting or group offloading: they decide on the host or move weights every forward); "
+                "remove them, or accept eager speed"
             )
+        if isinstance(module, torch.nn.Module) and cache_dit_enabled(module):
+            return f"{name}: {CACHE_DIT_REASON}"
     return None
 
 
@@ -275,7 +279,9 @@ def stats(pipe: Any) -> dict[str, Any]:
     ``captures``, ``replays``, ``eager_fallbacks``, ``misses`` (calls of a signature never captured
     while ``lazy_capture`` is off; they ran eagerly), ``evictions`` (signatures dropped to stay
     within ``max_signatures``), ``invalidations`` (times the graphs were dropped because weights or
-    settings changed), ``hotswaps`` (LoRA weights hot-swapped in place, graphs kept), ``capture_seconds``, ``graph_memory_bytes`` (the shared pool's size now),
+    settings changed), ``hotswaps`` (LoRA weights hot-swapped in place, graphs kept), ``cache_hooks``, ``cache_states``,
+    ``cache_branches`` and ``cache_branch_switches`` (step caching: see :mod:`bcg_diffusion.step_cache`),
+    ``capture_seconds``, ``graph_memory_bytes`` (the shared pool's size now),
     ``compiled_blocks``, ``compiles``, ``compile_seconds`` and ``compile_failure`` (fast mode: blocks
     compiled, dynamo compiles inside them, first compiles and recompiles, the wall time of the block
     calls that compiled, and why the blocks went back to eager forwards, if they did; 0 / None in
@@ -284,7 +290,7 @@ def stats(pipe: Any) -> dict[str, Any]:
     see :mod:`bcg_diffusion.cfg_batch`), ``text_encoder_trimmed`` (fast mode: text encodings run
     without the prompts' padding, see :mod:`bcg_diffusion.text_trim`), ``signatures`` (one dict per captured signature:
     component, signature, status, state (what keys it besides the arguments: attention backend,
-    parallel layout...), reason, segments, breaks, memory_bytes, capture_seconds, replays),
+    parallel layout...), reason, segments, breaks, memory_bytes, capture_seconds, replays, paths),
     ``components`` (counters per component), ``patches`` and ``shared_with`` (the classes of the other
     accelerated pipelines that share this one's graphs; the counters of a shared module count their
     calls too). Optional features add their own keys (``bcg_diffusion.features``).

@@ -57,6 +57,16 @@ DEFAULT_CONTEXT = "inference"
 
 _DECISION_ATTR = "_bcg_decision"
 
+CACHE_DIT_REASON = (
+    "Cache-DiT (cache_dit.enable_cache) keeps its cache state in objects of its own, which the graphs do not "
+    "carry: the transformer runs eagerly; diffusers' FirstBlockCache, TaylorSeer and MagCache keep the graphs"
+)
+
+
+def cache_dit_enabled(module: torch.nn.Module) -> bool:
+    """Whether Cache-DiT has patched ``module`` (it marks what it patches ``_is_cached``)."""
+    return bool(vars(module).get("_is_cached", False))
+
 
 def _registries(module: torch.nn.Module) -> list[Any]:
     root = getattr(module, "_diffusers_hook", None)
@@ -240,6 +250,8 @@ class CacheState:
         """What of the hooks' state decides the code: per hook, its settings, the cache context and the
         Python structure and values of that context's state. Moves stray tensors into their buffers first.
         """
+        if cache_dit_enabled(self.module):
+            raise UnsupportedValue(CACHE_DIT_REASON)
         parts = []
         for holder in self._live():
             state = holder.state()

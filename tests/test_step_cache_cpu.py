@@ -235,3 +235,35 @@ def test_cache_state_buffers_rewind_and_records(monkeypatch):
         assert restored.step == before[0] + 1 and restored.kept is buffers[0]
         # the pair's newer value moved to the older place without being overwritten first
         assert torch.equal(restored.pair[0], before[2][1])
+
+
+def _cache_dit(pipe):
+    cache_dit = pytest.importorskip("cache_dit")
+    # tiny models have 2 blocks: Cache-DiT's defaults compute the first 8
+    cache_dit.enable_cache(pipe, cache_config=cache_dit.DBCacheConfig(Fn_compute_blocks=1, Bn_compute_blocks=0))
+
+
+def test_cache_dit_before_accelerate_leaves_the_pipeline_eager_with_the_reason():
+    pipe = _pipe("qwen-image")
+    _cache_dit(pipe)
+    reference = _run(pipe, "qwen-image")
+    with pytest.warns(BCGWarning, match="Cache-DiT"):
+        accelerate(pipe, debug=True)
+    try:
+        assert not stats(pipe)["active"] and "Cache-DiT" in stats(pipe)["reason"]
+        assert torch.equal(_run(pipe, "qwen-image"), reference)
+    finally:
+        restore(pipe)
+
+
+def test_cache_dit_after_accelerate_runs_eagerly_with_the_reason():
+    pipe = _pipe("qwen-image")
+    accelerate(pipe, debug=True)
+    try:
+        _run(pipe, "qwen-image")
+        _cache_dit(pipe)
+        with pytest.warns(BCGWarning, match="Cache-DiT"):
+            _run(pipe, "qwen-image")
+        assert stats(pipe)["components"]["transformer"]["eager_fallbacks"] > 0
+    finally:
+        restore(pipe)
