@@ -411,7 +411,7 @@ class GraphRunner:
         except BaseException:
             # The eager callable itself failed (in a warm-up): the user's error, not ours. Forget the
             # signature so a corrected call captures normally.
-            del self._entries[key]
+            self._entries.pop(key, None)
             raise
         record.capture_seconds = time.perf_counter() - started
         if self.budget is not None:
@@ -467,6 +467,8 @@ class GraphRunner:
         )
 
     def _capture_debug(self, args: tuple, kwargs: dict) -> _Path:
+        if self.outer_state is not None:
+            self.outer_state.checkpoint()  # its checks, as before a real capture
         outputs, output_spec = flatten(self._run(args, kwargs))
         graph = _EagerReplay(lambda *a, **k: self._run(a, k), args, kwargs, outputs, output_spec)
         return _Path(graph, outputs, output_spec)
@@ -589,3 +591,4 @@ class GraphRunner:
         for entry in self._entries.values():
             entry.reset()
         self._entries.clear()
+        self._specs.clear()

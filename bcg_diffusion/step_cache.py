@@ -45,8 +45,13 @@ __all__ = ["DECISIONS", "SUPPORTED_HOOKS", "CacheState", "SkipCounter", "cache_h
 logger = logging.getLogger(__name__)
 
 # diffusers' names of the hooks whose state we carry (see diffusers.hooks.*): graphs may hold them.
-SUPPORTED_HOOKS = ("fbc_leader_block_hook", "fbc_block_hook", "taylorseer_cache", "mag_cache_leader_block_hook",
-                   "mag_cache_block_hook")  # fmt: skip
+SUPPORTED_HOOKS = (
+    "fbc_leader_block_hook",
+    "fbc_block_hook",
+    "taylorseer_cache",
+    "mag_cache_leader_block_hook",
+    "mag_cache_block_hook",
+)
 
 # (hook class name, method) pairs that read device data on the host: each runs as an eager break.
 DECISIONS = (("FBCHeadBlockHook", "_should_compute_remaining_blocks"),)
@@ -68,14 +73,18 @@ def cache_dit_enabled(module: torch.nn.Module) -> bool:
     return bool(vars(module).get("_is_cached", False))
 
 
-def _registries(module: torch.nn.Module) -> list[Any]:
-    root = getattr(module, "_diffusers_hook", None)
+def _registries(module: torch.nn.Module, fresh: bool = False) -> list[Any]:
+    """``module``'s diffusers hook registry and its children's, from diffusers' cached list (what its
+    ``cache_context`` walks every call); ``fresh``: walk the modules again."""
+    root = vars(module).get("_diffusers_hook")
     if root is None:
-        if not any(hasattr(m, "_diffusers_hook") for m in module.modules()):
+        if not fresh:
             return []
         from diffusers.hooks import HookRegistry
 
         root = HookRegistry.check_if_exists_or_initialize(module)
+    if fresh:
+        root.invalidate_child_registries_cache()
     return [root, *root._get_child_registries()]
 
 
@@ -138,13 +147,17 @@ class CacheState:
     :class:`~bcg_diffusion.runner.OuterState`; see the module docstring for the contract).
 
     Needs the hooks' state to be plain data: tensors, Python scalars, dtypes, devices, and lists,
-    tuples and dicts of those (every supported hook's is). Raises
+    tuples and dicts of those, and the hooks to *rebind* what they keep (``state.residual = r``), never
+    to write a kept tensor in place before their last decision: a replay that switches paths runs the
+    graph up to the decision again (every supported hook rebinds). Buffers stay while their hooks are
+    on, one set per resolution: the memory the cache itself keeps in eager. Raises
     :class:`~bcg_diffusion.tree.UnsupportedValue` from :meth:`key` otherwise, and for unsupported hooks,
     which the runner turns into an eager call with the reason.
     """
 
     def __init__(self, module: torch.nn.Module) -> None:
         self.module = module
+        _registries(module, fresh=True)  # the root registry, so that later calls never walk the modules
         self._holders: dict[int, _Holder] = {}  # by id(manager)
         self._decisions: list[Any] = []  # hooks whose decision method we made an eager break
         self.keys_seen: set[Hashable] = set()
@@ -153,10 +166,10 @@ class CacheState:
         self.on_removed: Callable[[set[int]], None] | None = None
 
     # ------------------------------------------------------------------------------ discovery
-    def _live(self) -> list[_Holder]:
+    def _live(self, fresh: bool = False) -> list[_Holder]:
         """The holders of the hooks on the module now (new ones get theirs; removed ones are dropped)."""
         live: dict[int, _Holder] = {}
-        for registry in _registries(self.module):
+        for registry in _registries(self.module, fresh):
             for name in registry._hook_order:
                 hook = registry.hooks[name]
                 if not getattr(hook, "_is_stateful", False):
@@ -201,11 +214,6 @@ class CacheState:
                 vars(hook).pop(method, None)
         self._decisions.clear()
         self._holders.clear()
-
-    @property
-    def active(self) -> bool:
-        """Whether any supported cache hook is on the module (cheap: diffusers caches the registries)."""
-        return bool(cache_hooks(self.module))
 
     # ----------------------------------------------------------------------------- the state
     def _settle(self, holder: _Holder, state: Any, allocate: bool) -> None:
@@ -284,6 +292,15 @@ class CacheState:
                 self._settle(holder, state, allocate=not _capturing())
 
     def checkpoint(self) -> list[tuple[_Holder, str | None, Any, dict[str, Any], list[torch.Tensor]]]:
+        # Captures are rare: check that diffusers' cached list of registries, which key() trusts, is not
+        # stale (apply_first_block_cache and friends, called directly, do not refresh it).
+        seen = set(self._holders)
+        if {id(holder.manager) for holder in self._live(fresh=True)} != seen:
+            raise RuntimeError(
+                "bcg-diffusion: cache hooks were added or removed without enable_cache()/disable_cache(), which "
+                "keep diffusers' list of hooked modules current; a graph captured now would not follow them. "
+                "Use transformer.enable_cache(config) (or bcg_diffusion.enable_cache)"
+            )
         token = []
         for holder in self._holders.values():
             state = holder.state()
@@ -436,13 +453,15 @@ def _zimage_defaults(module: torch.nn.Module, config: Any) -> Any:
 
 
 def _call_in_default_context(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
-    if _needs_context(self):
+    if needs_default_context(self):
         with self.cache_context(DEFAULT_CONTEXT):
             return torch.nn.Module.__call__(self, *args, **kwargs)
     return torch.nn.Module.__call__(self, *args, **kwargs)
 
 
-def _needs_context(module: torch.nn.Module) -> bool:
+def needs_default_context(module: torch.nn.Module) -> bool:
+    """Whether ``module`` got its cache methods from :func:`enable_cache` (Z-Image) and a cache hook on it
+    has no context set: the call must then run in :data:`DEFAULT_CONTEXT`."""
     if _MIXED_ATTR not in type(module).__dict__:
         return False
     for registry in _registries(module):

@@ -286,3 +286,17 @@ def test_compile_max_outputs_are_cloned_with_their_structure():
         for got, original in zip(leaves, originals, strict=True):
             assert torch.equal(got, original) and got.data_ptr() != original.data_ptr()
     assert _cloned(None) is None
+
+
+def test_cached_modes_compare_with_eager_and_the_cache(tmp_path):
+    argv = ["--pipeline", "z-image", "--weights", "tiny", "--device", "cpu", "--resolutions", "32x32", "--steps", "8"]
+    argv += ["--modes", "eager,eager+cache,bcg+cache", "--runs", "1", "--warmup", "0", "--out", str(tmp_path)]
+    assert cli.main([*argv, "--no-progress"]) == 0
+    (case,) = json.loads((tmp_path / "results.json").read_text())["cases"]
+    cached, ours = case["modes"]["eager+cache"], case["modes"]["bcg+cache"]
+    assert cached["baseline"] == ours["baseline"] == "eager+cache" and case["modes"]["eager"]["baseline"] == "eager"
+    assert ours["identical"] and cached["identical"]  # against eager+cache's first call
+    assert 0 < ours["cache_skipped"]["skipped"] < ours["cache_skipped"]["calls"], ours["cache_skipped"]
+    assert ours["cache_skipped"] == cached["cache_skipped"] and ours["speedup_vs_eager_cache"] > 0
+    assert ours["graphs"]["cache_states"] > 0 and "MagCache" in ours["cache"]
+    assert "cache skipped" in (tmp_path / "results.md").read_text()

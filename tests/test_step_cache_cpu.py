@@ -266,4 +266,19 @@ def test_cache_dit_after_accelerate_runs_eagerly_with_the_reason():
             _run(pipe, "qwen-image")
         assert stats(pipe)["components"]["transformer"]["eager_fallbacks"] > 0
     finally:
+        with pytest.warns(BCGWarning, match="wrapped again"):  # Cache-DiT wrapped our forward
+            restore(pipe)
+
+
+def test_hooks_applied_behind_diffusers_back_stop_the_capture_with_a_clear_error():
+    from diffusers.hooks import apply_first_block_cache
+
+    pipe = _pipe("qwen-image")
+    accelerate(pipe, debug=True)
+    try:
+        _run(pipe, "qwen-image")  # diffusers caches the (empty) list of hooked modules
+        apply_first_block_cache(pipe.transformer, FirstBlockCacheConfig(threshold=1.0))  # does not refresh it
+        with pytest.raises(Exception, match="without enable_cache|No cache context"):
+            run_case(pipe, "qwen-image", CASE["qwen-image"], height=48, width=48, steps=STEPS)  # a new signature
+    finally:
         restore(pipe)

@@ -15,7 +15,7 @@ from typing import Any
 
 from ..hooks import MethodPatches
 from ..runner import BCGWarning
-from ..step_cache import DEFAULT_CONTEXT, CacheState, _needs_context, cache_hooks
+from ..step_cache import DEFAULT_CONTEXT, CacheState, cache_hooks, needs_default_context
 from .base import Feature, Setup, Target
 
 __all__ = ["StepCaching"]
@@ -74,7 +74,7 @@ class StepCaching(Feature):
 
         def in_cache_context(*args: Any, **kwargs: Any) -> Any:
             # Set outside the runner: the signature key reads the context's state.
-            if _needs_context(module):
+            if needs_default_context(module):
                 with module.cache_context(DEFAULT_CONTEXT):
                     return call(*args, **kwargs)
             return call(*args, **kwargs)
