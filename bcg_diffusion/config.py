@@ -60,6 +60,14 @@ class AccelerateConfig:
             as one batch (Qwen-Image's pipeline; see :mod:`bcg_diffusion.cfg_batch`), which reads the
             weights once for both. ``None`` (default): on in fast mode for the pipelines that support
             it; ``False``: off. Its rounding is part of fast mode's, so ``with eager(pipe):`` batches too.
+        quantize: ``"fp8"``: quantize the transformer's repeated blocks with torchao's row-wise FP8
+            (dynamic activations, needs compute capability 8.9 or more and ``bcg-diffusion[fp8]``),
+            before capture; or any torchao config object, applied the same way. Exact mode then
+            equals the same quantized model run eagerly; ``restore`` gives the original weights back.
+            See :mod:`bcg_diffusion.quantize`. None (default): the weights as they are (a model the
+            user quantized with torchao beforehand is captured as it is).
+        quantize_filter: which linears ``quantize`` quantizes, as torchao's ``filter_fn(module, name)``;
+            None: :func:`bcg_diffusion.quantize.default_filter`.
     """
 
     mode: str = "exact"
@@ -75,6 +83,8 @@ class AccelerateConfig:
     warmup_cfg: tuple[bool, ...] = (False, True)
     lazy_capture: bool = True
     batch_cfg: bool | None = None
+    quantize: Any = None
+    quantize_filter: Any = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.mode, str) or self.mode not in _MODES:
@@ -114,6 +124,15 @@ class AccelerateConfig:
         if not cfg_modes or not all(isinstance(c, bool) for c in cfg_modes):
             raise ValueError(f"warmup_cfg must name at least one CFG mode (False and/or True), got {cfg_modes!r}")
         object.__setattr__(self, "warmup_cfg", tuple(dict.fromkeys(cfg_modes)))
+        if self.quantize is not None and self.quantize != "fp8" and not _is_torchao_config(self.quantize):
+            raise ValueError(f'quantize must be "fp8", a torchao config object or None, got {self.quantize!r}')
+        if self.quantize_filter is not None:
+            if self.quantize is None:
+                raise ValueError("quantize_filter applies with quantize= only")
+            if not callable(self.quantize_filter):
+                raise TypeError(
+                    f"quantize_filter must be callable (module, name) -> bool, got {self.quantize_filter!r}"
+                )
         if self.capture_error_mode not in _CAPTURE_ERROR_MODES:
             raise ValueError(
                 f"capture_error_mode must be one of {_CAPTURE_ERROR_MODES}, got {self.capture_error_mode!r}"
@@ -131,6 +150,11 @@ class AccelerateConfig:
         values = {f.name: getattr(config, f.name) for f in fields(cls)} if config is not None else {}
         values.update(options)
         return cls(**values)
+
+
+def _is_torchao_config(value: Any) -> bool:
+    """Whether ``value`` is a torchao quantization config (checked by class, without importing torchao)."""
+    return any(cls.__name__ == "AOBaseConfig" and cls.__module__.startswith("torchao") for cls in type(value).__mro__)
 
 
 def component_names(value: Any) -> tuple[str, ...]:

@@ -59,7 +59,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
 
 from .tree import flatten, unflatten
@@ -300,9 +300,11 @@ class _ExternalTensorTracker(TorchDispatchMode):
         return out
 
     def note_reads(self, tree: Any) -> None:
-        """Keep the storages of the CUDA tensors in ``tree`` that the capture did not create; note the stream."""
+        """Keep the storages of the CUDA tensors in ``tree`` that the capture did not create; note the stream.
+        A tensor subclass that wraps others (torchao's quantized weights) is looked into: its inner
+        tensors are what the kernels read, and it has no storage of its own."""
         stream_noted = False
-        for value in tree_leaves(tree):
+        for value in _plain_tensors(tree):
             if isinstance(value, torch.Tensor) and value.device.type == "cuda":
                 if not stream_noted:
                     stream = torch.cuda.current_stream()
@@ -316,9 +318,23 @@ class _ExternalTensorTracker(TorchDispatchMode):
 
     def note_produced(self, tree: Any) -> None:
         """Mark the CUDA tensors in ``tree`` as created by the capture (they live in its pool)."""
-        for value in tree_leaves(tree):
+        for value in _plain_tensors(tree):
             if isinstance(value, torch.Tensor) and value.device.type == "cuda":
                 self.produced.add(value.untyped_storage().data_ptr())
+
+
+def _plain_tensors(tree: Any) -> list[Any]:
+    """The leaves of ``tree``, with every traceable wrapper subclass replaced by its inner tensors."""
+    out: list[Any] = []
+    pending = list(tree_leaves(tree))
+    while pending:
+        value = pending.pop()
+        if isinstance(value, torch.Tensor) and is_traceable_wrapper_subclass(value):
+            names, _ = value.__tensor_flatten__()
+            pending.extend(getattr(value, name) for name in names)
+        else:
+            out.append(value)
+    return out
 
 
 def call_untracked(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:

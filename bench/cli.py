@@ -209,7 +209,7 @@ def _time_group(
             logger.info("%s: %s first call", case.label, name)
             first = measure.timed_call(mode.pipe, case, device)
             entry["first_call_s"] = first.total_s
-            if name in ("eager", "eager+cache"):
+            if name in ("eager", "eager+cache", "eager-fp8"):
                 baselines[name] = first.images
             logger.info("%s: %s first call took %.2f s", case.label, name, first.total_s)
             for _ in range(args.warmup):
@@ -264,6 +264,9 @@ def _time_group(
         entry["md5"] = measure.image_md5(images[name])
         entry["exact_mode"] = EXACT[name]
         entry["baseline"] = baseline(name)
+        if baseline(name) != "eager" and "eager" in baselines:  # what the cache or FP8 costs in quality
+            versus = _compare(images[name], baselines["eager"])
+            entry["psnr_vs_eager_db"], entry["max_abs_vs_eager"] = versus["psnr_db"], versus["max_abs"]
         if comparisons.get(name):
             runs = comparisons[name]
             # every timed run against eager's (eager+cache's) first call; PSNR and max difference: the worst run

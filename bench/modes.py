@@ -19,6 +19,7 @@ import torch
 from diffusers.utils import BaseOutput
 
 from bcg_diffusion import accelerate, eager, restore, stats
+from bcg_diffusion.quantize import FP8, quantize_transformer
 from bcg_diffusion.step_cache import enable_cache
 
 logger = logging.getLogger(__name__)
@@ -36,13 +37,21 @@ MODES: tuple[str, ...] = (
     "bcg+cache",
     "fast+cache",
     "compile+cache",
+    "eager-fp8",
+    "bcg-fp8",
+    "fast-fp8",
 )
 # The modes with a step cache (``--cache``): they compare with eager+cache as the others with eager.
 CACHED: tuple[str, ...] = ("eager+cache", "bcg+cache", "fast+cache", "compile+cache")
+# The modes with the transformer quantized to row-wise FP8 (bcg_diffusion.quantize): they compare with
+# eager-fp8 (the same quantization by hand, eager) as the others with eager.
+FP8_MODES: tuple[str, ...] = ("eager-fp8", "bcg-fp8", "fast-fp8")
 # Ablations of what our defaults add: the text encoder's graphs and fast mode's CFG batching.
 ABLATIONS: tuple[str, ...] = ("bcg-no-te", "fast-no-te", "fast-unbatched")
 # What a run without --modes compares on a GPU: ours as a user gets them, and the peers.
-DEFAULT_MODES: tuple[str, ...] = tuple(m for m in MODES if m not in ABLATIONS and m not in CACHED)
+DEFAULT_MODES: tuple[str, ...] = tuple(
+    m for m in MODES if m not in ABLATIONS and m not in CACHED and m not in FP8_MODES
+)
 DESCRIPTIONS = {
     "eager": "diffusers as is",
     "bcg": "bcg-diffusion accelerate(pipe), exact mode (debug mode on CPU: no graphs, timings not meaningful)",
@@ -55,18 +64,25 @@ DESCRIPTIONS = {
     "eager+cache": "diffusers as is with the step cache (transformer.enable_cache; --cache)",
     "bcg+cache": "bcg exact mode with the same step cache inside its graphs",
     "fast+cache": "fast mode with the same step cache inside its graphs",
+    "eager-fp8": "diffusers with the transformer's block linears quantized to row-wise FP8 by hand (torchao, "
+    "bcg_diffusion.quantize's default filter)",
+    "bcg-fp8": 'accelerate(pipe, quantize="fp8"): the same FP8 model in exact graphs',
+    "fast-fp8": 'accelerate(pipe, mode="fast", quantize="fp8"): the same FP8 model, compiled blocks in graphs',
     "compile+cache": "regional compile (compile_repeated_blocks, fullgraph=False: the cache's hooks break graphs) "
     "with the same step cache",
 }
 EXACT = {"eager": True, "bcg": True, "bcg-no-te": True, "fast": False, "fast-no-te": False, "fast-unbatched": False}
 EXACT.update({"compile": False, "compile-max": False})
 EXACT.update({"eager+cache": True, "bcg+cache": True, "fast+cache": False, "compile+cache": False})
-OURS = ("bcg", "bcg-no-te", "fast", "fast-no-te", "fast-unbatched", "bcg+cache", "fast+cache")
-FAST = ("fast", "fast-no-te", "fast-unbatched", "fast+cache")
+EXACT.update({"eager-fp8": True, "bcg-fp8": True, "fast-fp8": False})
+OURS = ("bcg", "bcg-no-te", "fast", "fast-no-te", "fast-unbatched", "bcg+cache", "fast+cache", "bcg-fp8", "fast-fp8")
+FAST = ("fast", "fast-no-te", "fast-unbatched", "fast+cache", "fast-fp8")
 
 
 def baseline(name: str) -> str:
     """The mode whose first call an exact mode's images must equal: eager, with the cache if ``name`` has one."""
+    if name in FP8_MODES:
+        return "eager-fp8"
     return "eager+cache" if name in CACHED else "eager"
 
 
@@ -141,6 +157,7 @@ class PreparedMode:
         keys = ("active", "captures", "replays", "eager_fallbacks", "misses", "graph_memory_bytes", "capture_seconds")
         keys += ("compiles", "compile_seconds", "compiled_blocks", "cfg_batched") if self.name in FAST else ()
         keys += ("cache_states", "cache_branches", "cache_branch_switches") if self.name in CACHED else ()
+        keys += ("quantized", "quantized_linears") if self.name in FP8_MODES else ()
         return {key: report[key] for key in keys}
 
 
@@ -151,6 +168,14 @@ def prepare(name: str, base: Any, device: torch.device, cache: Callable[[], Any]
     if name not in MODES:
         raise ValueError(f"unknown mode {name!r}; choose from {MODES}")
     pipe = pipeline_copy(base)
+    if name in FP8_MODES:
+        base_name = name.removesuffix("-fp8")
+        if base_name == "eager":
+            quantize_transformer(pipe.transformer, FP8)
+            return PreparedMode(name, pipe, lambda: None)
+        mode = _prepare(base_name, pipe, device, quantize=FP8)
+        mode.name = name
+        return mode
     if name in CACHED:
         if cache is None:
             raise ValueError(f"mode {name} needs a cache config")
@@ -162,18 +187,20 @@ def prepare(name: str, base: Any, device: torch.device, cache: Callable[[], Any]
     return _prepare(name, pipe, device)
 
 
-def _prepare(name: str, pipe: Any, device: torch.device, fullgraph: bool = True) -> PreparedMode:
+def _prepare(
+    name: str, pipe: Any, device: torch.device, fullgraph: bool = True, quantize: str | None = None
+) -> PreparedMode:
     if name == "eager":
         return PreparedMode(name, pipe, lambda: None)
     debug = device.type != "cuda"
     note = "debug mode (CPU)" if debug else ""
     components = WITHOUT_TEXT_ENCODER if name.endswith("-no-te") else None  # None: accelerate's default
     if name in ("bcg", "bcg-no-te"):
-        accelerate(pipe, components=components, debug=debug)
+        accelerate(pipe, components=components, debug=debug, quantize=quantize)
         return PreparedMode(name, pipe, lambda: restore(pipe), note)
     if name in FAST:
         batch_cfg = False if name == "fast-unbatched" else None
-        accelerate(pipe, mode="fast", components=components, debug=debug, batch_cfg=batch_cfg)
+        accelerate(pipe, mode="fast", components=components, debug=debug, batch_cfg=batch_cfg, quantize=quantize)
 
         def teardown() -> None:
             restore(pipe)

@@ -46,6 +46,10 @@ def markdown(record: dict[str, Any]) -> str:
             if "identical_to_reference" in mode:
                 same += f"; same as {mode['reference']}: {'yes' if mode['identical_to_reference'] else '**no**'}"
             speedup = mode.get("speedup")
+            if mode.get("baseline", "eager") != "eager":
+                same = same.replace("yes (md5)", f"yes, as {mode['baseline']} (md5)")
+            if mode.get("psnr_vs_eager_db") is not None:
+                same += f"; against eager PSNR {mode['psnr_vs_eager_db']:.1f} dB, max {mode['max_abs_vs_eager']:.3g}"
             if mode.get("cache_skipped"):
                 skipped = mode["cache_skipped"]
                 versus = mode.get("speedup_vs_eager_cache")

@@ -2,7 +2,8 @@
 
 :func:`~bcg_diffusion.accelerate` walks :data:`FEATURES` in order; that order is the order of their
 hooks (context parallelism decides about the collectives before fast mode decides whether to compile,
-step caching takes a cache's hooks off the blocks before they compile,
+step caching takes a cache's hooks off the blocks before they compile, quantization replaces
+the weights before they compile,
 compiled blocks patch the attention processors before CFG batching asks what they accept).
 """
 
@@ -12,6 +13,7 @@ from .base import Feature, Setup, Target
 from .cfg_batching import CfgBatching
 from .compiled_blocks import CompiledBlocks
 from .context_parallel import ContextParallel
+from .quantization import Quantization
 from .step_caching import StepCaching
 from .text_buckets import TextBuckets
 from .text_trimming import TextTrimming
@@ -22,6 +24,7 @@ __all__ = ["FEATURES", "Feature", "Setup", "Target", "defaults"]
 FEATURES: list[type[Feature]] = [
     ContextParallel,
     StepCaching,
+    Quantization,
     CompiledBlocks,
     CfgBatching,
     TextTrimming,
