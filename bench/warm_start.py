@@ -51,7 +51,9 @@ def _child(args: argparse.Namespace) -> None:
     dtype = torch.bfloat16 if device.type == "cuda" else None
     pipe = build_pipeline(args.pipeline, args.weights, device=device, dtype=dtype)
     pipe.set_progress_bar_config(disable=True)
-    accelerate(pipe, mode="fast", compile_cache_dir=args.cache_dir, debug=device.type != "cuda")
+    accelerate(
+        pipe, mode="fast", compile_cache_dir=args.cache_dir, debug=device.type != "cuda", quantize=args.quantize
+    )
     ready = time.perf_counter()
     profiler = cProfile.Profile() if args.profile_to else None
     if profiler is not None:
@@ -94,6 +96,8 @@ def _run_child(args: argparse.Namespace, cache_dir: Path, label: str) -> dict[st
     command = [sys.executable, "-m", "bench.warm_start", "--child", "--cache-dir", str(cache_dir)]
     command += ["--pipeline", args.pipeline, "--weights", args.weights, "--device", args.device]
     command += ["--size", str(args.size), "--steps", str(args.steps)]
+    if args.quantize:
+        command += ["--quantize", args.quantize]
     if args.profile:
         command += ["--profile-to", str(args.out / f"first-call-{label}.txt")]
     env = {k: v for k, v in os.environ.items() if k not in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")}
@@ -116,6 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--size", type=int, default=512)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--out", type=Path, help="folder for warm-start.json (default: print only)")
+    parser.add_argument("--quantize", choices=("fp8",), help='accelerate(..., quantize="fp8") in every child')
     parser.add_argument(
         "--profile",
         action="store_true",
