@@ -75,17 +75,15 @@ def cache_dit_enabled(module: torch.nn.Module) -> bool:
 
 def _registries(module: torch.nn.Module, fresh: bool = False) -> list[Any]:
     """``module``'s diffusers hook registry and its children's, from diffusers' cached list (what its
-    ``cache_context`` walks every call); ``fresh``: walk the modules again."""
+    ``cache_context`` walks every call; a module with no registry of its own has none: enable_cache
+    makes one); ``fresh``: walk the modules again. Creates nothing."""
     root = vars(module).get("_diffusers_hook")
-    if root is None:
-        if not fresh:
-            return []
-        from diffusers.hooks import HookRegistry
-
-        root = HookRegistry.check_if_exists_or_initialize(module)
-    if fresh:
+    if not fresh:
+        return [] if root is None else [root, *root._get_child_registries()]
+    if root is not None:
         root.invalidate_child_registries_cache()
-    return [root, *root._get_child_registries()]
+        return [root, *root._get_child_registries()]
+    return [m._diffusers_hook for m in module.modules() if "_diffusers_hook" in vars(m)]
 
 
 def cache_hooks(module: torch.nn.Module) -> list[str]:
@@ -157,7 +155,6 @@ class CacheState:
 
     def __init__(self, module: torch.nn.Module) -> None:
         self.module = module
-        _registries(module, fresh=True)  # the root registry, so that later calls never walk the modules
         self._holders: dict[int, _Holder] = {}  # by id(manager)
         self._decisions: list[Any] = []  # hooks whose decision method we made an eager break
         self.keys_seen: set[Hashable] = set()

@@ -190,6 +190,7 @@ def _keeping_module():
     module = torch.nn.Sequential(torch.nn.Linear(4, 4))
     hook = _KeepHook()
     HookRegistry.check_if_exists_or_initialize(module[0]).register_hook(hook, "keep")
+    HookRegistry.check_if_exists_or_initialize(module)  # what enable_cache and cache_context make
     hook.state_manager.set_context(type("C", (), {"name": "cond"})())
     return module, hook
 
