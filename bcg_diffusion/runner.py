@@ -161,6 +161,13 @@ class _Entry:
         self.static_inputs = []
 
 
+def _describe_state(state: tuple[Hashable, Hashable, Hashable]) -> str:
+    """The parts of a signature's extra key that are set (state key, call key, outer state), for stats."""
+    names = ("state", "call", "outer")
+    parts = [f"{name}={value!r}" for name, value in zip(names, state) if value not in (None, ())]
+    return "; ".join(parts)
+
+
 def _static_copy(tensor: torch.Tensor) -> torch.Tensor:
     # empty_like keeps the caller's strides when they are dense (so the captured kernels are the ones
     # eager picks) and falls back to contiguous for expanded tensors, which cannot be written into.
@@ -378,7 +385,7 @@ class GraphRunner:
             component=self.name,
             signature=describe(spec),
             status="debug" if self.debug else "captured",
-            state=repr(key[1]) if self._keyed else "",
+            state=_describe_state(key[1]) if self._keyed else "",
         )
         self._log_miss(key, spec)
         entry = _Entry(key=key, record=record, static_inputs=[], spec=spec)

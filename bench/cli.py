@@ -269,7 +269,7 @@ def _time_group(
             entry["psnr_vs_eager_db"], entry["max_abs_vs_eager"] = versus["psnr_db"], versus["max_abs"]
         if comparisons.get(name):
             runs = comparisons[name]
-            # every timed run against eager's (eager+cache's) first call; PSNR and max difference: the worst run
+            # every timed run against its baseline's first call; PSNR and max difference: the worst run
             entry["runs_identical"] = [run["identical"] for run in runs]
             entry["identical"] = all(entry["runs_identical"])
             entry["psnr_db"] = min(run["psnr_db"] for run in runs)
