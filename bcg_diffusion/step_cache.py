@@ -288,7 +288,7 @@ class CacheState:
             if state is not None:
                 self._settle(holder, state, allocate=not _capturing())
 
-    def checkpoint(self) -> list[tuple[_Holder, str | None, Any, dict[str, Any], list[torch.Tensor]]]:
+    def checkpoint(self) -> list[_Saved]:
         # Captures are rare: check that diffusers' cached list of registries, which key() trusts, is not
         # stale (apply_first_block_cache and friends, called directly, do not refresh it).
         seen = set(self._holders)
@@ -306,21 +306,17 @@ class CacheState:
             token.append((holder, holder.context, state, attrs, values))
         return token
 
-    def rewind(self, token: list[tuple[_Holder, str | None, Any, dict[str, Any], list[torch.Tensor]]]) -> None:
+    def rewind(self, token: list[_Saved]) -> None:
         for holder, context, state, attrs, values in token:
-            if context is None:
-                continue
-            cache = holder.manager._state_cache
+            state = _place(holder, context, state is not None, state)
             if state is None:
-                cache.pop(context, None)
                 continue
-            cache[context] = state
             vars(state).clear()
             vars(state).update(_copy(attrs))
             for buffer, value in zip(flatten(attrs)[0], values):
                 buffer.copy_(value)
 
-    def record(self) -> list[tuple[_Holder, str | None, dict[str, tuple[Hashable, list[torch.Tensor]]] | None]]:
+    def record(self) -> list[_Recorded]:
         recorded = []
         for holder in self._holders.values():
             state = holder.state()
@@ -330,20 +326,37 @@ class CacheState:
             recorded.append((holder, holder.context, flat))
         return recorded
 
-    def apply(self, recorded: list[tuple[_Holder, str | None, dict[str, tuple[Hashable, list]] | None]]) -> None:
+    def apply(self, recorded: list[_Recorded]) -> None:
         for holder, context, flat in recorded:
-            if context is None:
-                continue
-            cache = holder.manager._state_cache
-            if flat is None:
-                cache.pop(context, None)
-                continue
-            state = cache.get(context)
+            state = _place(holder, context, flat is not None)
             if state is None:
-                manager = holder.manager
-                state = cache[context] = manager._state_cls(*manager._init_args, **manager._init_kwargs)
+                continue
             for attr, (spec, leaves) in flat.items():
                 setattr(state, attr, unflatten(spec, leaves))
+
+
+# What checkpoint() keeps per holder: its context, the state object (None: absent), the state's attributes
+# (containers of their own, the same tensors) and the values of those tensors.
+_Saved = tuple[_Holder, "str | None", Any, "dict[str, Any]", "list[torch.Tensor]"]
+# What record() keeps per holder: its context and each attribute's (spec, tensors), or None: absent.
+_Recorded = tuple[_Holder, "str | None", "dict[str, tuple[Hashable, list[torch.Tensor]]] | None"]
+
+
+def _place(holder: _Holder, context: str | None, present: bool, state: Any = None) -> Any:
+    """Make ``holder``'s state in ``context`` present (``state``, else the one there, else a new one) and
+    return it, or absent (None). Nothing to do without a context."""
+    if context is None:
+        return None
+    cache = holder.manager._state_cache
+    if not present:
+        cache.pop(context, None)
+        return None
+    if state is not None:
+        cache[context] = state
+    elif context not in cache:
+        manager = holder.manager
+        cache[context] = manager._state_cls(*manager._init_args, **manager._init_kwargs)
+    return cache[context]
 
 
 def _capturing() -> bool:
