@@ -83,6 +83,11 @@ _ACTIVE: contextvars.ContextVar[_BreakableCapture | None] = contextvars.ContextV
 
 _EMPTY_GRAPH_WARNING = "The CUDA Graph is empty"
 
+# For bcg_diffusion.hostile's finder: how many are active (one list item, so the check is one read),
+# and whether the code running now is inside an eager break (what a break does is no capture's problem).
+_FINDERS = [0]
+_IN_BREAK: contextvars.ContextVar[bool] = contextvars.ContextVar("bcg_in_break", default=False)
+
 
 class BreakResultMismatch(RuntimeError):
     """A break returned, on replay, something the captured segments after it were not built for.
@@ -120,6 +125,12 @@ def eager_break(fn: F) -> F:
             return fn(*args, **kwargs)
         capture = _ACTIVE.get()
         if capture is None:
+            if _FINDERS[0]:
+                token = _IN_BREAK.set(True)
+                try:
+                    return fn(*args, **kwargs)
+                finally:
+                    _IN_BREAK.reset(token)
             return fn(*args, **kwargs)
         return capture.run_break(fn, args, kwargs)
 

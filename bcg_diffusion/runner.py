@@ -107,6 +107,9 @@ class SignatureRecord:
     capture_seconds: float = 0.0
     replays: int = 0
     paths: int = 0  # graphs captured for this signature: one per way its breaks' decisions went
+    # Debug mode: what a capture of this signature would trip on (bcg_diffusion.hostile), found on its
+    # first replay (after the first run made every lazy initialisation, as warm-ups do before a capture).
+    hostile_ops: list[str] | None = None
 
 
 class _EagerReplay:
@@ -322,6 +325,8 @@ class GraphRunner:
         for static, fresh in zip(entry.static_inputs, leaves):
             static.copy_(fresh)
         path = entry.current
+        if self.debug and entry.record.hostile_ops is None:
+            return self._replay_finding(entry, path)
         for _ in range(MAX_PATHS + 1):  # each switch fixes one more decision, so this ends sooner
             try:
                 path.graph.replay()
@@ -341,6 +346,26 @@ class GraphRunner:
         entry.current = path
         if self.outer_state is not None and not self.debug:
             self.outer_state.apply(path.outer)
+        entry.record.replays += 1
+        self.counters.replays += 1
+        return self._cloned_outputs(path)
+
+    def _replay_finding(self, entry: _Entry, path: _Path) -> Any:
+        """A debug replay under the hostile-op finder: its findings go to the signature's record."""
+        from .hostile import HostileOpFinder
+
+        owner = getattr(self.fn, "__self__", None)
+        with HostileOpFinder(owner if isinstance(owner, torch.nn.Module) else None) as finder:
+            path.graph.replay()
+        entry.record.hostile_ops = [str(op) for op in finder.found]
+        if finder.found:
+            logger.warning(
+                "%s: a capture of %s would meet %d operation(s) it cannot hold outside the eager breaks, first: %s",
+                self.name,
+                entry.record.signature,
+                len(finder.found),
+                finder.found[0],
+            )
         entry.record.replays += 1
         self.counters.replays += 1
         return self._cloned_outputs(path)
