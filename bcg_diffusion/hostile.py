@@ -112,6 +112,10 @@ class HostileOpFinder(TorchDispatchMode):
     break already keeps them out of the graph. Module paths are relative to ``root`` (default: the
     outermost module called under the finder)."""
 
+    # Compiled regions (fast mode's blocks, run through graphs.call_untracked) run with the finder
+    # popped: torch.compile refuses to run under a dispatch mode.
+    pauses_for_compiled_code = True
+
     def __init__(self, root: torch.nn.Module | None = None) -> None:
         super().__init__()
         self.found: list[HostileOp] = []

@@ -6,11 +6,15 @@ need a GPU, and their classification is checked on the op's arguments directly.
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
+from _cases import run_case
 
-from bcg_diffusion import eager_break
+from bcg_diffusion import accelerate, eager_break, restore, stats
 from bcg_diffusion.hostile import HostileOpFinder, classify
+from bcg_diffusion.loading import build_pipeline
 
 
 class _Block(torch.nn.Module):
@@ -104,3 +108,23 @@ def test_debug_mode_reports_what_a_capture_would_meet():
     (record,) = runner.records()
     assert len(record.hostile_ops) == 1, record.hostile_ops
     assert "host sync" in record.hostile_ops[0] and "in blocks.1 at test_hostile.py" in record.hostile_ops[0]
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="inductor on CPU needs a C++ compiler (g++)")
+@pytest.mark.heavy  # compiles with inductor on CPU
+def test_fast_mode_keeps_its_compiled_blocks_under_the_finder():
+    # torch.compile refuses to run under a dispatch mode: before the finder stepped aside for compiled
+    # regions, debug mode's first replay retired fast mode's compiled blocks for good.
+    torch._dynamo.reset()
+    pipe = build_pipeline("z-image", "tiny")
+    pipe.set_progress_bar_config(disable=True)
+    accelerate(pipe, mode="fast", debug=True)
+    try:
+        for _ in range(2):  # the capture, then the first replay under the finder
+            run_case(pipe, "z-image", "no_cfg", height=32, width=32)
+        report = stats(pipe)
+        assert report["compile_failure"] is None and report["compiles"] > 0, report["compile_failure"]
+        assert all(s["hostile_ops"] == [] for s in report["signatures"]), report["signatures"]
+    finally:
+        restore(pipe)
+        torch._dynamo.reset()
