@@ -103,11 +103,57 @@ def _lumina2() -> tuple[Any, dict[str, Any]]:
     return pipe, embeds
 
 
+def _wan() -> tuple[Any, dict[str, Any]]:
+    from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanPipeline, WanTransformer3DModel
+
+    transformer = WanTransformer3DModel(
+        num_attention_heads=2, attention_head_dim=8, in_channels=4, out_channels=4, text_dim=32, freq_dim=16,
+        ffn_dim=32, num_layers=1, rope_max_seq_len=32,
+    )  # fmt: skip
+    vae = AutoencoderKLWan(
+        base_dim=8, z_dim=4, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True],
+        latents_mean=[0.0] * 4, latents_std=[1.0] * 4,
+    )  # fmt: skip
+    pipe = WanPipeline(
+        tokenizer=None, text_encoder=None, vae=vae, scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
+        transformer=transformer,
+    )  # fmt: skip
+    embeds = {"prompt_embeds": torch.randn(1, 8, 32), "negative_prompt_embeds": torch.randn(1, 8, 32)}
+    return pipe, {**embeds, "num_frames": 5, "guidance_scale": 4.0}
+
+
+def _cogvideox() -> tuple[Any, dict[str, Any]]:
+    from diffusers import (
+        AutoencoderKLCogVideoX,
+        CogVideoXDDIMScheduler,
+        CogVideoXPipeline,
+        CogVideoXTransformer3DModel,
+    )
+
+    transformer = CogVideoXTransformer3DModel(
+        num_attention_heads=2, attention_head_dim=8, in_channels=4, out_channels=4, time_embed_dim=8,
+        text_embed_dim=32, num_layers=1, sample_width=4, sample_height=4, sample_frames=5, patch_size=2,
+        temporal_compression_ratio=4, max_text_seq_length=8,
+    )  # fmt: skip
+    vae = AutoencoderKLCogVideoX(
+        down_block_types=("CogVideoXDownBlock3D",) * 4, up_block_types=("CogVideoXUpBlock3D",) * 4,
+        block_out_channels=(8, 8, 8, 8), latent_channels=4, layers_per_block=1, norm_num_groups=2,
+        temporal_compression_ratio=4,
+    )  # fmt: skip
+    pipe = CogVideoXPipeline(
+        tokenizer=None, text_encoder=None, vae=vae, transformer=transformer, scheduler=CogVideoXDDIMScheduler()
+    )
+    embeds = {"prompt_embeds": torch.randn(1, 8, 32), "negative_prompt_embeds": torch.randn(1, 8, 32)}
+    return pipe, {**embeds, "num_frames": 5, "guidance_scale": 4.0, "max_sequence_length": 8}
+
+
 TINY: dict[str, Callable[[], tuple[Any, dict[str, Any]]]] = {
     "FLUX.1": _flux,
     "Chroma": _chroma,
     "SD3.5": _sd3,
     "Lumina 2": _lumina2,
+    "Wan 2.1 T2V": _wan,
+    "CogVideoX": _cogvideox,
 }
 
 
@@ -121,7 +167,7 @@ def _call(pipe: Any, embeds: dict[str, Any]) -> torch.Tensor:
         output_type="pt",
         generator=torch.Generator("cpu").manual_seed(0),
     )
-    return out.images
+    return out.images if hasattr(out, "images") else out.frames  # video pipelines return frames
 
 
 def check_tiny(name: str) -> dict[str, Any]:
