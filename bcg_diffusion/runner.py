@@ -573,11 +573,19 @@ class GraphRunner:
     def evict(self, key: Hashable) -> None:
         """Drop one captured signature to make room (called by the budget, under the lock); a later
         call of it captures again."""
+        entry = self._remove(key)  # the budget has already taken it out of its order
+        if entry is not None:
+            self.counters.evictions += 1
+            logger.info("%s: evicted %s", self.name, entry.record.signature)
+
+    def _remove(self, key: Hashable) -> _Entry | None:
+        """Forget one signature and free its graphs (the caller holds the lock)."""
         entry = self._entries.pop(key, None)
-        if entry is None:
-            return
-        entry.reset()
-        self.counters.evictions += 1
+        if entry is not None:
+            if self.budget is not None:
+                self.budget.forget(self, key)
+            entry.reset()
+        return entry
         logger.info("%s: evicted %s", self.name, entry.record.signature)
 
     def invalidate(self, reason: str) -> None:
@@ -589,16 +597,18 @@ class GraphRunner:
             self._free_entries()
             self.counters.invalidations += 1
 
+    def outer_keys(self) -> list[Hashable]:
+        """The outer-state keys (see :class:`OuterState`) of the captured signatures."""
+        with self.lock:
+            return [key[1][2] for key in self._entries] if self.outer_state is not None else []
+
     def drop(self, outer_key: Callable[[Hashable], bool], reason: str) -> None:
         """Drop the signatures whose outer-state key (see :class:`OuterState`) ``outer_key`` accepts:
         what they bake in is gone for good. Other signatures keep their graphs."""
         with self.lock:
             doomed = [key for key in self._entries if self._keyed and outer_key(key[1][2])]
             for key in doomed:
-                entry = self._entries.pop(key)
-                if self.budget is not None:
-                    self.budget.forget(self, key)
-                entry.reset()
+                self._remove(key)
             if doomed:
                 logger.info("%s: dropped %d captured signature(s): %s", self.name, len(doomed), reason)
 

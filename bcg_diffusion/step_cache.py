@@ -86,6 +86,13 @@ def _registries(module: torch.nn.Module, fresh: bool = False) -> list[Any]:
     return [m._diffusers_hook for m in module.modules() if "_diffusers_hook" in vars(m)]
 
 
+def has_cache_hooks(module: torch.nn.Module) -> bool:
+    """Whether a stateful diffusers hook (a cache's) is on ``module``'s tree; cheap enough for every call."""
+    return any(
+        getattr(hook, "_is_stateful", False) for registry in _registries(module) for hook in registry.hooks.values()
+    )
+
+
 def cache_hooks(module: torch.nn.Module) -> list[str]:
     """Names of the stateful diffusers hooks on ``module``'s tree (a cache's), sorted."""
     names = set()
@@ -125,6 +132,8 @@ class _Holder:
     def __init__(self, name: str, hook: Any, manager: Any) -> None:
         self.name, self.hook, self.manager = name, hook, manager
         self.buffers: dict[Hashable, torch.Tensor] = {}
+        # What of the holder keys its signatures besides its state: set when diffusers makes the hook.
+        self.identity = (id(manager), name, type(hook).__name__, _plain_config(hook))
 
     @property
     def context(self) -> str | None:
@@ -157,14 +166,25 @@ class CacheState:
         self.module = module
         self._holders: dict[int, _Holder] = {}  # by id(manager)
         self._decisions: list[Any] = []  # hooks whose decision method we made an eager break
-        self.keys_seen: set[Hashable] = set()
         # Called with the ids of state managers whose hooks were removed (disable_cache): graphs keyed
         # on them can never be replayed again, and their buffers go with them.
         self.on_removed: Callable[[set[int]], None] | None = None
+        self._walked: tuple[Any, ...] | None = None  # what the last walk saw (see _live)
 
     # ------------------------------------------------------------------------------ discovery
     def _live(self, fresh: bool = False) -> list[_Holder]:
-        """The holders of the hooks on the module now (new ones get theirs; removed ones are dropped)."""
+        """The holders of the hooks on the module now (new ones get theirs; removed ones are dropped).
+
+        Called before every transformer call: the walk is skipped while diffusers' cached list of
+        hooked modules is the same object as at the last walk (enable_cache and disable_cache replace
+        it), and the root's own hooks are the same."""
+        root = vars(self.module).get("_diffusers_hook")
+        if not fresh:
+            seen = (root, root._get_child_registries(), tuple(root._hook_order)) if root is not None else (None,)
+            last = self._walked  # the registries by identity (a new list once invalidated), the root's hooks by value
+            same = last is not None and len(last) == len(seen) and all(a is b for a, b in zip(seen[:2], last[:2]))
+            if same and seen[2:] == last[2:]:
+                return list(self._holders.values())
         live: dict[int, _Holder] = {}
         for registry in _registries(self.module, fresh):
             for name in registry._hook_order:
@@ -183,10 +203,9 @@ class CacheState:
                         live[id(value)] = holder
         removed = self._holders.keys() - live.keys()
         self._holders = live
-        if removed:
-            self.keys_seen = {key for key in self.keys_seen if not self.mentions(key, removed)}
-            if self.on_removed is not None:
-                self.on_removed(set(removed))
+        self._walked = None if fresh else seen
+        if removed and self.on_removed is not None:
+            self.on_removed(set(removed))
         return list(live.values())
 
     @staticmethod
@@ -268,19 +287,8 @@ class CacheState:
             # The manager's id keys its buffers' addresses, which the graphs bake in: hooks enabled again
             # (new managers, new buffers) must not replay graphs of the old ones. Holders keep the
             # managers alive, so the ids are not reused while a key names them.
-            parts.append(
-                (
-                    id(holder.manager),
-                    holder.name,
-                    type(holder.hook).__name__,
-                    _plain_config(holder.hook),
-                    holder.context,
-                    spec,
-                )
-            )
-        key = tuple(parts)
-        self.keys_seen.add(key)
-        return key
+            parts.append((*holder.identity, holder.context, spec))
+        return tuple(parts)
 
     def persist(self) -> None:
         for holder in self._holders.values():

@@ -7,9 +7,15 @@ test that compares with eager calls :func:`assert_graphs_ran` on the calls it co
 
 from __future__ import annotations
 
+import shutil
 from typing import Any
 
+import pytest
+
 from bcg_diffusion import stats
+
+# Inductor compiles C++ on CPU: the tests that compile (fast mode on CPU) need a compiler.
+needs_compiler = pytest.mark.skipif(shutil.which("g++") is None, reason="inductor on CPU needs a C++ compiler (g++)")
 
 
 def assert_graphs_ran(pipe: Any, before: dict[str, Any] | None = None, *, captures: bool | None = None) -> dict:

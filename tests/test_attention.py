@@ -8,12 +8,11 @@ batcher passing text lengths, compiled blocks tracing it) through the tiny Qwen-
 from __future__ import annotations
 
 import inspect
-import shutil
 
 import pytest
 import torch
 from _cases import run_case
-from _checks import assert_graphs_ran
+from _checks import assert_graphs_ran, needs_compiler
 
 from bcg_diffusion import accelerate, eager, restore, stats
 from bcg_diffusion.cfg_batch import CfgBatcher
@@ -30,7 +29,6 @@ from bcg_diffusion.patches.attention import (
 )
 from bcg_diffusion.pipelines.qwenimage import QwenImageAdapter
 
-needs_compiler = pytest.mark.skipif(shutil.which("g++") is None, reason="inductor on CPU needs a C++ compiler (g++)")
 heavy = pytest.mark.heavy  # compiles with inductor on CPU
 
 

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import logging
-import shutil
 import threading
 import types
 
 import numpy as np
 import pytest
 import torch
+from _checks import needs_compiler
 
 from bcg_diffusion import demo, stats
 from bcg_diffusion.demo import (
@@ -354,7 +354,7 @@ def test_app_offers_each_mode_next_to_the_pipeline(backend):
 
 @pytest.mark.heavy  # compiles with inductor on CPU
 @pytest.mark.filterwarnings("ignore:Torchinductor does not support code generation for complex operators")
-@pytest.mark.skipif(shutil.which("g++") is None, reason="inductor on CPU needs a C++ compiler (g++)")
+@needs_compiler
 def test_fast_mode_is_compared_with_its_compiled_reference(make_backend):
     """Fast mode's image equals fast mode's reference (its compiled blocks without graphs, inside
     ``bcg_diffusion.eager``), which the report names instead of eager; exact mode on the same backend keeps

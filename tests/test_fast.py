@@ -5,13 +5,12 @@ Inductor compiles for the CPU here (needs a C++ compiler); the GPU side is ``tes
 
 from __future__ import annotations
 
-import shutil
 import warnings
 
 import pytest
 import torch
 from _cases import run_case
-from _checks import assert_graphs_ran
+from _checks import assert_graphs_ran, needs_compiler
 from torch._dynamo.utils import counters
 
 from bcg_diffusion import AccelerateConfig, accelerate, eager, restore, stats
@@ -23,7 +22,6 @@ from bcg_diffusion.loading import build_pipeline
 from bcg_diffusion.patches.rope import QWEN_REAL_ROPE_PATCH, apply_rotary_emb_qwen
 from bcg_diffusion.runner import BCGWarning
 
-needs_compiler = pytest.mark.skipif(shutil.which("g++") is None, reason="inductor on CPU needs a C++ compiler (g++)")
 heavy = pytest.mark.heavy  # compiles with inductor on CPU (seconds each even for a one-line function, when cold)
 
 

@@ -8,18 +8,14 @@ for good, so every later image was eager's, not fast mode's.
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 import torch
-from _checks import assert_graphs_ran
+from _checks import assert_graphs_ran, needs_compiler
 from accelerate.hooks import AlignDevicesHook, ModelHook, add_hook_to_module, remove_hook_from_module
 
 from bcg_diffusion import BCGWarning, accelerate, eager, restore, stats
 from bcg_diffusion.fast import hooked_submodules
 from bcg_diffusion.loading import build_pipeline
-
-needs_compiler = pytest.mark.skipif(shutil.which("g++") is None, reason="inductor on CPU needs a C++ compiler (g++)")
 
 
 def _call(pipe) -> torch.Tensor:

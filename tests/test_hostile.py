@@ -6,11 +6,10 @@ need a GPU, and their classification is checked on the op's arguments directly.
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 import torch
 from _cases import run_case
+from _checks import needs_compiler
 
 from bcg_diffusion import accelerate, eager_break, restore, stats
 from bcg_diffusion.hostile import HostileOpFinder, classify
@@ -110,7 +109,7 @@ def test_debug_mode_reports_what_a_capture_would_meet():
     assert "host sync" in record.hostile_ops[0] and "in blocks.1 at test_hostile.py" in record.hostile_ops[0]
 
 
-@pytest.mark.skipif(shutil.which("g++") is None, reason="inductor on CPU needs a C++ compiler (g++)")
+@needs_compiler
 @pytest.mark.heavy  # compiles with inductor on CPU
 def test_fast_mode_keeps_its_compiled_blocks_under_the_finder():
     # torch.compile refuses to run under a dispatch mode: before the finder stepped aside for compiled

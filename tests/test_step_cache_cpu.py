@@ -8,13 +8,11 @@ machinery itself (buffers, rewind, records) is tested here directly.
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 import torch
 from _caches import CACHES, cache_config, mixed_threshold
 from _cases import run_case
-from _checks import assert_graphs_ran
+from _checks import assert_graphs_ran, needs_compiler
 from diffusers import FirstBlockCacheConfig, MagCacheConfig
 from diffusers.hooks.hooks import HookRegistry, ModelHook, StateManager
 
@@ -24,7 +22,6 @@ from bcg_diffusion.step_cache import CacheState, SkipCounter, disable_cache, ena
 
 CASE = {"qwen-image": "true_cfg", "z-image": "cfg"}
 STEPS = 6
-needs_compiler = pytest.mark.skipif(shutil.which("g++") is None, reason="inductor on CPU needs a C++ compiler (g++)")
 
 
 def _pipe(name):

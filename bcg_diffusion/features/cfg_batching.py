@@ -14,7 +14,7 @@ from typing import Any
 from ..cfg_batch import CfgBatcher
 from ..patches.attention import TEXT_LENGTHS_KWARG
 from ..runner import BCGWarning
-from ..step_cache import cache_hooks
+from ..step_cache import has_cache_hooks
 from .base import Feature, Setup, Target
 
 __all__ = ["CfgBatching"]
@@ -57,7 +57,7 @@ class CfgBatching(Feature):
 
         def batched(*args: Any, **kwargs: Any) -> Any:
             with self.lock:  # the batcher keeps state between calls
-                if cache_hooks(module):
+                if has_cache_hooks(module):
                     # A cache keeps one state per call (cache_context "cond" / "uncond") and decides per
                     # call: one batch of both would mix them. Calls run one by one while a cache is on.
                     batcher.pass_through()

@@ -15,7 +15,7 @@ from typing import Any
 
 from ..hooks import MethodPatches
 from ..runner import BCGWarning
-from ..step_cache import DEFAULT_CONTEXT, CacheState, cache_hooks, needs_default_context
+from ..step_cache import CacheState, cache_hooks
 from .base import Feature, Setup, Target
 
 __all__ = ["StepCaching"]
@@ -70,25 +70,22 @@ class StepCaching(Feature):
         state.on_removed = lambda managers: runner.drop(
             lambda key: key is not None and state.mentions(key, managers), "cache hooks removed"
         )
-        module = self.module
-
-        def in_cache_context(*args: Any, **kwargs: Any) -> Any:
-            # Set outside the runner: the signature key reads the context's state.
-            if needs_default_context(module):
-                with module.cache_context(DEFAULT_CONTEXT):
-                    return call(*args, **kwargs)
-            return call(*args, **kwargs)
-
-        return in_cache_context
+        return call  # Z-Image's default cache context is set by the class enable_cache gives it, before this
 
     def stats(self) -> dict[str, Any]:
         counters = self.target.runner.counters if self.target is not None else None
         return {
             "cache_hooks": cache_hooks(self.module),
-            "cache_states": len(self.state.keys_seen),
+            "cache_states": self._states(),
             "cache_branches": counters.branches if counters else 0,
             "cache_branch_switches": counters.branch_switches if counters else 0,
         }
+
+    def _states(self) -> int:
+        """Distinct cache states among the transformer's captured signatures (their outer-state keys)."""
+        if self.target is None:
+            return 0
+        return len({key for key in self.target.runner.outer_keys() if key})
 
     def before_undo(self) -> None:
         if self.fast and cache_hooks(self.module):
