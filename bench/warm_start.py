@@ -146,10 +146,20 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, Any] = {
         "command": "python -m bench.warm_start " + " ".join(sys.argv[1:] if argv is None else argv)
     }
+
+    def save() -> str:  # after every child: a run cut short keeps what it measured
+        text = json.dumps(results, indent=2)
+        if args.out is not None:
+            args.out.mkdir(parents=True, exist_ok=True)
+            (args.out / "warm-start.json").write_text(text + "\n")
+        return text
+
     with tempfile.TemporaryDirectory(prefix="bcg-warm-start-") as root:
         first, second = Path(root, "cache"), Path(root, "portable")
         results["cold"] = _run_child(args, first, "cold")
+        save()
         results["warm"] = _run_child(args, first, "warm")
+        save()
         second.mkdir()
         artifacts = first / ARTIFACTS_FILE
         if artifacts.is_file():
@@ -158,11 +168,7 @@ def main(argv: list[str] | None = None) -> int:
             results["portable"] = _run_child(args, second, "portable")
         else:
             results["portable"] = {"error": f"the cold run wrote no {ARTIFACTS_FILE} (torch without the API?)"}
-    text = json.dumps(results, indent=2)
-    print(text)
-    if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "warm-start.json").write_text(text + "\n")
+    print(save())
     return 0 if all("error" not in results[k] for k in ("cold", "warm", "portable")) else 1
 
 

@@ -15,7 +15,7 @@ from _cases import run_case
 
 from bcg_diffusion import AccelerateConfig, accelerate, restore, stats
 from bcg_diffusion.loading import build_pipeline
-from bcg_diffusion.quantize import default_filter
+from bcg_diffusion.quantize import block_linears, default_filter
 
 torchao = pytest.importorskip("torchao")
 from torchao.quantization import Int8WeightOnlyConfig, quantize_  # noqa: E402
@@ -46,15 +46,17 @@ def test_options_are_validated():
 
 
 @pytest.mark.parametrize("name", ["qwen-image", "z-image"])
-def test_the_default_filter_takes_the_blocks_linears_but_modulation_and_text(name):
+def test_the_default_filter_takes_the_blocks_linears_but_modulation_text_and_attention_out(name):
     model = _pipe(name).transformer
-    chosen = default_filter(model)
+    chosen, candidates = default_filter(model), block_linears(model)
     selected = [fqn for fqn, module in model.named_modules() if chosen(module, fqn)]
-    assert selected and all(isinstance(model.get_submodule(fqn), torch.nn.Linear) for fqn in selected)
+    every = [fqn for fqn, module in model.named_modules() if candidates(module, fqn)]
+    assert selected and all(isinstance(model.get_submodule(fqn), torch.nn.Linear) for fqn in every)
     blocks = "transformer_blocks." if name == "qwen-image" else ("layers.", "noise_refiner.", "context_refiner.")
-    assert all(fqn.startswith(blocks) for fqn in selected), selected
-    assert not [fqn for fqn in selected if "mod" in fqn or "add_" in fqn or "txt_mlp" in fqn], selected
-    assert "proj_out" not in selected and not any("embed" in fqn for fqn in selected)
+    assert all(fqn.startswith(blocks) for fqn in every), every
+    assert not [fqn for fqn in every if "mod" in fqn or "add_" in fqn or "txt_mlp" in fqn], every
+    assert "proj_out" not in every and not any("embed" in fqn for fqn in every)
+    assert sorted(set(every) - set(selected)) == sorted(fqn for fqn in every if fqn.endswith(".to_out.0")) != []
 
 
 @pytest.mark.parametrize("name", ["qwen-image", "z-image"])
@@ -95,5 +97,21 @@ def test_a_model_quantized_before_accelerate_is_reported_and_equal():
     try:
         assert "before accelerate" in stats(pipe)["quantized"]
         assert torch.equal(_run(pipe, "qwen-image"), reference)
+    finally:
+        restore(pipe)
+
+
+def test_quantize_leaves_the_process_settings_as_they_were():
+    # torchao's set_inductor_config=True switched float32 products to TF32 and turned on inductor's
+    # coordinate-descent tuning for the whole process: on the H200 (run 58), graphs of a bf16 pipeline
+    # captured before another pipeline was quantized no longer matched the same code run after.
+    import torch._inductor.config as inductor
+
+    precision, tuning = torch.get_float32_matmul_precision(), inductor.coordinate_descent_tuning
+    pipe = _pipe("z-image")
+    accelerate(pipe, debug=True, quantize=Int8WeightOnlyConfig())
+    try:
+        assert torch.get_float32_matmul_precision() == precision
+        assert inductor.coordinate_descent_tuning == tuning
     finally:
         restore(pipe)

@@ -12,6 +12,7 @@ from _cases import cuda_pipeline, run_case
 from _checks import assert_graphs_ran
 
 from bcg_diffusion import accelerate, eager, restore, stats
+from bcg_diffusion.hostile import HostileOpFinder
 from bcg_diffusion.quantize import default_filter
 
 pytestmark = [pytest.mark.cuda, pytest.mark.filterwarnings("ignore:Deprecation:UserWarning")]
@@ -31,8 +32,8 @@ fp8 = pytest.mark.skipif(
 )
 
 
-def _run(pipe, name):
-    return run_case(pipe, name, CASE[name], height=SIZE, width=SIZE, steps=3)
+def _run(pipe, name, size=SIZE):
+    return run_case(pipe, name, CASE[name], height=size, width=size, steps=3)
 
 
 @fp8
@@ -64,15 +65,15 @@ def test_fp8_option_equals_the_same_fp8_model_and_restores_bf16(name, mode):
 
 @pytest.mark.parametrize(
     "config",
-    [Int8WeightOnlyConfig(), Int8DynamicActivationInt8WeightConfig(), "fp8"],
-    ids=["int8-weight-only", "int8-dynamic", "fp8-rowwise"],
+    [Int8WeightOnlyConfig(), "fp8"],
+    ids=["int8-weight-only", "fp8-rowwise"],
 )
 @pytest.mark.parametrize("name", ["qwen-image", "z-image"])
 def test_a_model_quantized_before_accelerate_is_captured_exactly(name, config):
     if config == "fp8":
         if torch.cuda.get_device_capability() < (8, 9):
             pytest.skip("FP8 needs compute 8.9+")
-        config = Float8DynamicActivationFloat8WeightConfig(granularity=PerRow())
+        config = Float8DynamicActivationFloat8WeightConfig(granularity=PerRow(), set_inductor_config=False)
     with cuda_pipeline(name, "tiny") as pipe:
         quantize_(pipe.transformer, config, filter_fn=default_filter(pipe.transformer))
         reference = _run(pipe, name)
@@ -84,5 +85,31 @@ def test_a_model_quantized_before_accelerate_is_captured_exactly(name, config):
             for image in images:
                 assert torch.equal(image, reference)
             print(f"\n{name}/{type(config).__name__}: {report['quantized']}, captures {stats(pipe)['captures']}")
+        finally:
+            restore(pipe)
+
+
+@pytest.mark.parametrize("name", ["qwen-image", "z-image"])
+def test_int8_dynamic_runs_eagerly_with_the_reason_and_equals_eager(name):
+    # torchao's int8 dynamic config (version 1, torch._int_mm through cuBLAS) fails inside CUDA when
+    # captured, on torch 2.11 and an H200 (runs 58 and 62), with nothing the hostile-op finder sees in the
+    # transformer: the signature must run eagerly, say why, and give eager's bytes. If a later torch or
+    # torchao captures it, this test fails: then move the config to the test above.
+    config = Int8DynamicActivationInt8WeightConfig(set_inductor_config=False)
+    size = 128  # torch._int_mm needs more than 16 rows; torchao takes another path below that
+    with cuda_pipeline(name, "tiny") as pipe:
+        quantize_(pipe.transformer, config, filter_fn=default_filter(pipe.transformer))
+        with HostileOpFinder(pipe.transformer) as finder:
+            reference = _run(pipe, name, size)
+        accelerate(pipe)
+        try:
+            images = [_run(pipe, name, size) for _ in range(2)]
+            failed = [
+                s for s in stats(pipe)["signatures"] if s["component"] == "transformer" and s["status"] == "failed"
+            ]
+            print("\n".join(["", "the finder saw:", *map(str, finder.found), *(s["reason"] for s in failed)]))
+            assert failed and all("capture failed" in s["reason"] for s in failed), stats(pipe)["signatures"]
+            for image in images:
+                assert torch.equal(image, reference)
         finally:
             restore(pipe)

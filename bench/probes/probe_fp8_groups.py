@@ -1,10 +1,10 @@
 """What each group of linears costs in quality under FP8, and what keeping it in bf16 costs in time.
 
-For each group of the default filter's linears (attention projections, attention output, MLP in, MLP
-out), one pipeline copy keeps that group in bf16 and quantizes the rest with ``quantize="fp8"``
-(through ``quantize_filter``), in fast mode. Each row gives its PSNR and largest difference against
+For each group of the linears FP8 can take (``bcg_diffusion.quantize.block_linears``: attention
+projections, attention output, MLP in, MLP out), one pipeline copy keeps that group in bf16 and
+quantizes the rest with ``quantize="fp8"`` (through ``quantize_filter``), in fast mode. Each row gives its PSNR and largest difference against
 bf16 eager, and its latency (median of ``--runs``, interleaved). The rows ``all fp8`` and ``bf16``
-(fast, no quantization) frame them.
+(fast, no quantization) frame them; ``attention out in bf16`` is ``quantize="fp8"``'s default.
 
     python -m bench.probes.probe_fp8_groups --pipeline z-image --weights random-full --out DIR
     python -m bench.probes.probe_fp8_groups --weights tiny --device cpu --config int8 --mode exact --size 32  # smoke
@@ -26,7 +26,7 @@ import torch
 
 from bcg_diffusion import accelerate, restore
 from bcg_diffusion.loading import build_pipeline
-from bcg_diffusion.quantize import default_filter
+from bcg_diffusion.quantize import block_linears
 
 from .. import measure
 from ..cases import Case
@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     base.set_progress_bar_config(disable=True)
     case = Case(args.pipeline, args.size, args.size, args.steps, args.guidance)
     reference = measure.timed_call(base, case, device).images  # bf16 eager
-    selected = default_filter(base.transformer)
+    selected = block_linears(base.transformer)
     rows: dict[str, dict[str, Any]] = {}
     pipes: dict[str, Any] = {}
     variants: dict[str, Any] = {"bf16": None, "all fp8": selected}
