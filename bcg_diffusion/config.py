@@ -68,6 +68,12 @@ class AccelerateConfig:
             user quantized with torchao beforehand is captured as it is).
         quantize_filter: which linears ``quantize`` quantizes, as torchao's ``filter_fn(module, name)``;
             None: :func:`bcg_diffusion.quantize.default_filter`.
+        auto_breaks: make every operation a capture cannot hold (host syncs, data-dependent shapes,
+            copies from pageable host memory) an eager break of its own, checked on replay like a
+            marked one, and retry a failed capture once with what it taught
+            (:mod:`bcg_diffusion.auto_breaks`). Each is listed in
+            ``stats()["signatures"][i]["auto_breaks"]``. False: such a capture fails and its
+            signature runs eagerly, with the reason. Needs ``track_external_tensors``.
     """
 
     mode: str = "exact"
@@ -85,11 +91,12 @@ class AccelerateConfig:
     batch_cfg: bool | None = None
     quantize: Any = None
     quantize_filter: Any = None
+    auto_breaks: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.mode, str) or self.mode not in _MODES:
             raise ValueError(f"mode must be one of {_MODES}, got {self.mode!r}")
-        for name in ("debug", "track_external_tensors", "lazy_capture"):
+        for name in ("debug", "track_external_tensors", "lazy_capture", "auto_breaks"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {type(getattr(self, name)).__name__}")
         if self.components is not None:

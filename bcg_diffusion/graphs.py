@@ -298,10 +298,11 @@ class _ExternalTensorTracker(TorchDispatchMode):
         pauses the tracker inside.
     """
 
-    def __init__(self, capture_stream: torch.cuda.Stream) -> None:
+    def __init__(self, capture_stream: torch.cuda.Stream, breaker: Any = None) -> None:
         super().__init__()
         self.recording = False
         self.capture_stream = capture_stream
+        self.breaker = breaker  # an auto_breaks.AutoBreaker, or None
         self.produced: set[int] = set()
         self.kept: dict[int, torch.UntypedStorage] = {}
         self.side_streams: set[torch.cuda.Stream] = set()
@@ -310,8 +311,17 @@ class _ExternalTensorTracker(TorchDispatchMode):
         kwargs = kwargs or {}
         if not self.recording:
             return func(*args, **kwargs)
+        if self.breaker is not None:
+            kind = self.breaker.wants(func, args, kwargs)
+            if kind is not None:
+                return self.breaker.run(_ACTIVE.get(), func, args, kwargs, kind)
         self.note_reads((args, kwargs))
-        out = func(*args, **kwargs)
+        try:
+            out = func(*args, **kwargs)
+        except Exception:
+            if self.breaker is not None:  # the runner may break around it in its next capture
+                self.breaker.note_failure(func)
+            raise
         self.note_produced(out)
         return out
 
@@ -388,7 +398,9 @@ def call_untracked(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
 class _BreakableCapture:
     """State of one capture in progress. Created and driven by :func:`capture_breakable` only."""
 
-    def __init__(self, pool: GraphPool, capture_error_mode: str, track_external: bool, consensus: Any) -> None:
+    def __init__(
+        self, pool: GraphPool, capture_error_mode: str, track_external: bool, consensus: Any, breaker: Any = None
+    ) -> None:
         self.pool = pool
         self.consensus = consensus
         self.peer_failed = False
@@ -396,7 +408,7 @@ class _BreakableCapture:
         self.steps: list[_GraphStep | _EagerStep] = []
         self.current: torch.cuda.CUDAGraph | None = None
         self.side_streams: set[torch.cuda.Stream] = set()
-        self.tracker = _ExternalTensorTracker(pool.stream) if track_external else None
+        self.tracker = _ExternalTensorTracker(pool.stream, breaker) if track_external else None
 
     def begin_segment(self) -> None:
         graph = torch.cuda.CUDAGraph()
@@ -543,6 +555,7 @@ def capture_breakable(
     capture_error_mode: str = "thread_local",
     track_external: bool = True,
     consensus: Any = None,
+    breaker: Any = None,
 ) -> tuple[BreakableGraph, Any]:
     """Capture ``fn()`` as a :class:`BreakableGraph` and return it with ``fn``'s (real) result.
 
@@ -560,6 +573,9 @@ def capture_breakable(
     models whose breaks are collectives), every rank of its group votes at each break and at the end,
     and the capture succeeds on all ranks or on none.
 
+    With ``breaker`` (a :class:`~bcg_diffusion.auto_breaks.AutoBreaker`; needs ``track_external``,
+    whose dispatch mode consults it), every operation it names becomes an eager break of its own.
+
     Raises whatever ``fn`` raised (the capture is closed first, never left half-open),
     :class:`~bcg_diffusion.parallel.PeerCaptureFailed` when another rank's capture failed, and
     :class:`RuntimeError` if called while another capture is active in this context.
@@ -570,7 +586,7 @@ def capture_breakable(
         raise RuntimeError(
             "capture_breakable must run on the pool's capture stream: wrap it in torch.cuda.stream(pool.stream)"
         )
-    capture = _BreakableCapture(pool, capture_error_mode, track_external, consensus)
+    capture = _BreakableCapture(pool, capture_error_mode, track_external, consensus, breaker)
     token = _ACTIVE.set(capture)
     _release_blas_workspaces()
     try:

@@ -187,6 +187,8 @@ class GraphGroup:
             capture_new=config.lazy_capture,
             budget=self.budget,
             consensus=self.consensus,
+            module=module,
+            auto_breaks=config.auto_breaks,
         )
         call: Callable[..., Any] = runner
         for feature in features:

@@ -25,6 +25,7 @@ signature, what a capture would trip on (``stats()["signatures"][i]["hostile_ops
 from __future__ import annotations
 
 import os
+import sys
 import traceback
 from dataclasses import dataclass
 from typing import Any
@@ -35,7 +36,7 @@ from torch.utils._pytree import tree_leaves
 
 from . import graphs
 
-__all__ = ["HostileOp", "HostileOpFinder", "classify"]
+__all__ = ["HostileOp", "HostileOpFinder", "classify", "innermost_module", "user_frame"]
 
 _SYNCS = {"_local_scalar_dense", "is_nonzero", "equal", "allclose"}
 _DYNAMIC = {"nonzero", "masked_select", "unique_dim", "_unique", "_unique2", "unique_consecutive", "bincount"}
@@ -54,6 +55,7 @@ class HostileOp:
     kind: str
     module: str
     where: str
+    on_gpu: bool = False  # for "tensor from Python data": built on the GPU directly (its copy is not dispatched)
 
     def __str__(self) -> str:
         return f"{self.op} ({self.kind}) in {self.module or 'the model'} at {self.where}"
@@ -63,10 +65,21 @@ def _devices(value: Any) -> list[torch.device]:
     return [leaf.device for leaf in tree_leaves(value) if isinstance(leaf, torch.Tensor)]
 
 
-def classify(func: Any, args: tuple, kwargs: dict, out: Any) -> str | None:
+def _copy_targets(name: str, args: tuple, kwargs: dict) -> list[torch.device]:
+    """Where a copy op will write, read from its arguments (before it runs)."""
+    if name == "_to_copy":
+        device = kwargs.get("device")
+        return [torch.device(device)] if device is not None else _devices(args[:1])
+    if name == "_copy_from" and len(args) > 1:
+        return _devices(args[1])
+    return []
+
+
+def classify(func: Any, args: tuple, kwargs: dict, out: Any = None, *, ran: bool = True) -> str | None:
     """The kind of hostility of one dispatched op (see the module docstring), or None for a harmless one.
 
-    ``func`` is an ``OpOverload``; ``out`` what it returned.
+    ``func`` is an ``OpOverload``; ``out`` what it returned. With ``ran=False`` the op has not run
+    yet (a capture deciding whether to make it a break): copies are then judged by their arguments.
     """
     namespace, name = func.namespace, func._schema.name.split("::")[-1]
     if namespace in _COLLECTIVE_NAMESPACES:
@@ -86,7 +99,7 @@ def classify(func: Any, args: tuple, kwargs: dict, out: Any) -> str | None:
         return None
     if name in _COPIES:
         sources = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-        targets = _devices(out)
+        targets = _devices(out) if ran else _copy_targets(name, args, kwargs)
         if name == "copy_" and args:
             targets, sources = [args[0].device], [t for t in sources if t is not args[0]]
         if any(d.type == "cuda" for d in targets) and any(
@@ -98,12 +111,24 @@ def classify(func: Any, args: tuple, kwargs: dict, out: Any) -> str | None:
     return None
 
 
-def _user_frame() -> str:
+def user_frame() -> str:
     """The innermost frame outside PyTorch and this package: the model's own line."""
     for frame in reversed(traceback.extract_stack()):
         if not frame.filename.startswith((_TORCH_DIR, _OUR_DIR)):
             return f"{os.path.basename(frame.filename)}:{frame.lineno} in {frame.name}"
     return "?"
+
+
+def innermost_module(names: dict[int, str]) -> str:
+    """The path (a value of ``names``, keyed by ``id(module)``) of the innermost module whose method
+    is running now, read from the call stack; "" when none of them is."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, torch.nn.Module) and id(owner) in names:
+            return names[id(owner)]
+        frame = frame.f_back
+    return ""
 
 
 class HostileOpFinder(TorchDispatchMode):
@@ -154,7 +179,8 @@ class HostileOpFinder(TorchDispatchMode):
             kind = classify(func, args, kwargs, out)
             if kind is not None:
                 module = self._names.get(id(self._modules[-1]), "") if self._modules else ""
-                op = HostileOp(str(func), kind, module, _user_frame())
+                on_gpu = kind == "tensor from Python data" and any(d.type == "cuda" for d in _devices(out))
+                op = HostileOp(str(func), kind, module, user_frame(), on_gpu)
                 if op not in self._seen:
                     self._seen.add(op)
                     self.found.append(op)

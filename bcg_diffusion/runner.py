@@ -37,8 +37,10 @@ from typing import Any, Protocol
 import torch
 
 from . import graphs
+from .auto_breaks import BREAK_KINDS, AutoBreaker, module_breaks, modules_to_break, refused_by_capture
 from .budget import SignatureBudget
 from .graphs import BreakableGraph, BreakResultMismatch, GraphPool, capture_breakable
+from .hostile import HostileOpFinder
 from .tree import UnsupportedValue, describe, differences, flatten, unflatten
 
 __all__ = ["MAX_PATHS", "BCGWarning", "GraphRunner", "OuterState", "RunnerCounters", "SignatureRecord"]
@@ -110,6 +112,9 @@ class SignatureRecord:
     # Debug mode: what a capture of this signature would trip on (bcg_diffusion.hostile), found on its
     # first replay (after the first run made every lazy initialisation, as warm-ups do before a capture).
     hostile_ops: list[str] | None = None
+    # The eager breaks the capture made by itself (bcg_diffusion.auto_breaks), each "op (kind) in
+    # module at file:line"; in debug mode, the ones a capture would make.
+    auto_breaks: list[str] = field(default_factory=list)
 
 
 class _EagerReplay:
@@ -198,6 +203,11 @@ class GraphRunner:
             shared by its runners; None: no limit.
         consensus: a :class:`~bcg_diffusion.parallel.CaptureConsensus` when the ranks of a
             context-parallel model must keep or abandon each capture together; None otherwise.
+        module: the module ``fn`` runs (names modules in the records; automatic module breaks);
+            default: ``fn.__self__`` when that is a module.
+        auto_breaks: let captures make eager breaks by themselves (:mod:`bcg_diffusion.auto_breaks`),
+            and retry a failed capture once with what it taught. Off under a consensus: the ranks
+            would have to learn the same breaks together.
 
     Thread safety: calls are serialised by ``lock``; the static buffers are shared, so two replays of
     one graph must never overlap.
@@ -219,6 +229,8 @@ class GraphRunner:
         capture_new: bool = True,
         budget: SignatureBudget | None = None,
         consensus: Any = None,
+        module: torch.nn.Module | None = None,
+        auto_breaks: bool = True,
     ) -> None:
         if pool is None and not debug:
             raise ValueError("a GraphRunner needs a GraphPool unless debug=True")
@@ -235,6 +247,11 @@ class GraphRunner:
         self.capture_new = capture_new
         self.budget = budget
         self.consensus = consensus
+        owner = getattr(fn, "__self__", None)
+        self.module = module if module is not None or not isinstance(owner, torch.nn.Module) else owner
+        self.auto_breaks = auto_breaks and consensus is None
+        self._learned_ops: set[str] = set()  # ops that failed inside a capture: broken around from then on
+        self._module_breaks: list[str] = []  # submodules of module run as eager breaks in every capture
         self.counters = RunnerCounters()
         self._entries: dict[Hashable, _Entry] = {}
         self._warned: set[str] = set()
@@ -352,12 +369,11 @@ class GraphRunner:
 
     def _replay_finding(self, entry: _Entry, path: _Path) -> Any:
         """A debug replay under the hostile-op finder: its findings go to the signature's record."""
-        from .hostile import HostileOpFinder
-
-        owner = getattr(self.fn, "__self__", None)
-        with HostileOpFinder(owner if isinstance(owner, torch.nn.Module) else None) as finder:
+        with HostileOpFinder(self.module) as finder:
             path.graph.replay()
         entry.record.hostile_ops = [str(op) for op in finder.found]
+        if self.auto_breaks:
+            entry.record.auto_breaks = [str(op) for op in finder.found if op.kind in BREAK_KINDS]
         if finder.found:
             logger.warning(
                 "%s: a capture of %s would meet %d operation(s) it cannot hold outside the eager breaks, first: %s",
@@ -531,28 +547,74 @@ class GraphRunner:
             caller_stream.wait_stream(stream)
 
         reserved_before = pool.reserved_bytes()
-        stream.wait_stream(caller_stream)
-        try:
-            with torch.cuda.stream(stream):
-                graph, result = capture_breakable(
-                    lambda: self._run(args, kwargs),
-                    pool,
-                    capture_error_mode=self.capture_error_mode,
-                    track_external=self.track_external_tensors,
-                    consensus=self.consensus,
-                )
-            outputs, output_spec = flatten(result)
-        except Exception as exc:  # any capture failure: fall back for this signature, say why
-            caller_stream.wait_stream(stream)
-            if outer is not None:  # the eager call that follows must start where this one did
-                outer.rewind(token)
-            self._disable(entry, f"capture failed: {type(exc).__name__}: {str(exc).strip().splitlines()[0][:300]}")
-            return None
+        attempts = 2 if self.auto_breaks else 1  # a failed capture may teach one more break
+        for attempt in range(attempts):
+            breaker = AutoBreaker(self.module, self._learned_ops) if self.auto_breaks else None
+            stream = pool.stream
+            stream.wait_stream(caller_stream)
+            try:
+                with torch.cuda.stream(stream), module_breaks(self.module, self._module_breaks):
+                    graph, result = capture_breakable(
+                        lambda: self._run(args, kwargs),
+                        pool,
+                        capture_error_mode=self.capture_error_mode,
+                        track_external=self.track_external_tensors,
+                        consensus=self.consensus,
+                        breaker=breaker,
+                    )
+                outputs, output_spec = flatten(result)
+                break
+            except Exception as exc:  # any capture failure: fall back for this signature, say why
+                caller_stream.wait_stream(stream)
+                if outer is not None:  # the eager call that follows must start where this one did
+                    outer.rewind(token)
+                if attempt + 1 < attempts and self._learn(breaker, exc, args, kwargs):
+                    continue
+                reason = f"capture failed: {type(exc).__name__}: {str(exc).strip().splitlines()[0][:300]}"
+                self._disable(entry, reason)
+                return None
         caller_stream.wait_stream(stream)
         entry.record.segments = max(entry.record.segments, graph.num_segments)
         entry.record.breaks = max(entry.record.breaks, graph.num_breaks)
         entry.record.memory_bytes += max(0, pool.reserved_bytes() - reserved_before)
+        if breaker is not None:
+            self._record_auto_breaks(entry, breaker)
         return _Path(graph, outputs, output_spec, outer.record() if outer is not None else None)
+
+    def _learn(self, breaker: AutoBreaker | None, exc: Exception, args: tuple, kwargs: dict) -> bool:
+        """After a failed capture: find a break that may let the next one succeed. True if one was found.
+
+        Only for CUDA's refusals inside a capture (not out-of-memory, nor the model's own errors). The
+        operation that raised while recorded comes first; else an eager run under the hostile-op finder
+        names the modules that build GPU tensors from Python data (auto_breaks' docstring).
+        """
+        if not refused_by_capture(exc):
+            return False
+        if breaker is not None and breaker.failed_op is not None and breaker.failed_op not in self._learned_ops:
+            self._learned_ops.add(breaker.failed_op)
+            logger.info("%s: capture failed in %s (%s); breaking around it", self.name, breaker.failed_op, exc)
+            return True
+        if self.module is None:
+            return False
+        token = self.outer_state.checkpoint() if self.outer_state is not None else None
+        with HostileOpFinder(self.module) as finder:
+            self._run(args, kwargs)
+        if self.outer_state is not None:
+            self.outer_state.rewind(token)
+        new = [path for path in modules_to_break(finder.found) if path not in self._module_breaks]
+        if new:
+            self._module_breaks.extend(new)
+            logger.info("%s: capture failed (%s); running %s as eager breaks", self.name, exc, ", ".join(new))
+        return bool(new)
+
+    def _record_auto_breaks(self, entry: _Entry, breaker: AutoBreaker) -> None:
+        made = [str(op) for op in breaker.made]
+        made += [f"module {path} (builds GPU tensors from Python data)" for path in self._module_breaks]
+        entry.record.auto_breaks = list(dict.fromkeys(entry.record.auto_breaks + made))  # every path's
+        for site in made:
+            if site not in self._warned:
+                self._warned.add(site)
+                logger.info("%s: automatic eager break: %s", self.name, site)
 
     def _disable(self, entry: _Entry, reason: str) -> None:
         if self.budget is not None:  # a disabled signature holds no graph: nothing left to evict

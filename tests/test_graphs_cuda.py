@@ -175,7 +175,7 @@ def test_uncapturable_op_without_a_break_falls_back_in_the_runner(pool):
     def fn(x):
         return x * float(x.sum().item())
 
-    runner = GraphRunner(fn, name="toy", pool=pool, lock=threading.RLock())
+    runner = GraphRunner(fn, name="toy", pool=pool, lock=threading.RLock(), auto_breaks=False)
     x = torch.randn(8, device="cuda")
     with pytest.warns(UserWarning, match="capture failed"):
         out = runner(x)
