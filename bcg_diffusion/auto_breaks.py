@@ -80,12 +80,15 @@ class AutoBreaker:
     """Decides, during one capture, which operations become eager breaks, and keeps what it made.
 
     ``root`` names the modules in the records (``transformer_blocks.3.attn``); ``learned`` holds
-    operation names that failed inside an earlier capture, broken around wherever they run.
+    operation names that failed inside an earlier capture, broken around wherever they run. Host
+    syncs and data-dependent shapes count only on tensors of ``device_type`` (the capture's): the
+    same operation on a host tensor is ordinary host work, which a capture does not mind.
     """
 
-    def __init__(self, root: torch.nn.Module | None, learned: Iterable[str] = ()) -> None:
+    def __init__(self, root: torch.nn.Module | None, learned: Iterable[str] = (), device_type: str = "cuda") -> None:
         self.names = {id(m): name for name, m in root.named_modules()} if root is not None else {}
         self.learned = set(learned)
+        self.device_type = device_type
         self.made: list[HostileOp] = []
         self._seen: set[HostileOp] = set()
         self.failed_op: str | None = None  # the first operation that raised while recorded
@@ -95,7 +98,13 @@ class AutoBreaker:
         if self.learned and str(func) in self.learned:
             return LEARNED
         kind = classify(func, args, kwargs, ran=False)
-        return kind if kind in BREAK_KINDS else None
+        if kind not in BREAK_KINDS:
+            return None
+        if kind != "copy from host memory" and not any(
+            isinstance(t, torch.Tensor) and t.device.type == self.device_type for t in tree_leaves((args, kwargs))
+        ):
+            return None
+        return kind
 
     def run(self, capture: Any, func: Any, args: tuple, kwargs: dict, kind: str) -> Any:
         """Run ``func`` as an eager break of ``capture`` (a ``graphs._BreakableCapture``)."""

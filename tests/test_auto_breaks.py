@@ -43,7 +43,7 @@ def test_copies_are_judged_by_their_arguments_before_they_run():
 
 
 def test_the_breaker_wants_host_syncs_dynamic_shapes_and_learned_ops_only():
-    breaker = AutoBreaker(None, learned={"aten.mm.default"})
+    breaker = AutoBreaker(None, learned={"aten.mm.default"}, device_type="cpu")  # CPU tensors stand for GPU ones
     x = torch.ones(3)
     assert breaker.wants(aten._local_scalar_dense.default, (x,), {}) == "host sync"
     assert breaker.wants(aten.nonzero.default, (x,), {}) == "data-dependent shape"
@@ -51,6 +51,7 @@ def test_the_breaker_wants_host_syncs_dynamic_shapes_and_learned_ops_only():
     assert breaker.wants(aten.mm.default, (x, x), {}) == LEARNED
     assert breaker.wants(aten.add.Tensor, (x, x), {}) is None
     assert breaker.wants(aten.lift_fresh.default, (x,), {}) is None  # a CPU op: its copy is what breaks
+    assert AutoBreaker(None).wants(aten._local_scalar_dense.default, (x,), {}) is None  # host work, in a GPU capture
 
 
 def test_a_host_result_joins_the_break_spec_and_in_place_ops_return_their_target():
@@ -91,7 +92,7 @@ def test_a_break_records_its_op_module_and_line_once():
 
 
 def test_the_capture_mode_sends_hostile_ops_to_breaks_and_notes_a_failing_op():
-    breaker, capture = AutoBreaker(None), FakeCapture()
+    breaker, capture = AutoBreaker(None, device_type="cpu"), FakeCapture()
     tracker = graphs._ExternalTensorTracker(capture_stream=None, breaker=breaker)
     token = graphs._ACTIVE.set(capture)
     try:
