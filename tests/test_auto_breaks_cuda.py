@@ -68,7 +68,7 @@ def test_every_hostile_kind_becomes_a_break_and_replays_give_eager_bytes():
     model = Hostile()
     runner = _runner(model)
     mask = _mask(0)
-    for step in range(4):
+    for _ in range(4):
         x = torch.rand(8, 16, device="cuda") + 0.1  # positive: the host decision stays the same
         assert torch.equal(runner(x, mask), model(x, mask))
     [record] = runner.records()
