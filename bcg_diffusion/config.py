@@ -74,6 +74,10 @@ class AccelerateConfig:
             (:mod:`bcg_diffusion.auto_breaks`). Each is listed in
             ``stats()["signatures"][i]["auto_breaks"]``. False: such a capture fails and its
             signature runs eagerly, with the reason. Needs ``track_external_tensors``.
+        cfg_parallel: under ``torchrun`` with two ranks, ``True`` (the default process group) or a
+            process group of two: each true-CFG step's cond call runs on rank 0 and its uncond call on
+            rank 1, with one exchange of the predictions per step; byte-identical to one GPU
+            (:mod:`bcg_diffusion.cfg_parallel`). Every rank makes the same pipeline calls.
     """
 
     mode: str = "exact"
@@ -92,6 +96,7 @@ class AccelerateConfig:
     quantize: Any = None
     quantize_filter: Any = None
     auto_breaks: bool = True
+    cfg_parallel: Any = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.mode, str) or self.mode not in _MODES:
@@ -99,6 +104,8 @@ class AccelerateConfig:
         for name in ("debug", "track_external_tensors", "lazy_capture", "auto_breaks"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {type(getattr(self, name)).__name__}")
+        if not isinstance(self.cfg_parallel, bool) and not hasattr(self.cfg_parallel, "size"):
+            raise TypeError(f"cfg_parallel must be a bool or a process group, got {type(self.cfg_parallel).__name__}")
         if self.components is not None:
             object.__setattr__(self, "components", component_names(self.components))
         if isinstance(self.warmup_runs, bool) or not isinstance(self.warmup_runs, int):

@@ -1,7 +1,14 @@
-"""``torchrun -m bench.parallel``: Qwen-Image on one GPU against N GPUs with diffusers' context parallelism.
+"""``torchrun -m bench.parallel``: Qwen-Image on one GPU against N GPUs, split by diffusers' context
+parallelism or by true CFG across two GPUs.
 
     torchrun --nproc_per_node=2 -m bench.parallel --weights random-full
     torchrun --nproc_per_node=2 -m bench.parallel --parallel ring=2 --resolutions 1024x1024 --steps 50
+    torchrun --nproc_per_node=2 -m bench.parallel --parallel cfg --single-modes bcg,fast --resolutions 1024x1024
+
+With ``--parallel cfg`` (``accelerate(pipe, cfg_parallel=True)``, two processes), rank 0 computes each
+step's cond call and rank 1 its uncond call; the modes are ``bcg`` and ``fast`` (``--cfg-modes``), and
+each is checked byte-equal to the same mode on one GPU (there, fast mode runs without its CFG batching,
+so both use the same kernels); the forward alone is not timed.
 
 Every rank builds the pipeline. First rank 0 alone measures it without parallelism (the others wait),
 then every rank measures a copy split with ``transformer.enable_parallelism`` (``--parallel
@@ -46,13 +53,13 @@ from .modes import pipeline_copy
 
 logger = logging.getLogger("bench.parallel")
 
-MODES = ("eager", "bcg")
+MODES = ("eager", "bcg", "fast")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="torchrun --nproc_per_node=N -m bench.parallel", description=__doc__)
     parser.add_argument("--weights", default="random-full", help="tiny | random-full | hub id | local path")
-    parser.add_argument("--parallel", default=None, help="ulysses=N or ring=N (default: ulysses=WORLD_SIZE)")
+    parser.add_argument("--parallel", default=None, help="ulysses=N, ring=N or cfg (default: ulysses=WORLD_SIZE)")
     parser.add_argument("--resolutions", type=_resolutions, default=[(512, 512), (1024, 1024)], help="WxH,...")
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--guidance", type=float, default=4.0, help="true_cfg_scale (> 1: two forwards per step)")
@@ -61,15 +68,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--runs", type=int, default=3, help="timed pipeline calls per mode after the first")
     parser.add_argument("--forward-runs", type=int, default=20, help="timed transformer forwards per mode")
     parser.add_argument("--single-modes", default="eager,bcg", help="modes measured on one GPU ('' for none)")
+    parser.add_argument("--cfg-modes", default="bcg,fast", help="with --parallel cfg: the modes split across GPUs")
     parser.add_argument(
         "--out", type=Path, default=None, help="rank 0's output folder (default: bench-runs/parallel-<UTC timestamp>/)"
     )
     args = parser.parse_args(argv)
     world = dist.get_world_size()
     kind, _, degree = (args.parallel or f"ulysses={world}").partition("=")
-    if kind not in ("ulysses", "ring") or not degree.isdigit() or int(degree) != world:
-        parser.error(f"--parallel must be ulysses={world} or ring={world} (one split over all {world} processes)")
+    if kind == "cfg":
+        if world != 2 or degree:
+            parser.error("--parallel cfg takes no degree and needs exactly 2 processes")
+    elif kind not in ("ulysses", "ring") or not degree.isdigit() or int(degree) != world:
+        parser.error(f"--parallel must be ulysses={world}, ring={world} or cfg (one split over all {world} processes)")
     args.kind = kind
+    args.cfg_modes = [m for m in args.cfg_modes.split(",") if m]
+    if any(m not in ("bcg", "fast") for m in args.cfg_modes):
+        parser.error("--cfg-modes takes bcg and/or fast")
     if args.out is None:
         args.out = runs.default_out("parallel")
     args.single_modes = [m for m in args.single_modes.split(",") if m]
@@ -164,30 +178,43 @@ def measure_layout(
     results: dict[str, Any],
     on_case: Callable[[], None],
     modes: tuple[str, ...] = MODES,
+    images: dict[str, dict[str, torch.Tensor]] | None = None,
 ) -> None:
     """``modes`` on a copy of ``base`` (split over every rank when ``parallel``), every resolution, into
-    ``results`` (one entry per resolution); ``on_case()`` after each, so a cut-short run keeps its figures."""
+    ``results`` (one entry per resolution); ``on_case()`` after each, so a cut-short run keeps its figures.
+
+    ``images``: one GPU's images per resolution and mode; filled when not ``parallel``, compared
+    with under ``--parallel cfg`` (where one GPU's rounding is the reference)."""
     for width, height in args.resolutions:
         label = f"{width}x{height}"
         kwargs = _call_kwargs(args, width, height)
         case: dict[str, Any] = {}
+        split_cfg = parallel and args.kind == "cfg"
         for mode in modes:
             pipe = pipeline_copy(base)
-            if parallel:
+            if parallel and not split_cfg:
                 from diffusers import ContextParallelConfig
 
                 degree = dist.get_world_size()
                 config = ContextParallelConfig(**{f"{args.kind}_degree": degree})
                 pipe.transformer.enable_parallelism(config=config)
-            if mode == "bcg":
-                accelerate(pipe, debug=device.type != "cuda")
-            inputs = _first_forward_inputs(pipe, kwargs, device)
-            forward = _time_forward(pipe, inputs, args.forward_runs, parallel, device)
+            if mode != "eager":
+                options: dict[str, Any] = {"cfg_parallel": True} if split_cfg else {}
+                if mode == "fast":
+                    options["mode"] = "fast"
+                    if not split_cfg:  # one GPU without CFG batching: the kernels of the split calls
+                        options["batch_cfg"] = False
+                accelerate(pipe, debug=device.type != "cuda", **options)
+            if split_cfg:  # each rank runs half the calls: the forward alone says nothing
+                forward = {"median_s": float("nan"), "output": None}
+            else:
+                inputs = _first_forward_inputs(pipe, kwargs, device)
+                forward = _time_forward(pipe, inputs, args.forward_runs, parallel, device)
             call = _time_pipeline(pipe, kwargs, args.runs, parallel, device)
             entry = {k: v for k, v in forward.items() if k != "output"}
             case[mode] = {"forward": entry, "pipeline": {k: v for k, v in call.items() if k != "images"}}
             case[mode]["_forward_output"], case[mode]["_images"] = forward["output"], call["images"]
-            if mode == "bcg":
+            if mode != "eager":
                 report = stats(pipe)
                 case[mode]["graphs"] = {k: report[k] for k in ("captures", "replays", "eager_fallbacks")}
                 restore(pipe)
@@ -208,6 +235,12 @@ def measure_layout(
                 case["bcg"]["_forward_output"], case["eager"]["_forward_output"]
             )
             case["bcg"]["images_equal"] = torch.equal(case["bcg"]["_images"], case["eager"]["_images"])
+        if split_cfg and images is not None:  # byte-equal to the same mode on one GPU (rank 0 has it)
+            for mode in case:
+                if mode in images.get(label, {}):
+                    case[mode]["images_equal_to_one_gpu"] = torch.equal(case[mode]["_images"], images[label][mode])
+        if not parallel and images is not None:
+            images[label] = {mode: entry["_images"] for mode, entry in case.items()}
         for entry in case.values():
             del entry["_forward_output"], entry["_images"]
         results[label] = case
@@ -222,7 +255,8 @@ def markdown(record: dict[str, Any]) -> str:
         f"Environment: {json.dumps(record['environment'])}",
         "",
         f"Qwen-Image ({record['weights']}), {record['steps']} steps, true CFG {record['guidance']}, "
-        f"context parallelism {record['layout']} against one GPU.",
+        f"{'CFG across GPUs' if record['layout'] == 'cfg' else 'context parallelism ' + record['layout']} "
+        "against one GPU.",
         "",
         "| resolution | GPUs | mode | transformer forward (ms) | pipeline median (s) | same as eager |",
         "|---|---|---|---|---|---|",
@@ -230,13 +264,16 @@ def markdown(record: dict[str, Any]) -> str:
     for layout, gpus in (("single", 1), ("parallel", world)):
         for label, case in record.get(layout, {}).items():
             for mode, entry in case.items():
-                if "images_equal" in entry:
+                if "images_equal_to_one_gpu" in entry:
+                    same = "as one GPU: " + ("yes" if entry["images_equal_to_one_gpu"] else "**no**")
+                elif "images_equal" in entry:
                     same = "yes" if entry["images_equal"] and entry["forward_equal"] else "**no**"
                 else:
                     same = "–" if mode == "eager" else "not compared (no eager run)"
+                forward_ms = entry["forward"]["median_s"] * 1e3
+                forward = f"{forward_ms:.1f}" if forward_ms == forward_ms else "–"  # NaN: not timed (cfg)
                 lines.append(
-                    f"| {label} | {gpus} | {mode} | {entry['forward']['median_s'] * 1e3:.1f} | "
-                    f"{entry['pipeline']['median_s']:.3f} | {same} |"
+                    f"| {label} | {gpus} | {mode} | {forward} | {entry['pipeline']['median_s']:.3f} | {same} |"
                 )
     return "\n".join(lines)
 
@@ -268,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
         record: dict[str, Any] = {
             "command": "torchrun -m bench.parallel " + shlex.join(sys.argv[1:] if argv is None else argv),
             "world_size": dist.get_world_size(),
-            "layout": f"{args.kind}={dist.get_world_size()}",
+            "layout": "cfg" if args.kind == "cfg" else f"{args.kind}={dist.get_world_size()}",
             "steps": args.steps,
             "guidance": args.guidance,
             "weights": args.weights,
@@ -281,17 +318,25 @@ def main(argv: list[str] | None = None) -> int:
                 (args.out / "parallel.json").write_text(json.dumps(record, indent=1))
                 (args.out / "parallel.md").write_text(markdown(record) + "\n")
 
+        one_gpu: dict[str, dict[str, torch.Tensor]] = {}
         if args.single_modes and rank == 0:
             record["single"] = {}
-            measure_layout(base, args, device, False, record["single"], write, tuple(args.single_modes))
+            measure_layout(base, args, device, False, record["single"], write, tuple(args.single_modes), one_gpu)
         dist.barrier()
         record["parallel"] = {}
-        measure_layout(base, args, device, True, record["parallel"], write)
+        split_modes = tuple(args.cfg_modes) if args.kind == "cfg" else MODES[:2]
+        measure_layout(base, args, device, True, record["parallel"], write, split_modes, one_gpu)
         if rank == 0:
             print(markdown(record))
         dist.barrier()
         cases = [case for layout in ("single", "parallel") for case in record.get(layout, {}).values()]
-        ok = all(c["bcg"].get("images_equal", True) and c["bcg"].get("forward_equal", True) for c in cases)
+        ok = all(
+            entry.get("images_equal", True)
+            and entry.get("forward_equal", True)
+            and entry.get("images_equal_to_one_gpu", True)
+            for case in cases
+            for entry in case.values()
+        )
         return 0 if ok else 1
     finally:
         dist.destroy_process_group()

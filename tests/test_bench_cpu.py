@@ -246,6 +246,27 @@ def test_parallel_bench_under_torchrun(tmp_path):
     assert (tmp_path / "parallel.md").read_text().startswith("`torchrun -m bench.parallel")
 
 
+@pytest.mark.heavy  # starts torchrun: two processes, each importing torch
+def test_parallel_bench_splits_cfg_across_two_processes(tmp_path):
+    """``torchrun -m bench.parallel --parallel cfg`` on two CPU processes (gloo, debug mode): the
+    split gives one process's bytes."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "-m", "bench.parallel"]
+    command += ["--weights", "tiny", "--resolutions", "64x64", "--steps", "3", "--runs", "1", "--parallel", "cfg"]
+    command += ["--single-modes", "bcg", "--cfg-modes", "bcg", "--out", str(tmp_path)]
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
+    run = subprocess.run(command, timeout=300, cwd=root, env=env, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-4000:]
+    result = json.loads((tmp_path / "parallel.json").read_text())
+    assert result["layout"] == "cfg" and result["parallel"]["64x64"]["bcg"]["images_equal_to_one_gpu"], result
+    assert "CFG across GPUs" in (tmp_path / "parallel.md").read_text()
+
+
 def test_serving_report_fields(tmp_path):
     """``python -m bench.serving`` on tiny Qwen-Image: text buckets cover every random prompt after
     the warm-up (no capture, no miss), and the checked requests equal eager."""

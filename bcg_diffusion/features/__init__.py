@@ -4,13 +4,15 @@
 hooks (context parallelism decides about the collectives before fast mode decides whether to compile,
 step caching takes a cache's hooks off the blocks before they compile, quantization replaces
 the weights before they compile,
-compiled blocks patch the attention processors before CFG batching asks what they accept).
+compiled blocks patch the attention processors before CFG batching asks what they accept; CFG across
+GPUs wraps the transformer's call last, outside everything else).
 """
 
 from __future__ import annotations
 
 from .base import Feature, Setup, Target
 from .cfg_batching import CfgBatching
+from .cfg_parallel import CfgParallel
 from .compiled_blocks import CompiledBlocks
 from .context_parallel import ContextParallel
 from .quantization import Quantization
@@ -27,6 +29,7 @@ FEATURES: list[type[Feature]] = [
     Quantization,
     CompiledBlocks,
     CfgBatching,
+    CfgParallel,
     TextTrimming,
     VaeGroupNorm,
     TextBuckets,

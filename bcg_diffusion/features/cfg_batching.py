@@ -36,6 +36,10 @@ class CfgBatching(Feature):
         config = setup.config
         if config.mode != "fast" or config.batch_cfg is False or "transformer" not in setup.accelerated:
             return None
+        if config.cfg_parallel is not False:  # the two calls of a step run on two GPUs instead
+            if config.batch_cfg:
+                warnings.warn("bcg-diffusion: batch_cfg=True is ignored with cfg_parallel", BCGWarning, stacklevel=4)
+            return None
         if setup.adapter.cfg_batch is not None and setup.adapter.is_tested(setup.pipe) and setup.layout is None:
             return cls(setup)
         if config.batch_cfg:

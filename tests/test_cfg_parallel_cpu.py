@@ -1,0 +1,74 @@
+"""True CFG across two ranks on CPU (gloo), tiny Qwen-Image, runner in debug mode: rank 0 computes the
+cond calls, rank 1 the uncond calls, one exchange per step, and both ranks get the image one process
+computes alone, byte for byte. The same split on two GPUs is ``bench.parallel``'s (not run yet)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from _cases import run_case
+
+from bcg_diffusion import accelerate, restore, stats
+from bcg_diffusion.loading import build_pipeline
+
+WORLD, STEPS = 2, 4
+
+
+def _pipe(name: str = "qwen-image"):
+    pipe = build_pipeline(name, "tiny")
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def _worker(rank: int, init_file: str, out: str) -> None:
+    torch.set_num_threads(max(1, (os.cpu_count() or WORLD) // WORLD))
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
+    try:
+        pipe = _pipe()
+        alone = {
+            case: run_case(pipe, "qwen-image", case, height=32, width=32, steps=STEPS)
+            for case in ("true_cfg", "no_cfg")
+        }
+        accelerate(pipe, debug=True, cfg_parallel=True)
+        report = {"equal": {}, "counters": {}}
+        for case in ("true_cfg", "no_cfg", "true_cfg"):
+            image = run_case(pipe, "qwen-image", case, height=32, width=32, steps=STEPS)
+            report["equal"][case] = report["equal"].get(case, True) and torch.equal(image, alone[case])
+            report["counters"][case] = {k: stats(pipe)[k] for k in ("cfg_split_calls", "cfg_exchanges")}
+        restore(pipe)
+        report["restored"] = torch.equal(
+            run_case(pipe, "qwen-image", "true_cfg", height=32, width=32, steps=STEPS), alone["true_cfg"]
+        )
+        Path(out, f"rank{rank}.json").write_text(json.dumps(report))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.heavy  # two processes, each importing torch and building the pipeline
+def test_each_rank_computes_one_half_and_both_get_one_process_bytes(tmp_path: Path) -> None:
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is not available")
+    mp.spawn(_worker, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=WORLD, join=True)
+    reports = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(WORLD)]
+    for report in reports:
+        assert all(report["equal"].values()) and report["restored"], report
+        # counters are cumulative, read after each call (the dict keeps the second true-CFG call's):
+        # STEPS - 1 split steps per true-CFG call, the first step runs whole on both ranks
+        counters = report["counters"]
+        assert counters["no_cfg"]["cfg_exchanges"] == STEPS - 1  # the first call's; the no-CFG call added none
+        assert counters["true_cfg"]["cfg_exchanges"] == 2 * (STEPS - 1)
+        assert counters["true_cfg"]["cfg_split_calls"] == 2 * (STEPS - 1)  # each rank left one call per step
+
+
+def test_cfg_parallel_needs_torch_distributed() -> None:
+    pipe = _pipe()
+    with pytest.raises(RuntimeError, match="torchrun"):
+        accelerate(pipe, debug=True, cfg_parallel=True)
+    with pytest.raises(TypeError, match="cfg_parallel"):
+        accelerate(pipe, debug=True, cfg_parallel="yes")
