@@ -48,13 +48,14 @@
 #   memory-z         graph memory of 4 resolutions x 2 CFG modes against one, peak replay vs eager (Z-Image)
 #   parallel         (two GPUs) context parallelism: tests/test_parallel_cuda.py (tiny: ulysses and ring;
 #                    full size: ulysses at 512² and 1024²), then torchrun -m bench.parallel (one GPU against two)
+#   parallel-cfg     (two GPUs) true CFG across the GPUs: torchrun -m bench.parallel --parallel cfg, Qwen-Image 1024²
 #   serving          warm-up then 50 requests with random prompts (Qwen-Image with text buckets, then Z-Image's exact caption buckets):
 #                    captures, misses, latency, equality with eager (bench.serving)
 #   demo             app.py --record: one side-by-side demo generation with full-size random Z-Image, saved
 #                    for `python scripts/screenshot_replay.py DIR OUT.png` here (the GPU machine has no browser)
 # Everything it writes is under $OUT (logs, results.json/.md/.png); copy it to bench/results/<date>-h200/.
 set -uo pipefail
-[ $# -gt 0 ] || { echo "usage: scripts/gpu_session.sh tests|tests-full|tests-fast|tests-coexist|tests-shared|tests-cache|bench-cache-qwen-1024|bench-cache-qwen-512|bench-cache-z|tests-quant|tests-auto|bench-fp8-z|bench-fp8-qwen|warm-start-fp8-z|probe-fp8-groups|hotswap-z|tests-z|te-z|fast-check|profile-qwen|profile-z|fast-qwen-50|ab-attention|probe-floor|probe-norms|probe-blocks|compile-max-qwen|memory-z|bench-z|warm-start-z|bench-qwen|bench-qwen-512|bench-qwen-1024|issue2|parallel|serving|demo ..." >&2; exit 2; }
+[ $# -gt 0 ] || { echo "usage: scripts/gpu_session.sh tests|tests-full|tests-fast|tests-coexist|tests-shared|tests-cache|bench-cache-qwen-1024|bench-cache-qwen-512|bench-cache-z|tests-quant|tests-auto|bench-fp8-z|bench-fp8-qwen|warm-start-fp8-z|probe-fp8-groups|hotswap-z|tests-z|te-z|fast-check|profile-qwen|profile-z|fast-qwen-50|ab-attention|probe-floor|probe-norms|probe-blocks|compile-max-qwen|memory-z|bench-z|warm-start-z|bench-qwen|bench-qwen-512|bench-qwen-1024|issue2|parallel|parallel-cfg|serving|demo ..." >&2; exit 2; }
 out=${OUT:-/tmp/bcg-out}
 mkdir -p "$out"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -247,6 +248,13 @@ case "$phase" in
       --resolutions "${PARALLEL_RESOLUTIONS:-512x512,1024x1024}" --single-modes "${PARALLEL_SINGLE_MODES-eager,bcg}" \
       --steps 50 --guidance 4 --runs 2 --out "$out/parallel-qwen-image" 2>&1 \
       | tee "$out/parallel-qwen-image.log" | grep -v "Warning\|warn(" | tail -20
+    ;;
+  parallel-cfg)
+    # true CFG across the two GPUs (cfg_parallel=True), bcg and fast, against one GPU in the same mode
+    timeout "${PARALLEL_BENCH_TIMEOUT:-540}" python3 -m torch.distributed.run --nproc_per_node=2 -m bench.parallel \
+      --weights random-full --parallel cfg --resolutions "${PARALLEL_RESOLUTIONS:-1024x1024}" --single-modes bcg,fast \
+      --cfg-modes bcg,fast --steps 50 --guidance 4 --runs 2 --out "$out/parallel-cfg-qwen-image" 2>&1 \
+      | tee "$out/parallel-cfg-qwen-image.log" | grep -v "Warning\|warn(" | tail -20
     ;;
   serving)
     for pipeline in qwen-image z-image; do
