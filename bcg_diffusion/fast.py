@@ -196,12 +196,16 @@ def _compiled_forward(
     return forward
 
 
-def compile_repeated_blocks(module: torch.nn.Module, patches: MethodPatches) -> CompiledBlocks:
+def compile_repeated_blocks(
+    module: torch.nn.Module, patches: MethodPatches, *, fullgraph: bool = True
+) -> CompiledBlocks:
     """Replace the ``forward`` of every block of ``module._repeated_blocks`` by an inductor-compiled one.
 
     Compiles with ``fullgraph=True`` (a graph break inside a block is an error at the first call, not a
-    silent slowdown) and inductor's default mode, which adds no CUDA graphs of its own. The patches
-    are recorded in ``patches`` (``patches.undo()`` gives the original forwards back).
+    silent slowdown) and inductor's default mode, which adds no CUDA graphs of its own. ``fullgraph=False``
+    is for blocks that must break on purpose: context parallelism's collectives, which stay eager
+    breaks between compiled regions (:mod:`bcg_diffusion.patches.collectives`). The patches are
+    recorded in ``patches`` (``patches.undo()`` gives the original forwards back).
 
     Raises:
         ValueError: ``module`` declares no ``_repeated_blocks``, or none of its submodules is one.
@@ -224,7 +228,7 @@ def compile_repeated_blocks(module: torch.nn.Module, patches: MethodPatches) -> 
             target = types.MethodType(private_forwards[type(block)], block)
         else:  # an instance-level forward someone else installed: compile it as it is
             target = original
-        compiled = torch.compile(target, fullgraph=True, dynamic=True)
+        compiled = torch.compile(target, fullgraph=fullgraph, dynamic=True)
         forward = _compiled_forward(compiled, original, block, record)
         patches.replace(block, "forward", functools.wraps(original)(forward))
         record.names.append(name)

@@ -1,7 +1,8 @@
 """Fast mode: the transformer's repeated blocks compiled by inductor, inside the graphs.
 
 The compiling itself is :mod:`bcg_diffusion.fast`; this feature decides when it applies (``mode="fast"``
-with the transformer accelerated and no context parallelism), applies the adapter's fast-mode
+with the transformer accelerated; under context parallelism the blocks compile as regions between the
+collectives, which stay eager breaks), applies the adapter's fast-mode
 processor patches first (scoped to this model), keeps a portable copy of the compile caches after each
 call that compiled, and reports the compiles. Without blocks to compile, the pipeline keeps exact-mode
 graphs and says so.
@@ -35,8 +36,11 @@ class CompiledBlocks(Feature):
         "eager_block_calls": 0,
     }
 
-    def __init__(self, cache_dir: str | None) -> None:
+    def __init__(self, cache_dir: str | None, breaks_inside: bool = False) -> None:
         self.cache_dir = cache_dir
+        # Under context parallelism the collectives stay eager breaks inside the blocks: compiled
+        # regions between them (dynamo breaks its graph there), not one graph per block.
+        self.breaks_inside = breaks_inside
         self.compiled: fast.CompiledBlocks | None = None
         self.scoped_patches: list[str] = []
         self.compiles_saved = 0  # compiles when the portable compile cache was last written
@@ -45,19 +49,10 @@ class CompiledBlocks(Feature):
     def create(cls, setup: Setup) -> CompiledBlocks | None:
         if setup.config.mode != "fast":
             return None
-        if setup.layout is not None:
-            # Compiled blocks would trace diffusers' collectives into their code, and so into our graphs.
-            warnings.warn(
-                "bcg-diffusion: mode='fast' does not support context parallelism yet (compiled blocks would "
-                "hold the collectives, which must stay eager breaks); using exact-mode graphs",
-                BCGWarning,
-                stacklevel=4,
-            )
-            return None
         if "transformer" not in setup.accelerated:
             _fall_back("fast mode compiles the transformer, which is not among the accelerated components")
             return None
-        return cls(setup.config.compile_cache_dir)
+        return cls(setup.config.compile_cache_dir, breaks_inside=setup.layout is not None)
 
     def prepare(self, setup: Setup, patches: MethodPatches) -> None:
         transformer = setup.modules["transformer"]
@@ -71,7 +66,7 @@ class CompiledBlocks(Feature):
             except ValueError as exc:
                 warnings.warn(f"bcg-diffusion: fast-mode patch {patch.name} skipped: {exc}", BCGWarning, stacklevel=4)
         try:
-            self.compiled = fast.compile_repeated_blocks(transformer, patches)
+            self.compiled = fast.compile_repeated_blocks(transformer, patches, fullgraph=not self.breaks_inside)
         except ValueError as exc:
             _fall_back(str(exc))
             return

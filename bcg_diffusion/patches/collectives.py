@@ -10,6 +10,11 @@ mask (the masked path) into argument buffers, which the break keeps and refills 
 Outside a capture they are the same call followed by the wait diffusers does next anyway (its
 ``_wait_tensor``), so eager results are unchanged.
 
+Fast mode compiles the blocks around them: each break is also ``torch.compiler.disable``-d, so
+dynamo ends a compiled region before it and starts another after it (the blocks compile with
+``fullgraph=False`` under context parallelism), and the break runs eagerly between the two, inside
+the capture as everywhere else.
+
 Why breaks and not collectives inside the graphs: a collective replayed from a CUDA graph skips the
 process group's bookkeeping (sequence numbers, work tracking); on two H200s the next ordinary
 collective after such replays hung. As a break, each collective runs eagerly on every replay, issued
@@ -27,6 +32,7 @@ import importlib
 import types
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from ..graphs import eager_break
@@ -46,18 +52,21 @@ def _waited(tensor: Any) -> Any:
     return tensor.wait() if isinstance(tensor, _functional_collectives().AsyncCollectiveTensor) else tensor
 
 
+@torch.compiler.disable
 @eager_break
 def all_to_all_single(*args: Any, **kwargs: Any) -> Any:
     """``funcol.all_to_all_single``, waited for, as an eager break."""
     return _waited(_functional_collectives().all_to_all_single(*args, **kwargs))
 
 
+@torch.compiler.disable
 @eager_break
 def all_gather_tensor(*args: Any, **kwargs: Any) -> Any:
     """``funcol.all_gather_tensor``, waited for, as an eager break."""
     return _waited(_functional_collectives().all_gather_tensor(*args, **kwargs))
 
 
+@torch.compiler.disable
 @eager_break
 def all_gather(*args: Any, **kwargs: Any) -> Any:
     """``torch.distributed.all_gather`` (into its argument buffers) as an eager break."""
