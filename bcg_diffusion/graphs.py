@@ -7,6 +7,8 @@ collectives). Mark such a function with :func:`eager_break`; :func:`capture_brea
     graph segment, eager step, graph segment, ..., graph segment
 
 and :meth:`BreakableGraph.replay` replays the segments and re-runs the eager steps between them.
+With a ``breaker`` (:mod:`bcg_diffusion.auto_breaks`), the capture also makes each single operation
+it could not hold an eager step of its own, unmarked.
 
 Contract of an eager break, during capture:
 
