@@ -20,6 +20,8 @@
 #   tests-quant      quantize="fp8" and models quantized before accelerate (int8, FP8), exact and fast (tiny)
 #   tests-auto       automatic breaks (toy model, every kind) and GGUF / bitsandbytes transformers (tiny; bitsandbytes
 #                    skips unless its wheel is carried: too big for the carry limit)
+#   coverage         every pipeline of bench.coverage at its published size (COVERAGE_PIPELINES to choose):
+#                    captured, segments and breaks, identical, eager / exact / fast at two sizes
 #   bench-fp8-z      Z-Image-Turbo 512² and 1024², 8 steps: eager, fast, eager-fp8, bcg-fp8, fast-fp8
 #   bench-fp8-qwen   Qwen-Image 1024², 20 steps, true CFG 4: eager, fast, eager-fp8, fast-fp8
 #   warm-start-fp8-z fast mode with quantize="fp8": cold / warm / portable first call, Z-Image 512²
@@ -55,7 +57,7 @@
 #                    for `python scripts/screenshot_replay.py DIR OUT.png` here (the GPU machine has no browser)
 # Everything it writes is under $OUT (logs, results.json/.md/.png); copy it to bench/results/<date>-h200/.
 set -uo pipefail
-[ $# -gt 0 ] || { echo "usage: scripts/gpu_session.sh tests|tests-full|tests-fast|tests-coexist|tests-shared|tests-cache|bench-cache-qwen-1024|bench-cache-qwen-512|bench-cache-z|tests-quant|tests-auto|bench-fp8-z|bench-fp8-qwen|warm-start-fp8-z|probe-fp8-groups|hotswap-z|tests-z|te-z|fast-check|profile-qwen|profile-z|fast-qwen-50|ab-attention|probe-floor|probe-norms|probe-blocks|compile-max-qwen|memory-z|bench-z|warm-start-z|bench-qwen|bench-qwen-512|bench-qwen-1024|issue2|parallel|parallel-cfg|serving|demo ..." >&2; exit 2; }
+[ $# -gt 0 ] || { echo "usage: scripts/gpu_session.sh tests|tests-full|tests-fast|tests-coexist|tests-shared|tests-cache|bench-cache-qwen-1024|bench-cache-qwen-512|bench-cache-z|tests-quant|tests-auto|coverage|bench-fp8-z|bench-fp8-qwen|warm-start-fp8-z|probe-fp8-groups|hotswap-z|tests-z|te-z|fast-check|profile-qwen|profile-z|fast-qwen-50|ab-attention|probe-floor|probe-norms|probe-blocks|compile-max-qwen|memory-z|bench-z|warm-start-z|bench-qwen|bench-qwen-512|bench-qwen-1024|issue2|parallel|parallel-cfg|serving|demo ..." >&2; exit 2; }
 out=${OUT:-/tmp/bcg-out}
 mkdir -p "$out"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -116,6 +118,11 @@ case "$phase" in
     timeout "${AUTO_TESTS_TIMEOUT:-240}" python3 -m pytest -m cuda -q -rs -s -p no:cacheprovider --tb=short \
       tests/test_auto_breaks_cuda.py tests/test_quantize_loaders_cuda.py 2>&1 | grep -v "Warning\|warnings.warn" \
       | tee "$out/pytest-auto-breaks.log" | tail -30
+    ;;
+  coverage)
+    timeout "${COVERAGE_TIMEOUT:-580}" python3 -m bench.coverage --size full --device cuda \
+      ${COVERAGE_PIPELINES:+--pipelines "$COVERAGE_PIPELINES"} --out "$out/coverage" 2>&1 \
+      | grep -v "Warning\|warnings.warn" | tee "$out/coverage.log" | tail -30
     ;;
   bench-fp8-z)
     timeout "${FP8_Z_TIMEOUT:-420}" python3 -m bench --pipeline z-image --weights random-full --resolutions 512x512,1024x1024 --steps 8 \
