@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 import torch
 
 from . import features
-from .config import AccelerateConfig
+from .config import _KNOWN_COMPONENTS, AccelerateConfig
 from .group import GraphGroup, held_by, pipeline_names
 from .hooks import diffusers_hooks, serialise_calls, unserialise_calls
 from .pipelines import PipelineAdapter, adapter_for
@@ -147,9 +147,7 @@ def accelerate(pipe: P, config: AccelerateConfig | None = None, **options: Any) 
         return pipe
 
     modules = {
-        name: module
-        for name in ("transformer", "vae", "text_encoder")
-        if isinstance(module := getattr(pipe, name, None), torch.nn.Module)
+        name: module for name in _KNOWN_COMPONENTS if isinstance(module := getattr(pipe, name, None), torch.nn.Module)
     }
     held = {name: record for name, module in modules.items() if (record := held_by(module)) is not None}
     groups = list({id(record.group): record.group for record in held.values()}.values())

@@ -10,7 +10,7 @@ __all__ = ["AccelerateConfig"]
 
 _MODES = ("exact", "fast")
 _CAPTURE_ERROR_MODES = ("global", "thread_local", "relaxed")
-_KNOWN_COMPONENTS = ("transformer", "vae", "text_encoder")
+_KNOWN_COMPONENTS = ("transformer", "transformer_2", "vae", "text_encoder")
 
 
 @dataclass(frozen=True)
@@ -26,10 +26,11 @@ class AccelerateConfig:
         debug: run the whole runner path (signatures, static buffers, copies, output clones,
             counters) eagerly, without CUDA graphs. Works on CPU; tells a capture bug from a model bug.
         components: which pipeline components to run as graphs: ``"transformer"`` (its forward),
-            ``"vae"`` (its ``decode``) and ``"text_encoder"`` (its forward; built for Z-Image's Qwen3
+            ``"transformer_2"`` (the second expert of two-expert pipelines such as Wan 2.2), ``"vae"`` (its ``decode``) and ``"text_encoder"`` (its forward; built for Z-Image's Qwen3
             encoder, whose prompts are always padded to 512 tokens: one capture serves every prompt;
             byte-equal to eager on an H200). None (default): what the pipeline's adapter was measured
-            faster with, byte-equal to eager: transformer, VAE and (Z-Image) text encoder.
+            faster with, byte-equal to eager: transformer (and a second expert), VAE and (Z-Image) text
+            encoder.
         warmup_runs: eager runs on the capture stream before each capture (cuBLAS workspaces,
             lazily built caches such as RoPE tables). At least 1.
         capture_error_mode: ``cudaStreamCaptureMode`` for captures: ``"thread_local"`` (default)

@@ -83,9 +83,15 @@ class PipelineAdapter:
     name: str = "generic"
     class_prefixes: tuple[str, ...] = ()
     tested_classes: tuple[str, ...] = ()
-    targets: dict[str, str] = {"transformer": "forward", "vae": "decode", "text_encoder": "forward"}
+    # transformer_2: the second expert of two-expert pipelines (Wan 2.2), graphs of its own forward
+    targets: dict[str, str] = {
+        "transformer": "forward",
+        "transformer_2": "forward",
+        "vae": "decode",
+        "text_encoder": "forward",
+    }
     # What ``components=None`` accelerates: the components this family was measured faster with.
-    default_components: tuple[str, ...] = ("transformer", "vae")
+    default_components: tuple[str, ...] = ("transformer", "transformer_2", "vae")
     patches: tuple[FunctionPatch, ...] = ()
     # Fast mode only: patches that compile better but round differently, scoped to the accelerated model.
     fast_patches: tuple[ProcessorPatch, ...] = ()
