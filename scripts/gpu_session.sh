@@ -18,7 +18,8 @@
 #   bench-cache-qwen-512   Qwen-Image 512², 50 steps, true CFG 4: eager, bcg, eager+cache, bcg+cache (MagCache)
 #   bench-cache-z          Z-Image-Turbo 512² and 1024², 8 steps: eager, fast, eager+cache, fast+cache, compile+cache
 #   tests-quant      quantize="fp8" and models quantized before accelerate (int8, FP8), exact and fast (tiny)
-#   tests-auto       automatic breaks (toy model, every kind) and GGUF / bitsandbytes transformers (tiny; bitsandbytes
+#   tests-auto       automatic breaks (toy model, every kind; every coverage pipeline, tiny) and GGUF / bitsandbytes
+#                    transformers (tiny; bitsandbytes
 #                    skips unless its wheel is carried: too big for the carry limit)
 #   coverage         every pipeline of bench.coverage at its published size (COVERAGE_PIPELINES to choose):
 #                    captured, segments and breaks, identical, eager / exact / fast at two sizes
@@ -116,7 +117,8 @@ case "$phase" in
     ;;
   tests-auto)
     timeout "${AUTO_TESTS_TIMEOUT:-240}" python3 -m pytest -m cuda -q -rs -s -p no:cacheprovider --tb=short \
-      tests/test_auto_breaks_cuda.py tests/test_quantize_loaders_cuda.py 2>&1 | grep -v "Warning\|warnings.warn" \
+      tests/test_auto_breaks_cuda.py tests/test_coverage_cuda.py tests/test_quantize_loaders_cuda.py 2>&1 \
+      | grep -v "Warning\|warnings.warn" \
       | tee "$out/pytest-auto-breaks.log" | tail -30
     ;;
   coverage)
