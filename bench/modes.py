@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import inspect
 import itertools
 import logging
 from collections.abc import Callable
@@ -127,14 +128,17 @@ def weight_sharing_copy(module: torch.nn.Module) -> torch.nn.Module:
 
 
 def pipeline_copy(pipe: Any) -> Any:
-    """A new pipeline of the same class sharing all weights, with its own transformer, VAE, text encoder
-    and scheduler objects (the parts that modes patch or that hold per-call state)."""
+    """A new pipeline of the same class sharing all weights, with its own transformer(s), VAE, text
+    encoder and scheduler objects (the parts that modes patch or that hold per-call state), and the
+    pipeline's own settings (``boundary_ratio`` of Wan 2.2...)."""
     components = dict(pipe.components)
-    for name in ("transformer", "vae", "text_encoder"):
+    for name in ("transformer", "transformer_2", "vae", "text_encoder"):
         if components.get(name) is not None:
             components[name] = weight_sharing_copy(components[name])
     components["scheduler"] = copy.deepcopy(components["scheduler"])
-    clone = type(pipe)(**components)
+    accepted = inspect.signature(type(pipe).__init__).parameters
+    settings = {name: pipe.config[name] for name in accepted if name not in components and name in pipe.config}
+    clone = type(pipe)(**components, **settings)
     clone.set_progress_bar_config(disable=True)
     return clone
 

@@ -321,3 +321,17 @@ def test_cached_modes_compare_with_eager_and_the_cache(tmp_path):
     assert ours["cache_skipped"] == cached["cache_skipped"] and ours["speedup_vs_eager_cache"] > 0
     assert ours["graphs"]["cache_states"] > 0 and "MagCache" in ours["cache"]
     assert "cache skipped" in (tmp_path / "results.md").read_text()
+
+
+def test_a_pipeline_copy_keeps_the_pipeline_settings_and_copies_a_second_expert():
+    # pipeline_copy rebuilt pipelines from their components only: a Wan 2.2 copy lost boundary_ratio
+    # (and so ran its first expert at every step) and shared its second expert with the original.
+    from bench.coverage import TINY
+    from bench.modes import pipeline_copy
+
+    pipe, _ = TINY["Wan 2.2 T2V"]()
+    clone = pipeline_copy(pipe)
+    assert clone.config.boundary_ratio == pipe.config.boundary_ratio is not None
+    assert clone.transformer_2 is not pipe.transformer_2
+    first = next(pipe.transformer_2.parameters())
+    assert next(clone.transformer_2.parameters()).data_ptr() == first.data_ptr()  # weights shared
