@@ -133,12 +133,13 @@ def keeping_global_settings() -> Iterator[None]:
     import torch._inductor.config as inductor
 
     precision = torch.get_float32_matmul_precision()
-    settings = {name: inductor.get_config_copy()[name] for name in _INDUCTOR_SETTINGS}
+    current = inductor.get_config_copy()
+    settings = {name: current[name] for name in _INDUCTOR_SETTINGS}
     try:
         yield
     finally:
         torch.set_float32_matmul_precision(precision)
-        inductor.load_config({name: value for name, value in settings.items()})
+        inductor.load_config(settings)
 
 
 def check_fp8_device(device: torch.device) -> None:

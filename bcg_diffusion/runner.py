@@ -532,7 +532,7 @@ class GraphRunner:
         token = outer.checkpoint() if outer is not None else None
         if outer is not None:
             warmup_runs = max(warmup_runs, 1)
-        stream = pool.stream  # kept: a failed capture may move the pool to a new stream (GraphPool.renew)
+        stream = pool.stream  # the warm-ups' stream; a failed capture may move the pool to a new one (renew)
         caller_stream = torch.cuda.current_stream(pool.device)
         stream.wait_stream(caller_stream)
         try:

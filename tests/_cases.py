@@ -58,6 +58,22 @@ def run_case(
     return images.detach().cpu() if isinstance(images, torch.Tensor) else torch.stack([i.cpu() for i in images])
 
 
+# A case per pipeline with CFG (Qwen-Image's true CFG, Z-Image's batched CFG), for the quantization tests.
+CFG_CASE = {"qwen-image": "true_cfg", "z-image": "cfg"}
+
+
+def tiny_pipeline(name: str) -> Any:
+    """``name``'s tiny CPU pipeline, progress bar off."""
+    pipe = build_pipeline(name, "tiny")
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def run_cfg_case(pipe: Any, name: str) -> torch.Tensor:
+    """``CFG_CASE[name]`` at 32x32, two steps."""
+    return run_case(pipe, name, CFG_CASE[name], height=32, width=32, steps=2)
+
+
 # GPU tests: which weights to build (``BCG_TEST_WEIGHTS``, comma-separated; ``random-full`` builds the
 # real architectures with random weights and needs ~60 GB of GPU memory for Qwen-Image).
 GPU_WEIGHTS = [w.strip() for w in os.environ.get("BCG_TEST_WEIGHTS", "tiny").split(",") if w.strip()]

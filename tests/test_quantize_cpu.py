@@ -11,10 +11,9 @@ import copy
 
 import pytest
 import torch
-from _cases import run_case
+from _cases import run_cfg_case, tiny_pipeline
 
 from bcg_diffusion import AccelerateConfig, accelerate, restore, stats
-from bcg_diffusion.loading import build_pipeline
 from bcg_diffusion.quantize import block_linears, default_filter
 
 torchao = pytest.importorskip("torchao")
@@ -22,17 +21,8 @@ from torchao.quantization import Int8WeightOnlyConfig, quantize_  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:Deprecation:UserWarning")  # torchao's notes on its own classes
 
-CASE = {"qwen-image": "true_cfg", "z-image": "cfg"}
 
-
-def _pipe(name):
-    pipe = build_pipeline(name, "tiny")
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
-
-
-def _run(pipe, name):
-    return run_case(pipe, name, CASE[name], height=32, width=32, steps=2)
+_pipe, _run = tiny_pipeline, run_cfg_case
 
 
 def test_options_are_validated():

@@ -8,7 +8,7 @@ import copy
 
 import pytest
 import torch
-from _cases import cuda_pipeline, run_case
+from _cases import CFG_CASE, cuda_pipeline, run_case
 from _checks import assert_graphs_ran
 
 from bcg_diffusion import accelerate, eager, restore, stats
@@ -25,7 +25,6 @@ from torchao.quantization import (  # noqa: E402
     quantize_,
 )
 
-CASE = {"qwen-image": "true_cfg", "z-image": "cfg"}
 SIZE = 64
 fp8 = pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9), reason="FP8 needs compute 8.9+"
@@ -33,7 +32,7 @@ fp8 = pytest.mark.skipif(
 
 
 def _run(pipe, name, size=SIZE):
-    return run_case(pipe, name, CASE[name], height=size, width=size, steps=3)
+    return run_case(pipe, name, CFG_CASE[name], height=size, width=size, steps=3)
 
 
 @fp8

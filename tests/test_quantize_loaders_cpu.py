@@ -32,17 +32,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from _cases import run_case
+from _cases import run_cfg_case, tiny_pipeline
 from _checks import assert_graphs_ran
 
 from bcg_diffusion import accelerate, restore
-from bcg_diffusion.loading import build_pipeline
 
 gguf = pytest.importorskip("gguf", reason="needs gguf (pip install gguf)")
 from diffusers import GGUFQuantizationConfig  # noqa: E402
 from diffusers.quantizers.gguf.utils import GGUFLinear, GGUFParameter  # noqa: E402
 
-CASE = {"qwen-image": "true_cfg", "z-image": "cfg"}
 QUANT_TYPES = ("Q8_0", "Q4_0")
 # What Q4_0's dequantize builds from Python data on every forward: ``torch.tensor([0, 4], device=...)``
 Q4_0_OP = "aten.lift_fresh.default (tensor from Python data)"
@@ -102,14 +100,7 @@ def load_gguf(model: torch.nn.Module, directory: Path, quant_type: str, compute_
     return loaded, names
 
 
-def _pipe(name):
-    pipe = build_pipeline(name, "tiny")
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
-
-
-def _run(pipe, name):
-    return run_case(pipe, name, CASE[name], height=32, width=32, steps=2)
+_pipe, _run = tiny_pipeline, run_cfg_case
 
 
 def _gguf_pipe(name, quant_type, directory):

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _cases import cuda_pipeline, run_case
+from _cases import CFG_CASE, cuda_pipeline, run_case
 from _checks import assert_graphs_ran
 
 from bcg_diffusion import accelerate, restore, stats
@@ -32,12 +32,11 @@ from bcg_diffusion.hostile import HostileOpFinder
 
 pytestmark = pytest.mark.cuda
 
-CASE = {"qwen-image": "true_cfg", "z-image": "cfg"}
 SIZE = 64
 
 
 def _run(pipe, name):
-    return run_case(pipe, name, CASE[name], height=SIZE, width=SIZE, steps=3)
+    return run_case(pipe, name, CFG_CASE[name], height=SIZE, width=SIZE, steps=3)
 
 
 def _check_in_graphs(pipe, name: str, label: str, linears: set[str], weights: str) -> None:
