@@ -52,6 +52,7 @@ segment; we need owned bridges, tensor-returning breaks and segment boundaries w
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import functools
 import logging
@@ -61,6 +62,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import torch
+from torch.overrides import _get_current_function_mode
 from torch.utils._python_dispatch import (
     TorchDispatchMode,
     _get_current_dispatch_mode,
@@ -375,6 +377,27 @@ def call_untracked(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     CUDA tensor from outside the capture except its arguments and what its owner holds for the
     graph's whole life (a module's parameters and buffers, a compiled function's constants).
     """
+    with _function_mode_paused():
+        return _call_untracked(fn, *args, **kwargs)
+
+
+@contextlib.contextmanager
+def _function_mode_paused() -> Any:
+    """Take the top torch-function mode off the stack until exit, if it says it pauses for compiled
+    code (bcg_diffusion.python_data's): ``torch.compile`` guards on that stack, and a mode present only
+    in warm-ups and captures would make it compile each block again."""
+    mode = _get_current_function_mode()
+    if not getattr(mode, "pauses_for_compiled_code", False):
+        yield
+        return
+    mode.__exit__(None, None, None)
+    try:
+        yield
+    finally:
+        mode.__enter__()
+
+
+def _call_untracked(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     capture = _ACTIVE.get()
     tracker = capture.tracker if capture is not None else None
     if tracker is None or not tracker.recording:

@@ -25,6 +25,7 @@ Python side of the state is set to what the capture left.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 import threading
@@ -41,6 +42,7 @@ from .auto_breaks import BREAK_KINDS, AutoBreaker, module_breaks, modules_to_bre
 from .budget import SignatureBudget
 from .graphs import BreakableGraph, BreakResultMismatch, GraphPool, capture_breakable
 from .hostile import HostileOpFinder
+from .python_data import PythonDataConstants
 from .tree import UnsupportedValue, describe, differences, flatten, unflatten
 
 __all__ = ["MAX_PATHS", "BCGWarning", "GraphRunner", "OuterState", "RunnerCounters", "SignatureRecord"]
@@ -115,6 +117,9 @@ class SignatureRecord:
     # The eager breaks the capture made by itself (bcg_diffusion.auto_breaks), each "op (kind) in
     # module at file:line"; in debug mode, the ones a capture would make.
     auto_breaks: list[str] = field(default_factory=list)
+    # Tensors the forward builds on the GPU from Python data, which the graph holds as constants
+    # (bcg_diffusion.python_data): no break needed. Same format as auto_breaks.
+    constants: list[str] = field(default_factory=list)
 
 
 class _EagerReplay:
@@ -146,6 +151,7 @@ class _Path:
     outputs: list[torch.Tensor]
     output_spec: Hashable
     outer: Any = None
+    keep: list[torch.Tensor] = field(default_factory=list)  # what the graph reads and nothing else holds
 
     @property
     def decisions(self) -> tuple[Hashable, ...]:
@@ -532,6 +538,7 @@ class GraphRunner:
         token = outer.checkpoint() if outer is not None else None
         if outer is not None:
             warmup_runs = max(warmup_runs, 1)
+        constants = PythonDataConstants(self._module_names()) if self.auto_breaks else None
         stream = pool.stream  # the warm-ups' stream; a failed capture may move the pool to a new one (renew)
         caller_stream = torch.cuda.current_stream(pool.device)
         stream.wait_stream(caller_stream)
@@ -540,7 +547,8 @@ class GraphRunner:
                 for _ in range(warmup_runs):
                     if outer is not None:
                         outer.rewind(token)
-                    self._run(args, kwargs)
+                    with constants.recording() if constants is not None else contextlib.nullcontext():
+                        self._run(args, kwargs)
                 if outer is not None:
                     outer.rewind(token)
         finally:
@@ -552,8 +560,9 @@ class GraphRunner:
             breaker = AutoBreaker(self.module, self._learned_ops) if self.auto_breaks else None
             stream = pool.stream
             stream.wait_stream(caller_stream)
+            serving = constants.serving() if constants is not None else contextlib.nullcontext()
             try:
-                with torch.cuda.stream(stream), module_breaks(self.module, self._module_breaks):
+                with torch.cuda.stream(stream), module_breaks(self.module, self._module_breaks), serving:
                     graph, result = capture_breakable(
                         lambda: self._run(args, kwargs),
                         pool,
@@ -568,7 +577,7 @@ class GraphRunner:
                 caller_stream.wait_stream(stream)
                 if outer is not None:  # the eager call that follows must start where this one did
                     outer.rewind(token)
-                if attempt + 1 < attempts and self._learn(breaker, exc, args, kwargs):
+                if attempt + 1 < attempts and self._learn(breaker, constants, exc, args, kwargs):
                     continue
                 reason = f"capture failed: {type(exc).__name__}: {str(exc).strip().splitlines()[0][:300]}"
                 self._disable(entry, reason)
@@ -578,15 +587,27 @@ class GraphRunner:
         entry.record.breaks = max(entry.record.breaks, graph.num_breaks)
         entry.record.memory_bytes += max(0, pool.reserved_bytes() - reserved_before)
         if breaker is not None:
-            self._record_auto_breaks(entry, breaker)
-        return _Path(graph, outputs, output_spec, outer.record() if outer is not None else None)
+            self._record_auto_breaks(entry, breaker, constants)
+        keep = constants.kept if constants is not None else []
+        return _Path(graph, outputs, output_spec, outer.record() if outer is not None else None, keep)
 
-    def _learn(self, breaker: AutoBreaker | None, exc: Exception, args: tuple, kwargs: dict) -> bool:
+    def _module_names(self) -> dict[int, str]:
+        return {id(m): name for name, m in self.module.named_modules()} if self.module is not None else {}
+
+    def _learn(
+        self,
+        breaker: AutoBreaker | None,
+        constants: PythonDataConstants | None,
+        exc: Exception,
+        args: tuple,
+        kwargs: dict,
+    ) -> bool:
         """After a failed capture: find a break that may let the next one succeed. True if one was found.
 
         Only for CUDA's refusals inside a capture (not out-of-memory, nor the model's own errors). The
         operation that raised while recorded comes first; else an eager run under the hostile-op finder
-        names the modules that build GPU tensors from Python data (auto_breaks' docstring).
+        names the modules that build GPU tensors from Python data (auto_breaks' docstring), except
+        those whose every such tensor was held as a constant (``constants``).
         """
         if not refused_by_capture(exc):
             return False
@@ -601,20 +622,28 @@ class GraphRunner:
             self._run(args, kwargs)
         if self.outer_state is not None:
             self.outer_state.rewind(token)
-        new = [path for path in modules_to_break(finder.found) if path not in self._module_breaks]
+        held = set()
+        if constants is not None:
+            held = {site.module for site in constants.served} - {site.module for site in constants.unstable}
+            for site in constants.unstable:
+                logger.info("%s: %s changed between warm-ups and capture: not a constant", self.name, site)
+        new = [path for path in modules_to_break(finder.found) if path not in self._module_breaks and path not in held]
         if new:
             self._module_breaks.extend(new)
             logger.info("%s: capture failed (%s); running %s as eager breaks", self.name, exc, ", ".join(new))
         return bool(new)
 
-    def _record_auto_breaks(self, entry: _Entry, breaker: AutoBreaker) -> None:
+    def _record_auto_breaks(self, entry: _Entry, breaker: AutoBreaker, constants: PythonDataConstants | None) -> None:
         made = [str(op) for op in breaker.made]
         made += [f"module {path} (builds GPU tensors from Python data)" for path in self._module_breaks]
         entry.record.auto_breaks = list(dict.fromkeys(entry.record.auto_breaks + made))  # every path's
-        for site in made:
-            if site not in self._warned:
-                self._warned.add(site)
-                logger.info("%s: automatic eager break: %s", self.name, site)
+        held = [str(site) for site in constants.served] if constants is not None else []
+        entry.record.constants = list(dict.fromkeys(entry.record.constants + held))
+        for what, sites in (("automatic eager break", made), ("graph constant", held)):
+            for site in sites:
+                if site not in self._warned:
+                    self._warned.add(site)
+                    logger.info("%s: %s: %s", self.name, what, site)
 
     def _disable(self, entry: _Entry, reason: str) -> None:
         if self.budget is not None:  # a disabled signature holds no graph: nothing left to evict

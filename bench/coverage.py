@@ -980,8 +980,10 @@ def _measure(pipe: Any, inputs: dict[str, Any], steps: int, device: torch.device
 
 def _graphs(report: dict[str, Any]) -> dict[str, Any]:
     """What ``stats`` says about the captures: counters and, per signature, its status, segments and breaks
-    (``auto_breaks``: those the capture made by itself, :mod:`bcg_diffusion.auto_breaks`)."""
-    keys = ("component", "status", "segments", "breaks", "auto_breaks", "reason", "hostile_ops", "replays")
+    (``auto_breaks``: those the capture made by itself, :mod:`bcg_diffusion.auto_breaks`; ``constants``: tensors
+    from Python data it holds, :mod:`bcg_diffusion.python_data`)."""
+    keys = ("component", "status", "segments", "breaks", "auto_breaks", "constants", "reason", "hostile_ops")
+    keys += ("replays",)
     signatures = [{key: record.get(key) for key in (*keys, "signature")} for record in report["signatures"]]
     counters = ("active", "reason", "captures", "replays", "eager_fallbacks", "graph_memory_bytes", "capture_seconds")
     counters += ("compiled_blocks", "compile_failure")
@@ -1208,6 +1210,9 @@ def timing_table(results: list[dict[str, Any]]) -> str:
             made = sorted({b for s in graphs["signatures"] for b in s["auto_breaks"] or []}) if graphs else []
             if made:
                 notes.append("automatic breaks: " + ", ".join(made))
+            held = sorted({c for s in graphs["signatures"] for c in s.get("constants") or []}) if graphs else []
+            if held:
+                notes.append("graph constants: " + ", ".join(held))
             if exact and exact.get("not_accelerated"):
                 notes.append("left eager: " + ", ".join(exact["not_accelerated"]))
             if fast and fast.get("graphs", {}).get("compile_failure"):

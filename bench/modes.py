@@ -29,8 +29,10 @@ MODES: tuple[str, ...] = (
     "eager",
     "bcg",
     "bcg-no-te",
+    "bcg-no-auto",
     "fast",
     "fast-no-te",
+    "fast-no-auto",
     "fast-unbatched",
     "compile",
     "compile-max",
@@ -47,8 +49,8 @@ CACHED: tuple[str, ...] = ("eager+cache", "bcg+cache", "fast+cache", "compile+ca
 # The modes with the transformer quantized to row-wise FP8 (bcg_diffusion.quantize): they compare with
 # eager-fp8 (the same quantization by hand, eager) as the others with eager.
 FP8_MODES: tuple[str, ...] = ("eager-fp8", "bcg-fp8", "fast-fp8")
-# Ablations of what our defaults add: the text encoder's graphs and fast mode's CFG batching.
-ABLATIONS: tuple[str, ...] = ("bcg-no-te", "fast-no-te", "fast-unbatched")
+# Ablations of what our defaults add: the text encoder's graphs, automatic breaks and fast mode's CFG batching.
+ABLATIONS: tuple[str, ...] = ("bcg-no-te", "bcg-no-auto", "fast-no-te", "fast-no-auto", "fast-unbatched")
 # What a run without --modes compares on a GPU: ours as a user gets them, and the peers.
 DEFAULT_MODES: tuple[str, ...] = tuple(
     m for m in MODES if m not in ABLATIONS and m not in CACHED and m not in FP8_MODES
@@ -58,7 +60,9 @@ DESCRIPTIONS = {
     "bcg": "bcg-diffusion accelerate(pipe), exact mode (debug mode on CPU: no graphs, timings not meaningful)",
     "bcg-no-te": "bcg without the text encoder's graphs (components transformer, vae; Z-Image has them by default)",
     "fast": 'bcg-diffusion accelerate(pipe, mode="fast"): compiled repeated blocks inside breakable graphs',
+    "bcg-no-auto": "bcg with auto_breaks=False: only the marked breaks and hand patches (what automatic breaks cost)",
     "fast-no-te": "fast without the text encoder's graphs (components transformer, vae)",
+    "fast-no-auto": "fast with auto_breaks=False",
     "fast-unbatched": "fast with batch_cfg=False: true CFG's cond and uncond calls one by one (what batching adds)",
     "compile": "diffusers regional compile: transformer.compile_repeated_blocks(fullgraph=True)",
     "compile-max": 'torch.compile(transformer, mode="reduce-overhead") (inductor with its own CUDA graphs)',
@@ -72,12 +76,14 @@ DESCRIPTIONS = {
     "compile+cache": "regional compile (compile_repeated_blocks, fullgraph=False: the cache's hooks break graphs) "
     "with the same step cache",
 }
-EXACT = {"eager": True, "bcg": True, "bcg-no-te": True, "fast": False, "fast-no-te": False, "fast-unbatched": False}
+EXACT = {"eager": True, "bcg": True, "bcg-no-te": True, "bcg-no-auto": True}
+EXACT.update({"fast": False, "fast-no-te": False, "fast-no-auto": False, "fast-unbatched": False})
 EXACT.update({"compile": False, "compile-max": False})
 EXACT.update({"eager+cache": True, "bcg+cache": True, "fast+cache": False, "compile+cache": False})
 EXACT.update({"eager-fp8": True, "bcg-fp8": True, "fast-fp8": False})
-OURS = ("bcg", "bcg-no-te", "fast", "fast-no-te", "fast-unbatched", "bcg+cache", "fast+cache", "bcg-fp8", "fast-fp8")
-FAST = ("fast", "fast-no-te", "fast-unbatched", "fast+cache", "fast-fp8")
+OURS = ("bcg", "bcg-no-te", "bcg-no-auto", "fast", "fast-no-te", "fast-no-auto", "fast-unbatched")
+OURS += ("bcg+cache", "fast+cache", "bcg-fp8", "fast-fp8")
+FAST = ("fast", "fast-no-te", "fast-no-auto", "fast-unbatched", "fast+cache", "fast-fp8")
 
 
 def baseline(name: str) -> str:
@@ -199,12 +205,21 @@ def _prepare(
     debug = device.type != "cuda"
     note = "debug mode (CPU)" if debug else ""
     components = WITHOUT_TEXT_ENCODER if name.endswith("-no-te") else None  # None: accelerate's default
-    if name in ("bcg", "bcg-no-te"):
-        accelerate(pipe, components=components, debug=debug, quantize=quantize)
+    auto_breaks = not name.endswith("-no-auto")
+    if name in ("bcg", "bcg-no-te", "bcg-no-auto"):
+        accelerate(pipe, components=components, debug=debug, quantize=quantize, auto_breaks=auto_breaks)
         return PreparedMode(name, pipe, lambda: restore(pipe), note)
     if name in FAST:
         batch_cfg = False if name == "fast-unbatched" else None
-        accelerate(pipe, mode="fast", components=components, debug=debug, batch_cfg=batch_cfg, quantize=quantize)
+        accelerate(
+            pipe,
+            mode="fast",
+            components=components,
+            debug=debug,
+            batch_cfg=batch_cfg,
+            quantize=quantize,
+            auto_breaks=auto_breaks,
+        )
 
         def teardown() -> None:
             restore(pipe)

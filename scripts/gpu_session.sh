@@ -21,6 +21,9 @@
 #   tests-auto       automatic breaks (toy model, every kind; every coverage pipeline, tiny) and GGUF / bitsandbytes
 #                    transformers (tiny; bitsandbytes
 #                    skips unless its wheel is carried: too big for the carry limit)
+#   probe-hand-patches  Qwen-Image 512², 10 steps, CFG 4: exact mode with its hand patch against the capture without it
+#   bench-auto       Z-Image-Turbo 512² and 1024² (8 steps) and Qwen-Image 512² (10 steps, CFG 4): our modes with and
+#                    without automatic breaks, same run (issue 23: the existing pipelines keep their speed)
 #   coverage         every pipeline of bench.coverage at its published size (COVERAGE_PIPELINES to choose):
 #                    captured, segments and breaks, identical, eager / exact / fast at two sizes
 #   bench-fp8-z      Z-Image-Turbo 512² and 1024², 8 steps: eager, fast, eager-fp8, bcg-fp8, fast-fp8
@@ -58,7 +61,7 @@
 #                    for `python scripts/screenshot_replay.py DIR OUT.png` here (the GPU machine has no browser)
 # Everything it writes is under $OUT (logs, results.json/.md/.png); copy it to bench/results/<date>-h200/.
 set -uo pipefail
-[ $# -gt 0 ] || { echo "usage: scripts/gpu_session.sh tests|tests-full|tests-fast|tests-coexist|tests-shared|tests-cache|bench-cache-qwen-1024|bench-cache-qwen-512|bench-cache-z|tests-quant|tests-auto|coverage|bench-fp8-z|bench-fp8-qwen|warm-start-fp8-z|probe-fp8-groups|hotswap-z|tests-z|te-z|fast-check|profile-qwen|profile-z|fast-qwen-50|ab-attention|probe-floor|probe-norms|probe-blocks|compile-max-qwen|memory-z|bench-z|warm-start-z|bench-qwen|bench-qwen-512|bench-qwen-1024|issue2|parallel|parallel-cfg|serving|demo ..." >&2; exit 2; }
+[ $# -gt 0 ] || { echo "usage: scripts/gpu_session.sh tests|tests-full|tests-fast|tests-coexist|tests-shared|tests-cache|bench-cache-qwen-1024|bench-cache-qwen-512|bench-cache-z|tests-quant|tests-auto|probe-hand-patches|bench-auto|coverage|bench-fp8-z|bench-fp8-qwen|warm-start-fp8-z|probe-fp8-groups|hotswap-z|tests-z|te-z|fast-check|profile-qwen|profile-z|fast-qwen-50|ab-attention|probe-floor|probe-norms|probe-blocks|compile-max-qwen|memory-z|bench-z|warm-start-z|bench-qwen|bench-qwen-512|bench-qwen-1024|issue2|parallel|parallel-cfg|serving|demo ..." >&2; exit 2; }
 out=${OUT:-/tmp/bcg-out}
 mkdir -p "$out"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -120,6 +123,18 @@ case "$phase" in
       tests/test_auto_breaks_cuda.py tests/test_coverage_cuda.py tests/test_quantize_loaders_cuda.py 2>&1 \
       | grep -v "Warning\|warnings.warn" \
       | tee "$out/pytest-auto-breaks.log" | tail -30
+    ;;
+  probe-hand-patches)
+    timeout "${PATCH_PROBE_TIMEOUT:-150}" python3 -m bench.probes.probe_hand_patches --weights random-full \
+      --out "$out/hand-patches" 2>&1 | grep -v "Warning\|warnings.warn" | tee "$out/hand-patches.log" | tail -8
+    ;;
+  bench-auto)
+    timeout "${AUTO_Z_TIMEOUT:-240}" python3 -m bench --pipeline z-image --weights random-full --resolutions 512x512,1024x1024 \
+      --steps 8 --modes "${AUTO_Z_MODES:-eager,bcg,bcg-no-auto,fast,fast-no-auto}" --runs 5 --warmup 0 --no-progress \
+      --out "$out/auto-z" 2>&1 | grep -v "Warning\|warnings.warn" | tee "$out/auto-z.log" | tail -16
+    timeout "${AUTO_QWEN_TIMEOUT:-150}" python3 -m bench --pipeline qwen-image --weights random-full --resolutions 512x512 \
+      --steps 10 --guidance 4 --modes eager,bcg,bcg-no-auto --runs 5 --warmup 0 --no-progress \
+      --out "$out/auto-qwen" 2>&1 | grep -v "Warning\|warnings.warn" | tee "$out/auto-qwen.log" | tail -10
     ;;
   coverage)
     timeout "${COVERAGE_TIMEOUT:-580}" python3 -m bench.coverage --size full --device cuda \

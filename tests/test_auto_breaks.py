@@ -19,6 +19,7 @@ from bcg_diffusion.auto_breaks import (
     refused_by_capture,
 )
 from bcg_diffusion.hostile import HostileOp, classify
+from bcg_diffusion.python_data import KIND, PythonDataConstants
 from bcg_diffusion.runner import GraphRunner
 
 aten = torch.ops.aten
@@ -158,3 +159,87 @@ def test_debug_mode_lists_the_breaks_a_capture_would_make(auto_breaks):
     [record] = runner.records()
     assert record.hostile_ops and record.hostile_ops[0].startswith("aten._local_scalar_dense.default (host sync)")
     assert record.auto_breaks == (record.hostile_ops if auto_breaks else [])
+
+
+class BuildsFromPython(torch.nn.Module):
+    """Builds a tensor from a Python list on its input's device, as Qwen-Image Edit Plus's forward does
+    with ``img_shapes``; ``counter`` makes the list change every call (no constant)."""
+
+    def __init__(self, counter: bool = False):
+        super().__init__()
+        self.counter, self.calls = counter, 0
+
+    def forward(self, x):
+        self.calls += 1
+        data = [self.calls] * 3 if self.counter else [[0] * 2 + [1] * 1 for _ in range(x.shape[0])]
+        return x + torch.tensor(data, device=x.device, dtype=x.dtype) + x.new_tensor(2.0)
+
+
+def test_tensors_from_python_data_are_recorded_then_served_as_copies_of_the_warm_up():
+    model = BuildsFromPython()
+    constants = PythonDataConstants({id(model): ""}, device_type="cpu")  # CPU tensors stand for GPU ones
+    x = torch.randn(2, 3)
+    for _ in range(2):
+        with constants.recording():
+            expected = model(x)
+    with constants.serving():
+        served = model(x)
+    assert torch.equal(served, expected) and not constants.unstable
+    assert [site.op for site in constants.served] == ["torch.tensor", "Tensor.new_tensor"]
+    assert all(site.kind == KIND and "test_auto_breaks.py:" in site.where for site in constants.served)
+    assert len(constants.kept) == 2  # the first warm-up's tensors, which the graph copies from
+
+
+def test_a_served_tensor_is_a_copy_so_changes_in_place_stay_in_one_call():
+    constants = PythonDataConstants(device_type="cpu")
+    with constants.recording():
+        torch.tensor([1.0, 2.0], device="cpu")
+    with constants.serving():
+        served = torch.tensor([1.0, 2.0], device="cpu")
+    served.add_(1)
+    [kept] = constants.kept
+    assert torch.equal(kept, torch.tensor([1.0, 2.0])) and served.data_ptr() != kept.data_ptr()
+
+
+def test_a_value_that_changes_between_warm_ups_is_no_constant():
+    model = BuildsFromPython(counter=True)
+    constants = PythonDataConstants(device_type="cpu")
+    x = torch.randn(3)
+    for _ in range(2):
+        with constants.recording():
+            model(x)
+    with constants.serving():
+        out = model(x)  # built as written (on a GPU the capture refuses it; the runner breaks its module)
+    assert torch.equal(out, x + 3 + 2) and [site.op for site in constants.unstable] == ["torch.tensor"]
+    assert [site.op for site in constants.served] == ["Tensor.new_tensor"]  # 2.0 is the same every call
+
+
+def test_only_python_data_built_on_the_capture_device_is_held():
+    constants = PythonDataConstants(device_type="cuda")
+    with constants.recording():
+        torch.tensor([1, 2])  # built on the CPU: a later copy to the GPU is a one-operation break
+        torch.as_tensor(torch.ones(2))  # from a tensor: a dispatched copy
+    assert constants._runs == [[]]
+
+
+def test_compiled_regions_run_without_the_constants_mode():
+    from torch._dynamo.utils import counters
+    from torch.overrides import _get_current_function_mode
+
+    constants = PythonDataConstants(device_type="cpu")
+    seen = []
+    with constants.recording():
+        graphs.call_untracked(lambda: seen.append(_get_current_function_mode()))
+        seen.append(_get_current_function_mode())
+    assert seen == [None, constants]
+    # torch.compile guards on the mode stack: with the mode paused, warm-ups and captures reuse the
+    # blocks compiled for plain calls instead of compiling them again
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(lambda x: torch.sin(x) * 2, backend="eager")
+    x = torch.randn(4)
+    compiled(x)
+    with constants.recording():
+        graphs.call_untracked(compiled, x)
+    assert counters["stats"]["unique_graphs"] == 1
+    torch._dynamo.reset()

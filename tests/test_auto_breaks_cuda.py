@@ -37,16 +37,28 @@ class Hostile(torch.nn.Module):
 
 class BuildsOnTheGpu(torch.nn.Module):
     """``torch.tensor(..., device="cuda")``: its copy runs inside the constructor, out of the
-    dispatcher's sight, so only a module break can hold it."""
+    dispatcher's sight. Its data depends on shapes only: a graph constant."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + torch.tensor([float(x.shape[0])] * x.shape[1], device=x.device)
 
 
-class Outer(torch.nn.Module):
+class CountsOnTheGpu(torch.nn.Module):
+    """The same with data that changes every call: no constant, so only a module break can hold it."""
+
     def __init__(self) -> None:
         super().__init__()
-        self.embed = BuildsOnTheGpu()
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return x + torch.tensor([float(self.calls)], device=x.device)
+
+
+class Outer(torch.nn.Module):
+    def __init__(self, embed: torch.nn.Module) -> None:
+        super().__init__()
+        self.embed = embed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.sin(self.embed(torch.cos(x)))
@@ -94,16 +106,39 @@ def test_a_changed_host_value_takes_another_path():
     assert runner.counters.eager_fallbacks == 0
 
 
+@pytest.mark.parametrize("where", ["submodule", "root forward"])
 @torch.no_grad()
-def test_a_gpu_tensor_from_python_data_makes_its_module_a_break():
-    model = Outer()
+def test_a_gpu_tensor_from_python_data_is_a_graph_constant(where):
+    # "root forward": as in Qwen-Image Edit Plus, where no module break could hold it
+    model = Outer(BuildsOnTheGpu()) if where == "submodule" else BuildsOnTheGpu()
     runner = _runner(model)
     for _ in range(3):
         x = torch.randn(4, 8, device="cuda")
         assert torch.equal(runner(x), model(x))
     [record] = runner.records()
     assert record.status == "captured" and runner.counters.replays == 2, record
+    assert record.breaks == 0 and record.auto_breaks == [], record
+    [constant] = record.constants
+    assert constant.startswith("torch.tensor (tensor from Python data, held as a graph constant)"), constant
+    assert "test_auto_breaks_cuda.py:" in constant
+    print("\n" + constant)
+
+
+@torch.no_grad()
+def test_a_gpu_tensor_from_changing_python_data_makes_its_module_a_break():
+    model = Outer(CountsOnTheGpu())
+    runner = _runner(model)
+    outputs = []
+    for _ in range(3):
+        x = torch.randn(4, 8, device="cuda")
+        out = runner(x)
+        # the module ran as a break in this call: its last count is what the output holds
+        assert torch.equal(out, torch.sin(torch.cos(x) + float(model.embed.calls))), model.embed.calls
+        outputs.append(model.embed.calls)
+    [record] = runner.records()
+    assert record.status == "captured" and runner.counters.replays == 2, record
     assert any(site.startswith("module embed") for site in record.auto_breaks), record.auto_breaks
+    assert outputs[2] - outputs[1] == outputs[1] - outputs[0] == 1  # one run of the module per replay
 
 
 @torch.no_grad()

@@ -10,7 +10,8 @@ same quantized model run eagerly, never another image:
 * what the hostile-op finder saw in the quantized linears on the eager reference run decides what is
   asserted: nothing (GGUF Q8_0, and bitsandbytes if its kernels hold) -> every signature captured and
   replayed (``assert_graphs_ran``); something (GGUF Q4_0 builds ``torch.tensor([0, 4])`` on the GPU in every
-  linear) -> each signature either captured (its automatic breaks listed) or failed with its reason;
+  linear; the capture holds it as a graph constant, run 63) -> each signature either captured (its automatic
+  breaks and constants listed) or failed with its reason;
 * each test prints what happened (signatures captured / failed with reasons, automatic breaks, what the
   finder saw), so that the GPU log records it: run with ``-s``.
 
@@ -53,6 +54,7 @@ def _check_in_graphs(pipe, name: str, label: str, linears: set[str], weights: st
         captured = [s for s in signatures if s["status"] == "captured"]
         failed = [s for s in signatures if s["status"] == "failed"]
         auto = sorted({b for s in signatures for b in s.get("auto_breaks") or []})
+        constants = sorted({c for s in signatures for c in s.get("constants") or []})
         lines = [
             f"{label}: {report['quantized']}; signatures {len(signatures)}: captured {len(captured)}, "
             f"failed {len(failed)}; captures {report['captures']}, replays {report['replays']}, "
@@ -60,6 +62,8 @@ def _check_in_graphs(pipe, name: str, label: str, linears: set[str], weights: st
             *(f"  failed {s['component']} {s['signature'][:120]}: {s['reason']}" for s in failed),
             f"  automatic breaks: {len(auto)}",
             *(f"    {b}" for b in auto[:8]),
+            f"  graph constants: {len(constants)}",
+            *(f"    {c}" for c in constants[:4]),
             f"  the finder saw in the quantized linears: {len(in_linears)}",
             *(f"    {op}" for op in in_linears[:4]),
         ]

@@ -8,8 +8,9 @@ patched to a device-side fill. RoPE tables are built and cached during warm-up, 
 fast mode the blocks apply RoPE in real arithmetic (inductor does not compile complex multiplication),
 and a CFG batch of two prompts of different lengths attends per prompt, without a text mask
 (:mod:`bcg_diffusion.patches.attention`).
-The Edit variants build a tensor from a Python list inside the forward (``zero_cond_t``); their
-capture fails and they run eagerly with a warning.
+Edit Plus 2511 builds a tensor from a Python list inside the forward (``zero_cond_t``); the capture
+holds it as a graph constant (:mod:`bcg_diffusion.python_data`). The Edit variants are not in
+``tested_classes`` (a warning says so) but are measured in ``docs/coverage.md``.
 """
 
 from __future__ import annotations
