@@ -23,6 +23,10 @@ eager). Which step is the first comes from the scheduler (``step_index`` is None
 Requires: the pipeline does not use a cond prediction between the two calls of a step (Qwen-Image's
 does not); every rank makes the same calls. Z-Image batches its CFG into one call, so there is
 nothing to split (it would change the batch, and with it the kernels).
+
+With context parallelism on more ranks, each half of a step runs on a whole context-parallel group:
+on four ranks, ranks 0 and 1 split the cond call's sequence, ranks 2 and 3 the uncond call's, and the
+exchange pairs rank 0 with 2 and 1 with 3. :func:`check_across` checks such a layout.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ import torch
 
 from .tree import flatten, unflatten
 
-__all__ = ["CfgSplit", "CfgSplitCounters"]
+__all__ = ["CfgSplit", "CfgSplitCounters", "check_across"]
 
 COND, UNCOND = "cond", "uncond"
 
@@ -122,3 +126,37 @@ class CfgSplit:
         for own, other in zip(mine, received):
             slots = [torch.empty_like(own), other] if self.rank == 0 else [other, torch.empty_like(own)]
             dist.all_gather(slots, own.contiguous(), group=self.group)
+
+
+def check_across(cfg_group: Any, cp_group: Any) -> None:
+    """Raise ValueError unless ``cfg_group`` (two ranks that split CFG) runs across the context-parallel
+    groups: its other rank is outside this rank's ``cp_group``, and every rank of ``cp_group`` has the
+    same place in its own CFG group (so a whole context-parallel group computes one half of each step).
+
+    A collective over ``cp_group`` (every rank of it calls this). With a device mesh, the groups are
+    ``mesh["cfg"].get_group()`` and the context-parallel mesh ``mesh["ring", "ulysses"]``::
+
+        mesh = init_device_mesh("cuda", (2, 1, 2), mesh_dim_names=("cfg", "ring", "ulysses"))
+        pipe.transformer.enable_parallelism(config=ContextParallelConfig(ulysses_degree=2, mesh=mesh["ring", "ulysses"]))
+        accelerate(pipe, cfg_parallel=mesh["cfg"].get_group())
+    """
+    import torch.distributed as dist
+
+    me = dist.get_rank()
+    cfg_ranks = (
+        dist.get_process_group_ranks(cfg_group) if cfg_group is not None else list(range(dist.get_world_size()))
+    )
+    cp_ranks = dist.get_process_group_ranks(cp_group) if cp_group is not None else list(range(dist.get_world_size()))
+    if set(cfg_ranks) & set(cp_ranks) != {me}:
+        raise ValueError(
+            f"cfg_parallel under context parallelism needs a group of two ranks from different context-parallel "
+            f"groups; rank {me} has CFG ranks {cfg_ranks} and context-parallel ranks {cp_ranks}. Build both from "
+            'one device mesh: cfg_parallel=mesh["cfg"].get_group() (docs/parallel.md)'
+        )
+    places = [None] * len(cp_ranks)
+    dist.all_gather_object(places, dist.get_rank(cfg_group), group=cp_group)
+    if len(set(places)) != 1:
+        raise ValueError(
+            f"cfg_parallel under context parallelism: the ranks {cp_ranks} of one context-parallel group have "
+            f"places {places} in their CFG groups; they must all compute the same half (cond or uncond)"
+        )

@@ -1,6 +1,8 @@
 """Automatic eager breaks inside real captures (marker: cuda): a toy model with one operation of each
 kind a capture cannot hold is captured without a marked break, replays give eager's bytes, a changed
-host value takes (or captures) another path, and ``auto_breaks=False`` falls back as before."""
+host value takes (or captures) another path, a GPU tensor from Python data is a graph constant (or,
+when its data changes every call, makes its module a break), and ``auto_breaks=False`` falls back as
+before."""
 
 from __future__ import annotations
 
@@ -128,17 +130,17 @@ def test_a_gpu_tensor_from_python_data_is_a_graph_constant(where):
 def test_a_gpu_tensor_from_changing_python_data_makes_its_module_a_break():
     model = Outer(CountsOnTheGpu())
     runner = _runner(model)
-    outputs = []
+    counts = []
     for _ in range(3):
         x = torch.randn(4, 8, device="cuda")
         out = runner(x)
         # the module ran as a break in this call: its last count is what the output holds
         assert torch.equal(out, torch.sin(torch.cos(x) + float(model.embed.calls))), model.embed.calls
-        outputs.append(model.embed.calls)
+        counts.append(model.embed.calls)
     [record] = runner.records()
     assert record.status == "captured" and runner.counters.replays == 2, record
     assert any(site.startswith("module embed") for site in record.auto_breaks), record.auto_breaks
-    assert outputs[2] - outputs[1] == outputs[1] - outputs[0] == 1  # one run of the module per replay
+    assert counts[2] - counts[1] == counts[1] - counts[0] == 1  # one run of the module per replay
 
 
 @torch.no_grad()

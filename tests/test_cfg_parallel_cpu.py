@@ -72,3 +72,56 @@ def test_cfg_parallel_needs_torch_distributed() -> None:
         accelerate(pipe, debug=True, cfg_parallel=True)
     with pytest.raises(TypeError, match="cfg_parallel"):
         accelerate(pipe, debug=True, cfg_parallel="yes")
+
+
+CP_WORLD = 4
+
+
+def _cp_worker(rank: int, init_file: str, out: str) -> None:
+    """Four ranks: context parallelism over ranks (0, 1) and (2, 3), CFG split between them."""
+    import _parallel  # its prompts' token counts divide by the context-parallel degree
+    from diffusers import ContextParallelConfig
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=CP_WORLD)
+    # diffusers picks a device by torch.accelerator.device_count(), 0 without one (a division by zero).
+    torch.accelerator.device_count = lambda: 1
+    try:
+        mesh = init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("cfg", "ring", "ulysses"))
+        pipe = _pipe()
+        pipe.transformer.enable_parallelism(
+            config=ContextParallelConfig(ulysses_degree=2, mesh=mesh["ring", "ulysses"])
+        )
+        cpu = torch.device("cpu")
+        reference = _parallel._call(pipe, 64, 64, True, cpu)  # context parallelism alone, eager
+        report = {}
+        for name, option in (("true", True), ("within", mesh["ulysses"].get_group())):
+            try:
+                accelerate(pipe, debug=True, cfg_parallel=option)
+                report[name] = "accepted"
+                restore(pipe)
+            except ValueError as exc:
+                report[name] = str(exc)
+        accelerate(pipe, debug=True, cfg_parallel=mesh["cfg"].get_group())
+        images = [_parallel._call(pipe, 64, 64, True, cpu) for _ in range(2)]
+        report["equal"] = all(torch.equal(image, reference) for image in images)
+        report["counters"] = {k: stats(pipe)[k] for k in ("cfg_split_calls", "cfg_exchanges")}
+        restore(pipe)
+        Path(out, f"rank{rank}.json").write_text(json.dumps(report))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.heavy  # four processes
+def test_cfg_across_context_parallel_groups_equals_context_parallelism_alone(tmp_path: Path) -> None:
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is not available")
+    mp.spawn(_cp_worker, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=CP_WORLD, join=True)
+    for rank in range(CP_WORLD):
+        report = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert "cfg_parallel=True under context parallelism" in report["true"], report
+        assert "different context-parallel groups" in report["within"], report
+        assert report["equal"], report
+        # _parallel's calls run 2 steps: the second of each is split
+        assert report["counters"] == {"cfg_split_calls": 2, "cfg_exchanges": 2}, report

@@ -1,7 +1,7 @@
 """CFG across GPUs (``cfg_parallel=True`` under ``torchrun``): the work is :mod:`bcg_diffusion.cfg_parallel`.
 
-This feature decides where it applies (a true-CFG pipeline, two ranks, no context parallelism, a
-scheduler that reports its step), wraps the transformer's ``cache_context`` so each call knows
+This feature decides where it applies (a true-CFG pipeline, two ranks, across the context-parallel
+groups if there are any, a scheduler that reports its step), wraps the transformer's ``cache_context`` so each call knows
 whether it is the cond or the uncond one, and puts the split around the transformer's runner call.
 """
 
@@ -12,7 +12,7 @@ import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from ..cfg_parallel import CfgSplit
+from ..cfg_parallel import CfgSplit, check_across
 from ..hooks import MethodPatches
 from ..runner import BCGWarning
 from .base import Feature, Setup, Target
@@ -44,9 +44,12 @@ class CfgParallel(Feature):
         if setup.adapter.guidance_argument != "true_cfg_scale":
             _refuse(f"{type(setup.pipe).__name__} does not make separate cond and uncond calls (true CFG)")
             return None
-        if setup.layout is not None:
-            _refuse("combining it with context parallelism is not supported yet")
-            return None
+        if setup.layout is not None and option is True:
+            raise ValueError(
+                "cfg_parallel=True under context parallelism: pass the process group of the two ranks that "
+                'split CFG, built with the context-parallel mesh from one device mesh: mesh["cfg"].get_group() '
+                "(docs/parallel.md)"
+            )
         if not hasattr(setup.pipe.scheduler, "step_index"):
             _refuse(f"{type(setup.pipe.scheduler).__name__} does not report its step_index")
             return None
@@ -54,7 +57,10 @@ class CfgParallel(Feature):
             _refuse("the transformer has no cache_context, so its calls cannot be told apart")
             return None
         group = None if option is True else option
-        return cls(CfgSplit(group, lambda pipe=setup.pipe: pipe.scheduler))
+        split = CfgSplit(group, lambda pipe=setup.pipe: pipe.scheduler)
+        if setup.layout is not None:
+            check_across(group, setup.layout.group)
+        return cls(split)
 
     def prepare(self, setup: Setup, patches: MethodPatches) -> None:
         module = setup.modules["transformer"]
