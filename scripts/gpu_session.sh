@@ -24,8 +24,10 @@
 #   probe-hand-patches  Qwen-Image 512², 10 steps, CFG 4: exact mode with its hand patch against the capture without it
 #   bench-auto       Z-Image-Turbo 512² and 1024² (8 steps) and Qwen-Image 512² (10 steps, CFG 4): our modes with and
 #                    without automatic breaks, same run (issue 23: the existing pipelines keep their speed)
-#   coverage         every pipeline of bench.coverage at its published size (COVERAGE_PIPELINES to choose):
-#                    captured, segments and breaks, identical, eager / exact / fast at two sizes
+#   coverage         every pipeline of bench.coverage at its published size (COVERAGE_PIPELINES to choose;
+#                    COVERAGE_MODES=exact or fast and COVERAGE_RUNS=2 to fit a call: all 14 in exact mode took 480 s):
+#                    captured, segments and breaks, identical, eager / exact / fast at two sizes. Only 8 files
+#                    come back from a call: run it without phases that write many (bench phases write 3 each)
 #   bench-fp8-z      Z-Image-Turbo 512² and 1024², 8 steps: eager, fast, eager-fp8, bcg-fp8, fast-fp8
 #   bench-fp8-qwen   Qwen-Image 1024², 20 steps, true CFG 4: eager, fast, eager-fp8, fast-fp8
 #   warm-start-fp8-z fast mode with quantize="fp8": cold / warm / portable first call, Z-Image 512²
@@ -138,7 +140,8 @@ case "$phase" in
     ;;
   coverage)
     timeout "${COVERAGE_TIMEOUT:-580}" python3 -m bench.coverage --size full --device cuda \
-      ${COVERAGE_PIPELINES:+--pipelines "$COVERAGE_PIPELINES"} --out "$out/coverage" 2>&1 \
+      ${COVERAGE_PIPELINES:+--pipelines "$COVERAGE_PIPELINES"} ${COVERAGE_MODES:+--modes "$COVERAGE_MODES"} \
+      ${COVERAGE_RUNS:+--runs "$COVERAGE_RUNS"} --out "$out/coverage" 2>&1 \
       | grep -v "Warning\|warnings.warn" | tee "$out/coverage.log" | tail -30
     ;;
   bench-fp8-z)
