@@ -173,6 +173,31 @@ def _fault_check(pipe: Any, case: tuple[int, int, bool], reference: torch.Tensor
         handle.remove()
 
 
+def _gloo_rank(rank: int, check: Any, world: int, folder: str) -> None:
+    # One thread per rank: ranks with the default thread count each would oversubscribe a small
+    # machine's cores (their OpenMP threads then wait on each other).
+    torch.set_num_threads(max(1, (os.cpu_count() or world) // world))
+    dist.init_process_group("gloo", init_method=f"file://{folder}/init", rank=rank, world_size=world)
+    # diffusers picks a device by torch.accelerator.device_count(), 0 without one (a division by zero).
+    torch.accelerator.device_count = lambda: 1
+    try:
+        Path(folder, f"rank{rank}.json").write_text(json.dumps(check(rank)))
+    finally:
+        dist.destroy_process_group()
+
+
+def gloo_reports(check: Any, world: int, folder: Path) -> list[dict[str, Any]]:
+    """Run ``check(rank)`` (a module-level function returning a JSON-able report) in ``world`` spawned CPU
+    processes joined by gloo, and return their reports in rank order. Skips the test without gloo."""
+    import pytest
+    import torch.multiprocessing as mp
+
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is not available")
+    mp.spawn(_gloo_rank, args=(check, world, str(folder)), nprocs=world, join=True)
+    return [json.loads((folder / f"rank{rank}.json").read_text()) for rank in range(world)]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--weights", default="tiny")

@@ -4,14 +4,11 @@ computes alone, byte for byte. The same split on two GPUs is ``bench.parallel``'
 
 from __future__ import annotations
 
-import json
-import os
 from pathlib import Path
 
+import _parallel
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 from _cases import run_case
 
 from bcg_diffusion import accelerate, restore, stats
@@ -26,37 +23,27 @@ def _pipe(name: str = "qwen-image"):
     return pipe
 
 
-def _worker(rank: int, init_file: str, out: str) -> None:
-    torch.set_num_threads(max(1, (os.cpu_count() or WORLD) // WORLD))
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
-    try:
-        pipe = _pipe()
-        alone = {
-            case: run_case(pipe, "qwen-image", case, height=32, width=32, steps=STEPS)
-            for case in ("true_cfg", "no_cfg")
-        }
-        accelerate(pipe, debug=True, cfg_parallel=True)
-        report = {"equal": {}, "counters": {}}
-        for case in ("true_cfg", "no_cfg", "true_cfg"):
-            image = run_case(pipe, "qwen-image", case, height=32, width=32, steps=STEPS)
-            report["equal"][case] = report["equal"].get(case, True) and torch.equal(image, alone[case])
-            report["counters"][case] = {k: stats(pipe)[k] for k in ("cfg_split_calls", "cfg_exchanges")}
-        restore(pipe)
-        report["restored"] = torch.equal(
-            run_case(pipe, "qwen-image", "true_cfg", height=32, width=32, steps=STEPS), alone["true_cfg"]
-        )
-        Path(out, f"rank{rank}.json").write_text(json.dumps(report))
-    finally:
-        dist.destroy_process_group()
+def _checks(rank: int) -> dict:
+    pipe = _pipe()
+    alone = {
+        case: run_case(pipe, "qwen-image", case, height=32, width=32, steps=STEPS) for case in ("true_cfg", "no_cfg")
+    }
+    accelerate(pipe, debug=True, cfg_parallel=True)
+    report = {"equal": {}, "counters": {}}
+    for case in ("true_cfg", "no_cfg", "true_cfg"):
+        image = run_case(pipe, "qwen-image", case, height=32, width=32, steps=STEPS)
+        report["equal"][case] = report["equal"].get(case, True) and torch.equal(image, alone[case])
+        report["counters"][case] = {k: stats(pipe)[k] for k in ("cfg_split_calls", "cfg_exchanges")}
+    restore(pipe)
+    report["restored"] = torch.equal(
+        run_case(pipe, "qwen-image", "true_cfg", height=32, width=32, steps=STEPS), alone["true_cfg"]
+    )
+    return report
 
 
 @pytest.mark.heavy  # two processes, each importing torch and building the pipeline
 def test_each_rank_computes_one_half_and_both_get_one_process_bytes(tmp_path: Path) -> None:
-    if not dist.is_available() or not dist.is_gloo_available():
-        pytest.skip("torch.distributed with gloo is not available")
-    mp.spawn(_worker, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=WORLD, join=True)
-    reports = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(WORLD)]
-    for report in reports:
+    for report in _parallel.gloo_reports(_checks, WORLD, tmp_path):
         assert all(report["equal"].values()) and report["restored"], report
         # counters are cumulative, read after each call (the dict keeps the second true-CFG call's):
         # STEPS - 1 split steps per true-CFG call, the first step runs whole on both ranks
@@ -77,49 +64,36 @@ def test_cfg_parallel_needs_torch_distributed() -> None:
 CP_WORLD = 4
 
 
-def _cp_worker(rank: int, init_file: str, out: str) -> None:
-    """Four ranks: context parallelism over ranks (0, 1) and (2, 3), CFG split between them."""
-    import _parallel  # its prompts' token counts divide by the context-parallel degree
+def _cp_checks(rank: int) -> dict:
+    """Four ranks: context parallelism over ranks (0, 1) and (2, 3), CFG split between them. The
+    calls are _parallel's, whose prompts' token counts divide by the context-parallel degree."""
     from diffusers import ContextParallelConfig
     from torch.distributed.device_mesh import init_device_mesh
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=CP_WORLD)
-    # diffusers picks a device by torch.accelerator.device_count(), 0 without one (a division by zero).
-    torch.accelerator.device_count = lambda: 1
-    try:
-        mesh = init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("cfg", "ring", "ulysses"))
-        pipe = _pipe()
-        pipe.transformer.enable_parallelism(
-            config=ContextParallelConfig(ulysses_degree=2, mesh=mesh["ring", "ulysses"])
-        )
-        cpu = torch.device("cpu")
-        reference = _parallel._call(pipe, 64, 64, True, cpu)  # context parallelism alone, eager
-        report = {}
-        for name, option in (("true", True), ("within", mesh["ulysses"].get_group())):
-            try:
-                accelerate(pipe, debug=True, cfg_parallel=option)
-                report[name] = "accepted"
-                restore(pipe)
-            except ValueError as exc:
-                report[name] = str(exc)
-        accelerate(pipe, debug=True, cfg_parallel=mesh["cfg"].get_group())
-        images = [_parallel._call(pipe, 64, 64, True, cpu) for _ in range(2)]
-        report["equal"] = all(torch.equal(image, reference) for image in images)
-        report["counters"] = {k: stats(pipe)[k] for k in ("cfg_split_calls", "cfg_exchanges")}
-        restore(pipe)
-        Path(out, f"rank{rank}.json").write_text(json.dumps(report))
-    finally:
-        dist.destroy_process_group()
+    mesh = init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("cfg", "ring", "ulysses"))
+    pipe = _pipe()
+    pipe.transformer.enable_parallelism(config=ContextParallelConfig(ulysses_degree=2, mesh=mesh["ring", "ulysses"]))
+    cpu = torch.device("cpu")
+    reference = _parallel._call(pipe, 64, 64, True, cpu)  # context parallelism alone, eager
+    report = {}
+    for name, option in (("true", True), ("within", mesh["ulysses"].get_group())):
+        try:
+            accelerate(pipe, debug=True, cfg_parallel=option)
+            report[name] = "accepted"
+            restore(pipe)
+        except ValueError as exc:
+            report[name] = str(exc)
+    accelerate(pipe, debug=True, cfg_parallel=mesh["cfg"].get_group())
+    images = [_parallel._call(pipe, 64, 64, True, cpu) for _ in range(2)]
+    report["equal"] = all(torch.equal(image, reference) for image in images)
+    report["counters"] = {k: stats(pipe)[k] for k in ("cfg_split_calls", "cfg_exchanges")}
+    restore(pipe)
+    return report
 
 
 @pytest.mark.heavy  # four processes
 def test_cfg_across_context_parallel_groups_equals_context_parallelism_alone(tmp_path: Path) -> None:
-    if not dist.is_available() or not dist.is_gloo_available():
-        pytest.skip("torch.distributed with gloo is not available")
-    mp.spawn(_cp_worker, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=CP_WORLD, join=True)
-    for rank in range(CP_WORLD):
-        report = json.loads((tmp_path / f"rank{rank}.json").read_text())
+    for report in _parallel.gloo_reports(_cp_checks, CP_WORLD, tmp_path):
         assert "cfg_parallel=True under context parallelism" in report["true"], report
         assert "different context-parallel groups" in report["within"], report
         assert report["equal"], report

@@ -8,44 +8,24 @@ the capture consensus (every rank abandons a capture that failed on one). The gr
 
 from __future__ import annotations
 
-import json
-import os
-from pathlib import Path
-
+import _parallel
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 pytestmark = pytest.mark.heavy  # starts two processes, each importing torch and building the pipeline
 
 WORLD = 2
 
 
-def _worker(rank: int, init_file: str, out: str) -> None:
-    import _parallel  # tests/ is on sys.path in the spawned process too (spawn copies sys.path)
-
-    # One thread per rank: two ranks of the default thread count each would oversubscribe a small machine's
-    # cores (their OpenMP threads then wait on each other); the checks compare within and across ranks alike.
-    torch.set_num_threads(max(1, (os.cpu_count() or WORLD) // WORLD))
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
-    # diffusers picks a device by torch.accelerator.device_count(), 0 without one (a division by zero).
-    torch.accelerator.device_count = lambda: 1
-    try:
-        report = _parallel.rank_checks("tiny", torch.device("cpu"), [(64, 64)])
-        report["consensus"] = _parallel.consensus_protocol()
-        Path(out, f"rank{rank}.json").write_text(json.dumps(report))
-    finally:
-        dist.destroy_process_group()
+def _checks(rank: int) -> dict:
+    report = _parallel.rank_checks("tiny", torch.device("cpu"), [(64, 64)])
+    report["consensus"] = _parallel.consensus_protocol()
+    return report
 
 
 @pytest.fixture(scope="module")
 def reports(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
-    if not dist.is_available() or not dist.is_gloo_available():
-        pytest.skip("torch.distributed with gloo is not available")
-    folder = tmp_path_factory.mktemp("parallel")
-    mp.spawn(_worker, args=(str(folder / "init"), str(folder)), nprocs=WORLD, join=True)
-    return [json.loads((folder / f"rank{rank}.json").read_text()) for rank in range(WORLD)]
+    return _parallel.gloo_reports(_checks, WORLD, tmp_path_factory.mktemp("parallel"))
 
 
 def test_every_call_equals_context_parallel_eager(reports: list[dict]) -> None:
