@@ -52,7 +52,6 @@ segment; we need owned bridges, tensor-returning breaks and segment boundaries w
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
 import functools
 import logging
@@ -377,22 +376,15 @@ def call_untracked(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     CUDA tensor from outside the capture except its arguments and what its owner holds for the
     graph's whole life (a module's parameters and buffers, a compiled function's constants).
     """
-    with _function_mode_paused():
-        return _call_untracked(fn, *args, **kwargs)
-
-
-@contextlib.contextmanager
-def _function_mode_paused() -> Any:
-    """Take the top torch-function mode off the stack until exit, if it says it pauses for compiled
-    code (bcg_diffusion.python_data's): ``torch.compile`` guards on that stack, and a mode present only
-    in warm-ups and captures would make it compile each block again."""
+    # A torch-function mode that pauses for compiled code (bcg_diffusion.python_data's, during warm-ups
+    # and captures) leaves the stack meanwhile: torch.compile guards on that stack, and would compile
+    # each block again.
     mode = _get_current_function_mode()
     if not getattr(mode, "pauses_for_compiled_code", False):
-        yield
-        return
+        return _call_untracked(fn, *args, **kwargs)
     mode.__exit__(None, None, None)
     try:
-        yield
+        return _call_untracked(fn, *args, **kwargs)
     finally:
         mode.__enter__()
 
