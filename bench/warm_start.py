@@ -13,7 +13,9 @@ Runs three child processes one after another, each building the pipeline, callin
 Each child reports its time from process start to the first image, split into start-up (imports,
 building the pipeline) and the first call (compiles or cache loads, warm-up, capture, the call), and
 of that first call the block calls that compiled (``compile_s``) and the captures (``capture_s``,
-which include the warm-up runs before each capture, so they overlap). ``--profile`` also writes each
+which include the warm-up runs before each capture, so they overlap), with PyTorch's cache counters
+(FX graph and AOT autograd hits, misses and bypasses), the reason of each AOT autograd bypass, and
+dynamo's compile phase times. ``--profile`` also writes each
 child's first call as a ``cProfile`` summary, with dynamo's compile phase times, next to the report;
 the profiler slows compiling down (about 2× on the H200, run 45), so a profiled run's times are not
 a warm-start measurement.
@@ -47,6 +49,7 @@ def _child(args: argparse.Namespace) -> None:
     from .cases import Case
     from .measure import synchronize
 
+    bypasses = _record_cache_bypasses()
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else None
     pipe = build_pipeline(args.pipeline, args.weights, device=device, dtype=dtype)
@@ -65,6 +68,9 @@ def _child(args: argparse.Namespace) -> None:
         profiler.disable()
         _write_profile(profiler, Path(args.profile_to))
     report = stats(pipe)
+    from torch._dynamo.utils import compile_times, counters
+
+    caches = {f"{group}.{key}": n for group in ("aot_autograd", "inductor") for key, n in counters[group].items()}
     print(
         "WARM_START "
         + json.dumps(
@@ -76,9 +82,34 @@ def _child(args: argparse.Namespace) -> None:
                 "compile_s": report["compile_seconds"],
                 "captures": report["captures"],
                 "capture_s": report["capture_seconds"],
+                # which of PyTorch's caches hit, why AOT autograd's refused a graph, and where
+                # dynamo's compile time went: what a warm start still pays, and why
+                "cache_counters": {k: n for k, n in caches.items() if "cache" in k},
+                "aot_cache_bypass_reasons": sorted(set(bypasses)),
+                "dynamo_phases_s": compile_times(repr="str"),
             }
         )
     )
+
+
+def _record_cache_bypasses() -> list[str]:
+    """A list that fills, as this process compiles, with the reason of each AOT autograd cache
+    bypass (PyTorch logs one at INFO level per compile that bypasses; whitespace folded, 400
+    characters at most)."""
+    import logging
+
+    reasons: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            message = record.getMessage()
+            if message.startswith("Bypassing autograd cache"):
+                reasons.append(" ".join(message.split())[:400])
+
+    logger = logging.getLogger("torch._functorch._aot_autograd.autograd_cache")
+    logger.setLevel(logging.INFO)
+    logger.addHandler(Collect(logging.INFO))
+    return reasons
 
 
 def _write_profile(profiler: cProfile.Profile, file: Path) -> None:

@@ -32,6 +32,9 @@
 #   bench-fp8-qwen   Qwen-Image 1024², 20 steps, true CFG 4: eager, fast, eager-fp8, fast-fp8
 #   warm-start-fp8-z fast mode with quantize="fp8": cold / warm / portable first call, Z-Image 512²
 #   probe-fp8-groups FP8 per layer group (each kept in bf16 in turn): PSNR against bf16 eager and latency, Z-Image 1024², exact
+#   probe-fp8-block  FP8 GEMMs (row-wise against per-tensor scaling) and one compiled Z-Image block in bf16 and FP8,
+#                    with and without max-autotune (bench/probes/probe_fp8_block.py)
+#                    (probe-fp8-groups: PROBE_COMPARE=scaling compares the two scalings end to end instead)
 #   hotswap-z        LoRA hot swap with graphs kept against drop-and-recapture, full-size Z-Image (bench.hotswap)
 #   bench-z          Z-Image-Turbo 512² and 1024², 8 steps, no CFG: every mode, with the loop profile
 #   te-z             Z-Image-Turbo 512², 8 steps: eager and our modes with and without the text encoder captured
@@ -63,7 +66,7 @@
 #                    for `python scripts/screenshot_replay.py DIR OUT.png` here (the GPU machine has no browser)
 # Everything it writes is under $OUT (logs, results.json/.md/.png); copy it to bench/results/<date>-h200/.
 set -uo pipefail
-[ $# -gt 0 ] || { echo "usage: scripts/gpu_session.sh tests|tests-full|tests-fast|tests-coexist|tests-shared|tests-cache|bench-cache-qwen-1024|bench-cache-qwen-512|bench-cache-z|tests-quant|tests-auto|probe-hand-patches|bench-auto|coverage|bench-fp8-z|bench-fp8-qwen|warm-start-fp8-z|probe-fp8-groups|hotswap-z|tests-z|te-z|fast-check|profile-qwen|profile-z|fast-qwen-50|ab-attention|probe-floor|probe-norms|probe-blocks|compile-max-qwen|memory-z|bench-z|warm-start-z|bench-qwen|bench-qwen-512|bench-qwen-1024|issue2|parallel|parallel-cfg|serving|demo ..." >&2; exit 2; }
+[ $# -gt 0 ] || { echo "usage: scripts/gpu_session.sh tests|tests-full|tests-fast|tests-coexist|tests-shared|tests-cache|bench-cache-qwen-1024|bench-cache-qwen-512|bench-cache-z|tests-quant|tests-auto|probe-hand-patches|bench-auto|coverage|bench-fp8-z|bench-fp8-qwen|warm-start-fp8-z|probe-fp8-groups|probe-fp8-block|hotswap-z|tests-z|te-z|fast-check|profile-qwen|profile-z|fast-qwen-50|ab-attention|probe-floor|probe-norms|probe-blocks|compile-max-qwen|memory-z|bench-z|warm-start-z|bench-qwen|bench-qwen-512|bench-qwen-1024|issue2|parallel|parallel-cfg|serving|demo ..." >&2; exit 2; }
 out=${OUT:-/tmp/bcg-out}
 mkdir -p "$out"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -150,8 +153,8 @@ case "$phase" in
       --out "$out/fp8-z" 2>&1 | grep -v "Warning\|warnings.warn" | tee "$out/fp8-z.log" | tail -14
     ;;
   bench-fp8-qwen)
-    timeout 540 python3 -m bench --pipeline qwen-image --weights random-full --resolutions 1024x1024 --steps 20 \
-      --guidance 4 --modes eager,fast,eager-fp8,fast-fp8 --runs 3 --warmup 0 --no-progress \
+    timeout "${FP8_QWEN_TIMEOUT:-540}" python3 -m bench --pipeline qwen-image --weights random-full --resolutions 1024x1024 \
+      --steps 20 --guidance 4 --modes "${FP8_QWEN_MODES:-eager,fast,eager-fp8,fast-fp8}" --runs 3 --warmup 0 --no-progress \
       --out "$out/fp8-qwen" 2>&1 | grep -v "Warning\|warnings.warn" | tee "$out/fp8-qwen.log" | tail -14
     ;;
   warm-start-fp8-z)
@@ -160,8 +163,12 @@ case "$phase" in
     ;;
   probe-fp8-groups)
     timeout "${PROBE_TIMEOUT:-540}" python3 -m bench.probes.probe_fp8_groups --pipeline z-image --weights random-full \
-      --mode "${PROBE_MODE:-exact}" --size "${PROBE_SIZE:-1024}" \
+      --mode "${PROBE_MODE:-exact}" --size "${PROBE_SIZE:-1024}" --compare "${PROBE_COMPARE:-groups}" \
       --out "$out/probe-fp8-groups" 2>&1 | grep -v "Warning\|warnings.warn" | tee "$out/probe-fp8-groups.log" | tail -12
+    ;;
+  probe-fp8-block)
+    timeout "${BLOCK_PROBE_TIMEOUT:-400}" python3 -m bench.probes.probe_fp8_block 2>&1 \
+      | grep -v "Warning\|warnings.warn" | tee "$out/probe-fp8-block.log" | tail -40
     ;;
   hotswap-z)
     timeout 80 python3 -m bench.hotswap --pipeline z-image --weights random-full --steps 4 --swaps 2 --modes exact \

@@ -26,7 +26,7 @@ import torch
 
 from bcg_diffusion import accelerate, restore
 from bcg_diffusion.loading import build_pipeline
-from bcg_diffusion.quantize import block_linears
+from bcg_diffusion.quantize import block_linears, default_filter
 
 from .. import measure
 from ..cases import Case
@@ -40,9 +40,13 @@ GROUPS = {
 }
 
 
-def _quantize_option(name: str) -> Any:
-    if name == "fp8":
+def _quantize_option(name: str, scaling: str = "row-wise") -> Any:
+    if name == "fp8" and scaling == "row-wise":
         return "fp8"
+    if name == "fp8":
+        from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerTensor
+
+        return Float8DynamicActivationFloat8WeightConfig(granularity=PerTensor(), set_inductor_config=False)
     from torchao.quantization import Int8WeightOnlyConfig
 
     return Int8WeightOnlyConfig()
@@ -61,6 +65,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--config", default="fp8", choices=("fp8", "int8"), help="int8 weight-only: the CPU smoke run")
     parser.add_argument("--mode", default="fast", choices=("fast", "exact"))
+    parser.add_argument(
+        "--compare",
+        default="groups",
+        choices=("groups", "scaling"),
+        help="groups: each group kept in bf16 in turn; scaling: row-wise against per-tensor FP8, on the "
+        "default filter and on every block linear",
+    )
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
     device = torch.device(args.device)
@@ -73,14 +84,23 @@ def main(argv: list[str] | None = None) -> int:
     selected = block_linears(base.transformer)
     rows: dict[str, dict[str, Any]] = {}
     pipes: dict[str, Any] = {}
-    variants: dict[str, Any] = {"bf16": None, "all fp8": selected}
-    for group, pattern in GROUPS.items():
-        variants[f"{group} in bf16"] = lambda module, fqn, p=re.compile(pattern): (
-            selected(module, fqn) and not p.search(fqn)
-        )
-    for label, chosen in variants.items():
+    variants: dict[str, tuple[Any, str]] = {"bf16": (None, "row-wise")}
+    if args.compare == "groups":
+        variants["all fp8"] = (selected, "row-wise")
+        for group, pattern in GROUPS.items():
+            variants[f"{group} in bf16"] = (
+                lambda module, fqn, p=re.compile(pattern): selected(module, fqn) and not p.search(fqn),
+                "row-wise",
+            )
+    else:
+        for scaling in ("row-wise", "per-tensor"):
+            variants[f"{scaling}, default filter"] = (default_filter(base.transformer), scaling)
+            variants[f"{scaling}, all block linears"] = (selected, scaling)
+    for label, (chosen, scaling) in variants.items():
         pipe = pipeline_copy(base)
-        options = {} if chosen is None else {"quantize": _quantize_option(args.config), "quantize_filter": chosen}
+        options = (
+            {} if chosen is None else {"quantize": _quantize_option(args.config, scaling), "quantize_filter": chosen}
+        )
         accelerate(pipe, mode=args.mode, debug=debug, **options)
         first = measure.timed_call(pipe, case, device)
         rows[label] = {"first_call_s": first.total_s, "runs_s": []}
