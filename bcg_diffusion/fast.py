@@ -91,8 +91,18 @@ class CompiledBlocks:
     hook_warned: bool = False
 
 
+# Functions ``torch.nn.attention.sdpa_kernel`` leaves in a dynamo graph. AOT autograd's cache refuses
+# graphs that call private torch functions, so a block whose attention picks its SDPA backend that
+# way (diffusers' ``_native_cudnn``: fast mode's Z-Image attention on Hopper) was traced again by
+# every new process: 6 of the 10 s that a warm start spent compiling (H200, Z-Image 512² in FP8,
+# run 70), and the same in bf16. Both only set which SDPA backends are enabled, from constants the
+# graph holds, and the mark keys the cache by the torch version, so marking them cacheable is safe.
+_CACHEABLE_SDPA_FUNCTIONS = ("torch.nn.attention._backend_from_string", "torch.nn.attention._sdpa_kernel")
+
+
 def _compile_settings() -> contextlib.AbstractContextManager[Any]:
-    """Dynamo settings for our blocks' compiles: a higher recompile limit, and no duck sizing.
+    """Dynamo settings for our blocks' compiles: a higher recompile limit, no duck sizing, and the
+    SDPA backend choice marked cacheable (:data:`_CACHEABLE_SDPA_FUNCTIONS`).
 
     Duck sizing makes two sizes that happen to be equal at the first compile equal by guard, so a later
     call where they differ compiles a second, more general entry; which entry then serves a call would
@@ -106,6 +116,12 @@ def _compile_settings() -> contextlib.AbstractContextManager[Any]:
 
     if hasattr(shape_config, "use_duck_shape"):
         stack.enter_context(shape_config.patch(use_duck_shape=False))
+    import torch._inductor.config as inductor
+
+    marked = getattr(inductor, "unsafe_marked_cacheable_functions", None)
+    if marked is not None:
+        marks = dict(marked) | {name: torch.__version__ for name in _CACHEABLE_SDPA_FUNCTIONS}
+        stack.enter_context(inductor.patch(unsafe_marked_cacheable_functions=marks))
     return stack
 
 

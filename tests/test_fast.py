@@ -15,7 +15,7 @@ from torch._dynamo.utils import counters
 
 from bcg_diffusion import AccelerateConfig, accelerate, eager, restore, stats
 from bcg_diffusion import graphs as graphs_module
-from bcg_diffusion.fast import load_compile_cache, save_compile_cache
+from bcg_diffusion.fast import compile_repeated_blocks, load_compile_cache, save_compile_cache
 from bcg_diffusion.graphs import _ExternalTensorTracker, call_untracked
 from bcg_diffusion.hooks import MethodPatches
 from bcg_diffusion.loading import build_pipeline
@@ -101,6 +101,43 @@ def test_scoped_rope_patch_touches_one_model_only():
     assert all(p.__call__.__globals__["apply_rotary_emb_qwen"] is not apply_rotary_emb_qwen for p in untouched)
     patches.undo()
     assert [m.processor for m in first.modules() if "processor" in m.__dict__] == processors
+
+
+class _BackendChoosingBlock(torch.nn.Module):
+    """Attention that picks its SDPA backend inside the block, as diffusers' ``_native_cudnn`` does
+    (fast mode's Z-Image attention on Hopper); the math backend, so that it runs on a CPU."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        with sdpa_kernel(SDPBackend.MATH):
+            return torch.nn.functional.scaled_dot_product_attention(x, x, x) + 1
+
+
+@needs_compiler
+@heavy
+def test_blocks_choosing_their_attention_backend_stay_in_aot_autograds_cache(monkeypatch, tmp_path):
+    # Before the fix, AOT autograd's cache refused such blocks (a private torch function in the
+    # graph), so every new process traced them again: most of fast mode's warm start on the H200.
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    holder = torch.nn.Module()
+    holder.block = _BackendChoosingBlock()
+    holder._repeated_blocks = ["_BackendChoosingBlock"]
+    x = torch.randn(1, 2, 8, 16)
+    outputs = []
+    for _ in range(2):  # the second time as a new process would: nothing compiled in memory
+        torch._dynamo.reset()
+        counters["aot_autograd"].clear()
+        patches = MethodPatches()
+        compile_repeated_blocks(holder, patches)
+        try:
+            outputs.append(holder.block(x))
+        finally:
+            patches.undo()
+        assert not counters["aot_autograd"].get("autograd_cache_bypass"), dict(counters["aot_autograd"])
+    assert counters["aot_autograd"].get("autograd_cache_hit") == 1, dict(counters["aot_autograd"])
+    assert torch.equal(outputs[1], outputs[0])  # the cached graph computes what the traced one did
+    torch.testing.assert_close(outputs[0], _BackendChoosingBlock()(x))
 
 
 @needs_compiler
