@@ -101,8 +101,7 @@ _CACHEABLE_SDPA_FUNCTIONS = ("torch.nn.attention._backend_from_string", "torch.n
 
 
 def _compile_settings() -> contextlib.AbstractContextManager[Any]:
-    """Dynamo settings for our blocks' compiles: a higher recompile limit, no duck sizing, and the
-    SDPA backend choice marked cacheable (:data:`_CACHEABLE_SDPA_FUNCTIONS`).
+    """Dynamo settings for our blocks' compiles: a higher recompile limit, and no duck sizing.
 
     Duck sizing makes two sizes that happen to be equal at the first compile equal by guard, so a later
     call where they differ compiles a second, more general entry; which entry then serves a call would
@@ -116,13 +115,20 @@ def _compile_settings() -> contextlib.AbstractContextManager[Any]:
 
     if hasattr(shape_config, "use_duck_shape"):
         stack.enter_context(shape_config.patch(use_duck_shape=False))
+    return stack
+
+
+def _inductor_options() -> dict[str, Any]:
+    """Inductor settings for our blocks' compiles, passed to ``torch.compile`` so that they apply
+    while it compiles and cost nothing per call: the SDPA backend choice marked cacheable
+    (:data:`_CACHEABLE_SDPA_FUNCTIONS`), beside any functions the user marked."""
     import torch._inductor.config as inductor
 
     marked = getattr(inductor, "unsafe_marked_cacheable_functions", None)
-    if marked is not None:
-        marks = dict(marked) | {name: torch.__version__ for name in _CACHEABLE_SDPA_FUNCTIONS}
-        stack.enter_context(inductor.patch(unsafe_marked_cacheable_functions=marks))
-    return stack
+    if marked is None:  # a torch without the setting: its cache is left as it is
+        return {}
+    marks = dict(marked) | {name: torch.__version__ for name in _CACHEABLE_SDPA_FUNCTIONS}
+    return {"unsafe_marked_cacheable_functions": marks}
 
 
 def _private_copy(function: types.FunctionType) -> types.FunctionType:
@@ -244,7 +250,7 @@ def compile_repeated_blocks(
             target = types.MethodType(private_forwards[type(block)], block)
         else:  # an instance-level forward someone else installed: compile it as it is
             target = original
-        compiled = torch.compile(target, fullgraph=fullgraph, dynamic=True)
+        compiled = torch.compile(target, fullgraph=fullgraph, dynamic=True, options=_inductor_options())
         forward = _compiled_forward(compiled, original, block, record)
         patches.replace(block, "forward", functools.wraps(original)(forward))
         record.names.append(name)

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from bcg_diffusion import fast
 from bcg_diffusion.hooks import MethodPatches
 from bcg_diffusion.patches import attention
-from bcg_diffusion.quantize import block_linears, default_filter, quantize_transformer
+from bcg_diffusion.quantize import FP8, block_linears, default_filter, quantize_transformer, torchao_config
 from bench.probes.probe_block_kernels import COPIES, _inputs, _tflops, _time_products
 from bench.probes.probe_fast_floor import graph_replay_ms, kernel_table, random_block, section
 
@@ -72,11 +72,14 @@ def matrix_products() -> None:
     print(f"({COPIES} weight copies cycled per shape)")
 
 
-def _fp8_config(granularity: str) -> Any:
-    from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow, PerTensor
+def fp8_config(scaling: str) -> Any:
+    """torchao's dynamic FP8 config: ``quantize="fp8"``'s for ``"row-wise"``, the same with one scale
+    per tensor for ``"per-tensor"`` (process settings left alone, as ours)."""
+    if scaling == "row-wise":
+        return torchao_config(FP8)
+    from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerTensor
 
-    scale = PerRow() if granularity == "row-wise" else PerTensor()
-    return Float8DynamicActivationFloat8WeightConfig(granularity=scale, set_inductor_config=False)
+    return Float8DynamicActivationFloat8WeightConfig(granularity=PerTensor(), set_inductor_config=False)
 
 
 def zimage_blocks() -> None:
@@ -109,7 +112,7 @@ def zimage_blocks() -> None:
         holder.block = copy.deepcopy(base)
         holder._repeated_blocks = ["ZImageTransformerBlock"]
         if granularity is not None:
-            quantize_transformer(holder, _fp8_config(granularity), choose(holder))
+            quantize_transformer(holder, fp8_config(granularity), choose(holder))
         processor_patches, compile_patches = MethodPatches(), MethodPatches()
         attention.ZIMAGE_ATTENTION_PATCH.apply(holder.block, processor_patches)
         torch._dynamo.reset()

@@ -31,6 +31,7 @@ from bcg_diffusion.quantize import block_linears, default_filter
 from .. import measure
 from ..cases import Case
 from ..modes import pipeline_copy
+from .probe_fp8_block import fp8_config
 
 GROUPS = {
     "attention q/k/v": r"\.(to_q|to_k|to_v)$",
@@ -41,12 +42,8 @@ GROUPS = {
 
 
 def _quantize_option(name: str, scaling: str = "row-wise") -> Any:
-    if name == "fp8" and scaling == "row-wise":
-        return "fp8"
     if name == "fp8":
-        from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerTensor
-
-        return Float8DynamicActivationFloat8WeightConfig(granularity=PerTensor(), set_inductor_config=False)
+        return "fp8" if scaling == "row-wise" else fp8_config(scaling)
     from torchao.quantization import Int8WeightOnlyConfig
 
     return Int8WeightOnlyConfig()
