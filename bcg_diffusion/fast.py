@@ -29,6 +29,7 @@ import contextlib
 import functools
 import logging
 import os
+import sys
 import time
 import types
 import warnings
@@ -100,8 +101,9 @@ class CompiledBlocks:
 _CACHEABLE_SDPA_FUNCTIONS = ("torch.nn.attention._backend_from_string", "torch.nn.attention._sdpa_kernel")
 
 
-def _compile_settings() -> contextlib.AbstractContextManager[Any]:
-    """Dynamo settings for our blocks' compiles: a higher recompile limit, and no duck sizing.
+def _compile_settings(floats_as_constants: bool) -> contextlib.AbstractContextManager[Any]:
+    """Dynamo settings for our blocks' compiles: a higher recompile limit, no duck sizing, and Python
+    floats traced as constants or not (:func:`_floats_as_constants` decides).
 
     Duck sizing makes two sizes that happen to be equal at the first compile equal by guard, so a later
     call where they differ compiles a second, more general entry; which entry then serves a call would
@@ -109,13 +111,46 @@ def _compile_settings() -> contextlib.AbstractContextManager[Any]:
     ``dynamic=True``) entries differ only by mutually exclusive structure (a mask or none, batch 1 or
     more): each call has exactly one entry, whatever came before.
     """
+    dynamo = torch._dynamo.config
+    settings: dict[str, Any] = {"recompile_limit": RECOMPILE_LIMIT}
+    if hasattr(dynamo, "specialize_float"):
+        settings["specialize_float"] = floats_as_constants
     stack = contextlib.ExitStack()
-    stack.enter_context(torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT))
+    stack.enter_context(dynamo.patch(**settings))
     from torch.fx.experimental import _config as shape_config
 
     if hasattr(shape_config, "use_duck_shape"):
         stack.enter_context(shape_config.patch(use_duck_shape=False))
     return stack
+
+
+def _holds_python_float(value: Any) -> bool:
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, (list, tuple)):
+        return any(isinstance(item, float) for item in value)
+    return isinstance(value, float)
+
+
+def _floats_as_constants(block: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether this call of ``block`` compiles its Python floats as constants (dynamo's
+    ``specialize_float``): yes, unless the block holds LoRA layers or the call passes floats.
+
+    Why: with ``dynamic=True`` dynamo traces every float as a symbol. Floats that aten takes as
+    arguments (a layer norm's ``eps``, a dropout's ``p``) cannot stay symbols, so dynamo threw its
+    whole first trace of a block away and traced it again, in every new process: a warm start took
+    10.1 s with that, 5.2 s without (H200, Z-Image 512² in FP8, runs 71 and 73). Such floats are
+    hyperparameters, fixed for a model's life. A LoRA scale is not: ``set_adapters`` changes it, and
+    as a symbol it stays an input of the compiled graph, where as a constant each new scale would
+    compile again. Floats passed to a block call (with its arguments one level deep) stay symbols for
+    the same reason. The choice depends only on the model and the call, never on what was compiled
+    before.
+    """
+    if any(_holds_python_float(value) for value in (*args, *kwargs.values())):
+        return False
+    tuners = sys.modules.get("peft.tuners.tuners_utils")  # not imported: no LoRA layer can exist
+    layer = getattr(tuners, "BaseTunerLayer", None)
+    return layer is None or not any(isinstance(module, layer) for module in block.modules())
 
 
 def _inductor_options() -> dict[str, Any]:
@@ -197,7 +232,7 @@ def _compiled_forward(
         kwargs = {k: _unviewed(v) for k, v in kwargs.items()}
         before, started = _compiles_so_far(), time.perf_counter()
         try:
-            with _compile_settings():
+            with _compile_settings(_floats_as_constants(block, args, kwargs)):
                 return call_untracked(compiled, *args, **kwargs)
         except _compile_errors() as exc:
             record.failure = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"

@@ -5,6 +5,7 @@ Inductor compiles for the CPU here (needs a C++ compiler); the GPU side is ``tes
 
 from __future__ import annotations
 
+import copy
 import warnings
 
 import pytest
@@ -138,6 +139,81 @@ def test_blocks_choosing_their_attention_backend_stay_in_aot_autograds_cache(mon
     assert counters["aot_autograd"].get("autograd_cache_hit") == 1, dict(counters["aot_autograd"])
     assert torch.equal(outputs[1], outputs[0])  # the cached graph computes what the traced one did
     torch.testing.assert_close(outputs[0], _BackendChoosingBlock()(x))
+
+
+class _NormDropoutBlock(torch.nn.Module):
+    """A block with the float attributes every diffusers block has: a norm's ``eps``, a dropout's ``p``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.eps = 1e-6
+        self.dropout = torch.nn.Dropout(0.0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
+
+
+def _compiled_holder(block: torch.nn.Module) -> tuple[torch.nn.Module, MethodPatches]:
+    holder = torch.nn.Module()
+    holder.block = block
+    holder._repeated_blocks = [type(block).__name__]
+    torch._dynamo.reset()
+    counters["aot_autograd"].clear()
+    patches = MethodPatches()
+    compile_repeated_blocks(holder, patches)
+    return holder, patches
+
+
+@needs_compiler
+def test_blocks_with_float_attributes_are_traced_once_and_follow_a_changed_float():
+    # Before the fix, dynamic=True traced the dropout's p as a symbol, which cannot stay one: dynamo
+    # threw the whole trace away and traced the block again (half a warm start on the H200).
+    holder, patches = _compiled_holder(_NormDropoutBlock().eval())
+    x = torch.randn(2, 8, 16)
+    before = counters["stats"]["unique_graphs"]
+    try:
+        torch.testing.assert_close(holder.block(x), _NormDropoutBlock().eval()(x))
+        assert counters["aot_autograd"]["total"] == 1, dict(counters["aot_autograd"])  # no trace thrown away
+        holder.block.eps = 1.0  # a float that changes is a new entry, not a stale constant
+        torch.testing.assert_close(holder.block(x), x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1.0))
+        assert counters["stats"]["unique_graphs"] - before == 2
+    finally:
+        patches.undo()
+
+
+class _LoraBlock(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(16, 16)
+        self.norm = torch.nn.LayerNorm(16)
+
+    def forward(self, x: torch.Tensor, gain: float | None = None) -> torch.Tensor:
+        out = self.norm(self.proj(x))
+        return out if gain is None else out * gain
+
+
+@needs_compiler
+def test_lora_scales_and_float_arguments_stay_inputs_of_the_compiled_block():
+    # As constants, each LoRA scale set_adapters gives (a strength slider) would compile again.
+    peft = pytest.importorskip("peft")
+    block = peft.inject_adapter_in_model(peft.LoraConfig(r=4, lora_alpha=4, target_modules=["proj"]), _LoraBlock())
+    torch.nn.init.normal_(block.proj.lora_B["default"].weight)
+    reference = copy.deepcopy(block)
+    holder, patches = _compiled_holder(block)
+    x = torch.randn(2, 8, 16)
+    try:
+        holder.block(x)
+        compiled = counters["stats"]["unique_graphs"]
+        for scale in (0.5, 0.7):
+            block.proj.set_scale("default", scale)
+            reference.proj.set_scale("default", scale)
+            torch.testing.assert_close(holder.block(x), reference(x))
+        assert counters["stats"]["unique_graphs"] == compiled
+        torch.testing.assert_close(holder.block(x, gain=2.0), reference(x, gain=2.0))
+        torch.testing.assert_close(holder.block(x, gain=3.0), reference(x, gain=3.0))
+        assert counters["stats"]["unique_graphs"] - compiled == 1  # the gain's first call, none after
+    finally:
+        patches.undo()
 
 
 @needs_compiler
