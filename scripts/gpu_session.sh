@@ -33,7 +33,8 @@
 #   warm-start-fp8-z fast mode with quantize="fp8": cold / warm / portable first call, Z-Image 512²
 #   probe-fp8-groups FP8 per layer group (each kept in bf16 in turn): PSNR against bf16 eager and latency, Z-Image 1024², exact
 #   probe-fp8-block  FP8 GEMMs (row-wise against per-tensor scaling) and one compiled Z-Image block in bf16 and FP8,
-#                    with and without max-autotune (bench/probes/probe_fp8_block.py)
+#                    with and without max-autotune, and one Qwen-Image block at 1024² CFG (bench/probes/probe_fp8_block.py;
+#                    BLOCK_PROBE_SECTIONS=qwen-image for that one only)
 #                    (probe-fp8-groups: PROBE_COMPARE=scaling compares the two scalings end to end instead)
 #   hotswap-z        LoRA hot swap with graphs kept against drop-and-recapture, full-size Z-Image (bench.hotswap)
 #   bench-z          Z-Image-Turbo 512² and 1024², 8 steps, no CFG: every mode, with the loop profile
@@ -167,7 +168,8 @@ case "$phase" in
       --out "$out/probe-fp8-groups" 2>&1 | grep -v "Warning\|warnings.warn" | tee "$out/probe-fp8-groups.log" | tail -12
     ;;
   probe-fp8-block)
-    timeout "${BLOCK_PROBE_TIMEOUT:-400}" python3 -m bench.probes.probe_fp8_block 2>&1 \
+    timeout "${BLOCK_PROBE_TIMEOUT:-400}" python3 -m bench.probes.probe_fp8_block \
+      ${BLOCK_PROBE_SECTIONS:+--sections "$BLOCK_PROBE_SECTIONS"} 2>&1 \
       | grep -v "Warning\|warnings.warn" | tee "$out/probe-fp8-block.log" | tail -40
     ;;
   hotswap-z)
