@@ -132,9 +132,10 @@ def _holds_python_float(value: Any) -> bool:
     return isinstance(value, float)
 
 
-def _floats_as_constants(block: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-    """Whether this call of ``block`` compiles its Python floats as constants (dynamo's
-    ``specialize_float``): yes, unless the block holds LoRA layers or the call passes floats.
+def _floats_as_constants(holds_lora: bool, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether a block call compiles its Python floats as constants (dynamo's ``specialize_float``):
+    yes, unless the block holds LoRA layers (``holds_lora``, from :func:`_scan_block`) or the call
+    passes floats.
 
     Why: with ``dynamic=True`` dynamo traces every float as a symbol. Floats that aten takes as
     arguments (a layer norm's ``eps``, a dropout's ``p``) cannot stay symbols, so dynamo threw its
@@ -146,11 +147,7 @@ def _floats_as_constants(block: torch.nn.Module, args: tuple[Any, ...], kwargs: 
     the same reason. The choice depends only on the model and the call, never on what was compiled
     before.
     """
-    if any(_holds_python_float(value) for value in (*args, *kwargs.values())):
-        return False
-    tuners = sys.modules.get("peft.tuners.tuners_utils")  # not imported: no LoRA layer can exist
-    layer = getattr(tuners, "BaseTunerLayer", None)
-    return layer is None or not any(isinstance(module, layer) for module in block.modules())
+    return not holds_lora and not any(_holds_python_float(value) for value in (*args, *kwargs.values()))
 
 
 def _inductor_options() -> dict[str, Any]:
@@ -196,14 +193,24 @@ def hooked_submodules(block: torch.nn.Module) -> list[str]:
     """Names of ``block``'s submodules (not the block itself) that carry hooks compiled code would have
     to trace: accelerate's (sequential CPU offload) or diffusers' (group offloading, layerwise
     casting...). Hooks on the block itself wrap its compiled forward from outside and are harmless."""
-    names = []
+    return _scan_block(block)[0]
+
+
+def _scan_block(block: torch.nn.Module) -> tuple[list[str], bool]:
+    """One walk over ``block``'s submodules for what each compiled-block call needs to know: the
+    :func:`hooked_submodules` names, and whether it holds peft's LoRA layers."""
+    tuners = sys.modules.get("peft.tuners.tuners_utils")  # not imported: no LoRA layer can exist
+    lora_layer = getattr(tuners, "BaseTunerLayer", None)
+    names, holds_lora = [], False
     for name, module in block.named_modules():
+        if lora_layer is not None and isinstance(module, lora_layer):
+            holds_lora = True
         if not name:
             continue
         registry = module.__dict__.get("_diffusers_hook")
         if "_hf_hook" in module.__dict__ or (registry is not None and getattr(registry, "hooks", None)):
             names.append(name)
-    return names
+    return names, holds_lora
 
 
 def _compiled_forward(
@@ -212,7 +219,7 @@ def _compiled_forward(
     def forward(*args: Any, **kwargs: Any) -> Any:
         if record.failure is not None:
             return original(*args, **kwargs)
-        hooked = hooked_submodules(block)
+        hooked, holds_lora = _scan_block(block)
         if hooked:
             # Compiling through the hooks would fail or compile another variant (other kernels), and a
             # failure would retire the compiled blocks for good: run this call eagerly and keep the
@@ -232,7 +239,7 @@ def _compiled_forward(
         kwargs = {k: _unviewed(v) for k, v in kwargs.items()}
         before, started = _compiles_so_far(), time.perf_counter()
         try:
-            with _compile_settings(_floats_as_constants(block, args, kwargs)):
+            with _compile_settings(_floats_as_constants(holds_lora, args, kwargs)):
                 return call_untracked(compiled, *args, **kwargs)
         except _compile_errors() as exc:
             record.failure = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
