@@ -4,7 +4,7 @@
 >>> pipe = accelerate(pipe)        # doctest: +SKIP
 """
 
-from .api import accelerate, eager, restore, stats
+from .api import accelerate, eager, invalidate, restore, stats
 from .config import AccelerateConfig
 from .graphs import BreakResultMismatch, eager_break
 from .runner import BCGWarning
@@ -21,6 +21,7 @@ __all__ = [
     "eager",
     "eager_break",
     "enable_cache",
+    "invalidate",
     "restore",
     "stats",
     "warm_up",

@@ -23,7 +23,7 @@ from .state import STATE_ATTR, PipelineState, accelerated_state, check_pipeline
 from .step_cache import CACHE_DIT_REASON, cache_dit_enabled
 from .warmup import warm_up
 
-__all__ = ["accelerate", "eager", "restore", "stats"]
+__all__ = ["accelerate", "eager", "invalidate", "restore", "stats"]
 
 logger = logging.getLogger(__name__)
 
@@ -241,6 +241,27 @@ def restore(pipe: P) -> P:
     return pipe
 
 
+def invalidate(pipe: Any) -> None:
+    """Drop every graph of the pipeline's accelerated components; each signature captures again at its
+    next call.
+
+    For changes no check can see: a module-level global or a closure that a forward reads, a class
+    attribute, an attribute of a non-module object (an attention processor), a value changed between
+    the steps of one call. Plain attributes of the components' modules, their parameters, buffers and
+    submodules are checked at every pipeline call and need no call (see ``docs/limits.md``). Modules
+    this pipeline shares with others lose their graphs for those pipelines too.
+
+    >>> mymodel.SCALE = 2.0            # a global the transformer's forward reads   # doctest: +SKIP
+    >>> invalidate(pipe)               # doctest: +SKIP
+
+    Raises:
+        ValueError: the pipeline was never accelerated.
+    """
+    state = accelerated_state(pipe, "invalidate")
+    for runner in state.runners.values():
+        runner.invalidate("invalidate(pipe)")
+
+
 @contextlib.contextmanager
 def eager(pipe: Any) -> Iterator[Any]:
     """Inside the block, the accelerated pipeline runs its original methods; its graphs are kept.
@@ -277,7 +298,10 @@ def stats(pipe: Any) -> dict[str, Any]:
     ``captures``, ``replays``, ``eager_fallbacks``, ``misses`` (calls of a signature never captured
     while ``lazy_capture`` is off; they ran eagerly), ``evictions`` (signatures dropped to stay
     within ``max_signatures``), ``invalidations`` (times the graphs were dropped because weights or
-    settings changed), ``hotswaps`` (LoRA weights hot-swapped in place, graphs kept), ``cache_hooks``, ``cache_states``,
+    settings changed), ``hotswaps`` (LoRA weights hot-swapped in place, graphs kept), ``state_checks``,
+    ``state_changes`` and ``state_check_seconds`` (checks of the Python values the graphs read, once per
+    pipeline call per component; values found changed, whose graphs were dropped; the time the checks took:
+    see :mod:`bcg_diffusion.python_state`), ``cache_hooks``, ``cache_states``,
     ``cache_branches`` and ``cache_branch_switches`` (step caching: see :mod:`bcg_diffusion.step_cache`),
     ``capture_seconds``, ``graph_memory_bytes`` (the shared pool's size now),
     ``compiled_blocks``, ``compiles``, ``compile_seconds`` and ``compile_failure`` (fast mode: blocks
@@ -311,7 +335,7 @@ def stats(pipe: Any) -> dict[str, Any]:
         patches += [name for feature in installed for name in feature.patch_names()]
         shared_with = pipeline_names(group.members, but=state) if group is not None else []
     totals = ("captures", "replays", "eager_fallbacks", "misses", "evictions", "invalidations", "hotswaps")
-    totals += ("capture_seconds",)
+    totals += ("state_checks", "state_changes", "capture_seconds", "state_check_seconds")
     return {
         "active": state.active,
         "reason": state.reason,

@@ -42,6 +42,7 @@ import torch
 
 from .graphs import call_untracked
 from .hooks import MethodPatches
+from .python_state import through_compiled
 from .runner import BCGWarning
 
 __all__ = ["ARTIFACTS_FILE", "CompiledBlocks", "compile_repeated_blocks", "load_compile_cache", "save_compile_cache"]
@@ -217,7 +218,8 @@ def _compiled_forward(
     compiled: Callable[..., Any], original: Callable[..., Any], block: torch.nn.Module, record: CompiledBlocks
 ) -> Callable[..., Any]:
     def forward(*args: Any, **kwargs: Any) -> Any:
-        if record.failure is not None:
+        if record.failure is not None or through_compiled():
+            # through_compiled: a runner's recorder wants to see what the block reads (python_state)
             return original(*args, **kwargs)
         hooked, holds_lora = _scan_block(block)
         if hooked:

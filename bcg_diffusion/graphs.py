@@ -70,6 +70,7 @@ from torch.utils._python_dispatch import (
 )
 from torch.utils._pytree import tree_leaves
 
+from . import python_state
 from .tree import flatten, unflatten
 
 __all__ = [
@@ -376,6 +377,10 @@ def call_untracked(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     CUDA tensor from outside the capture except its arguments and what its owner holds for the
     graph's whole life (a module's parameters and buffers, a compiled function's constants).
     """
+    if python_state.recording():
+        # The read recorder's hook on nn.Module leaves meanwhile: dynamo traces attribute access itself.
+        with python_state.paused():
+            return call_untracked(fn, *args, **kwargs)
     # A torch-function mode that pauses for compiled code (bcg_diffusion.python_data's, during warm-ups
     # and captures) leaves the stack meanwhile: torch.compile guards on that stack, and would compile
     # each block again.

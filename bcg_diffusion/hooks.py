@@ -18,12 +18,15 @@ from typing import Any
 
 import torch
 
+from .python_state import call_scope, current_scope, is_skipped, plain
 from .runner import BCGWarning, GraphRunner
 from .step_cache import SUPPORTED_HOOKS
 
 __all__ = [
     "MethodPatches",
+    "PipelineCall",
     "baked_state",
+    "current_call",
     "diffusers_hooks",
     "serialise_calls",
     "unserialise_calls",
@@ -140,25 +143,6 @@ def _invalidating(method: Callable[..., Any], runner: GraphRunner, reason: str) 
 # stay valid: they read weights where they live. Whether it did is checked, not assumed.
 HOTSWAP_METHODS = ("load_lora_adapter",)
 
-_SKIP = object()
-
-
-def _plain(value: Any) -> Any:
-    """``value`` as something comparable that a graph could have baked in: Python scalars as they are,
-    tensors by storage address and layout, containers of those item by item; _SKIP for anything else
-    (objects such as configs, functions)."""
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    if isinstance(value, torch.Tensor):
-        return ("tensor", value.data_ptr(), tuple(value.shape), value.stride(), value.dtype, value.device)
-    if isinstance(value, (tuple, list)):
-        items = tuple(_plain(item) for item in value)
-        return _SKIP if any(item is _SKIP for item in items) else (type(value).__name__, items)
-    if isinstance(value, dict):
-        items = tuple((repr(key), _plain(item)) for key, item in value.items())
-        return _SKIP if any(item is _SKIP for _, item in items) else ("dict", tuple(sorted(items, key=repr)))
-    return _SKIP
-
 
 def baked_state(module: torch.nn.Module) -> dict[tuple[str, str], Any]:
     """What a graph of ``module`` may have baked in: every parameter's and buffer's storage address and
@@ -167,13 +151,13 @@ def baked_state(module: torch.nn.Module) -> dict[tuple[str, str], Any]:
     state: dict[tuple[str, str], Any] = {}
     for name, submodule in module.named_modules():
         for key, tensor in (*submodule._parameters.items(), *submodule._buffers.items()):
-            state[(name, key)] = _plain(tensor)
+            state[(name, key)] = plain(tensor)
         for key, value in submodule.__dict__.items():
             if key in ("_parameters", "_buffers", "_modules") or key.startswith("_bcg"):
                 continue
-            plain = _plain(value)
-            if plain is not _SKIP:
-                state[(name, key)] = plain
+            token = plain(value)
+            if not is_skipped(token):
+                state[(name, key)] = token
     return state
 
 
@@ -239,18 +223,38 @@ def watch_component(patches: MethodPatches, component: str, module: torch.nn.Mod
             patches.replace(module, disable, _suspending(getattr(module, disable), runner, None))
 
 
+@dataclass(frozen=True)
+class PipelineCall:
+    """One call of an accelerated pipeline in progress: the pipeline and the arguments it was given."""
+
+    pipe: Any
+    args: tuple
+    kwargs: dict[str, Any]
+
+
+def current_call() -> PipelineCall | None:
+    """The accelerated pipeline call running in this thread (the innermost one), or None outside one.
+
+    Components shared by several pipelines use it to tell which pipeline calls them (its own
+    scheduler, its own arguments)."""
+    scope = current_scope()
+    return scope[1] if scope is not None and isinstance(scope[1], PipelineCall) else None
+
+
 def serialise_calls(pipe: Any, lock: threading.RLock) -> None:
     """Make concurrent calls of this pipeline object run one at a time.
 
     A diffusers pipeline keeps per-call state on itself (the scheduler's step index, guidance scale,
     the current timestep), so two threads calling one pipeline corrupt each other even eagerly, and
     with graphs they would also share static buffers. The instance gets a subclass of its own class,
-    with the same name (``save_pretrained`` records it), whose ``__call__`` holds ``lock``.
+    with the same name (``save_pretrained`` records it), whose ``__call__`` holds ``lock`` and runs in
+    a :func:`~bcg_diffusion.python_state.call_scope` (runners check the Python state their graphs
+    read once per scope; :func:`current_call` returns the call).
     """
     original = type(pipe)
 
     def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
-        with lock:
+        with lock, call_scope(PipelineCall(self, args, kwargs)):
             return original.__call__(self, *args, **kwargs)
 
     functools.update_wrapper(__call__, original.__call__)

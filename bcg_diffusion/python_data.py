@@ -13,7 +13,8 @@ every such tensor, in call order, with its value. Under :meth:`~PythonDataConsta
 capture) the same call builds its value on the CPU only; when every warm-up built that value at that
 position, the call returns a copy of the first warm-up's tensor: a device-to-device copy that the
 graph records, so each replay writes the value again and an in-place change by the model never
-reaches the next replay. The warm-up's tensor is held with the graph.
+reaches the next replay. The copy served from is taken when the warm-up builds the tensor, before the
+model can change it, and is held with the graph.
 
 A value that is not the same in every warm-up and in the capture (a call counter, a clock) is no
 constant: the call runs as written, the capture fails, and the runner's retry makes the enclosing
@@ -31,6 +32,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
+from . import python_state
 from .hostile import HostileOp, innermost_module, user_frame
 
 __all__ = ["KIND", "PythonDataConstants"]
@@ -43,7 +45,8 @@ _NEW_TENSOR = torch.Tensor.new_tensor
 
 @dataclass
 class _Built:
-    """One tensor a warm-up built from Python data: its value on the CPU, and the tensor itself."""
+    """One tensor a warm-up built from Python data: its value on the CPU, and a device copy of it taken
+    as it was built (the model's own tensor may be changed in place afterwards)."""
 
     site: HostileOp
     value: torch.Tensor
@@ -115,8 +118,11 @@ class PythonDataConstants(TorchFunctionMode):
         # cloned: as_tensor and asarray share a NumPy array's memory, which may change before the capture
         value = func(*args, **{**kwargs, "device": "cpu"}).clone()
         if not self._serving:
+            python_state.note_data(f"the data of {self._site(func)}", self._data(func, args, kwargs))
             tensor = func(*args, **kwargs)
-            self._runs[-1].append(_Built(self._site(func), value, tensor))
+            # The graph copies from a private copy taken now: the forward may change the tensor it was
+            # given in place (``ids += 10``), and the capture must be served the value as built.
+            self._runs[-1].append(_Built(self._site(func), value, tensor.clone()))
             return tensor
         position, self._position = self._position, self._position + 1
         built = [run[position] if position < len(run) else None for run in self._runs]
@@ -129,21 +135,26 @@ class PythonDataConstants(TorchFunctionMode):
             self.kept.append(first.tensor)
         return first.tensor.clone()
 
+    @staticmethod
+    def _data(func: Any, args: tuple, kwargs: dict) -> Any:
+        """The Python data a constructor call builds from."""
+        if func is _NEW_TENSOR:
+            return args[1] if len(args) > 1 else kwargs.get("data")
+        return args[0] if args else kwargs.get("data", kwargs.get("obj"))
+
     def _builds_here(self, func: Any, args: tuple, kwargs: dict) -> bool:
         """Whether ``func(*args, **kwargs)`` builds a tensor on ``device_type`` from data with no tensor."""
         if func in _CONSTRUCTORS:
-            data = args[0] if args else kwargs.get("data", kwargs.get("obj"))
             device = kwargs.get("device")
             device = torch.get_default_device() if device is None else torch.device(device)
         elif func is _NEW_TENSOR and args:
-            data = args[1] if len(args) > 1 else kwargs.get("data")
             device = kwargs.get("device")
             device = args[0].device if device is None else torch.device(device)
         else:
             return False
         if device.type != self.device_type:
             return False
-        return not any(isinstance(leaf, torch.Tensor) for leaf in tree_leaves(data))
+        return not any(isinstance(leaf, torch.Tensor) for leaf in tree_leaves(self._data(func, args, kwargs)))
 
     def _site(self, func: Any) -> HostileOp:
         name = "Tensor.new_tensor" if func is _NEW_TENSOR else f"torch.{func.__name__}"

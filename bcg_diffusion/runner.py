@@ -31,7 +31,7 @@ import re
 import threading
 import time
 import warnings
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -42,7 +42,9 @@ from .auto_breaks import BREAK_KINDS, AutoBreaker, module_breaks, modules_to_bre
 from .budget import SignatureBudget
 from .graphs import BreakableGraph, BreakResultMismatch, GraphPool, capture_breakable
 from .hostile import HostileOpFinder
+from .opaque import OpaqueArgument
 from .python_data import PythonDataConstants
+from .python_state import ReadRecorder, StateWatch, Watched, current_scope
 from .tree import UnsupportedValue, describe, differences, flatten, unflatten
 
 __all__ = ["MAX_PATHS", "BCGWarning", "GraphRunner", "OuterState", "RunnerCounters", "SignatureRecord"]
@@ -94,6 +96,9 @@ class RunnerCounters:
     hotswaps: int = 0  # LoRA weights hot-swapped in place: graphs kept
     branches: int = 0  # paths captured after the first, where a break's Python result changed
     branch_switches: int = 0  # replays that went on in another captured path than the last one
+    state_checks: int = 0  # checks of the Python state the graphs read (once per pipeline call)
+    state_check_seconds: float = 0.0
+    state_changes: int = 0  # values found changed since their capture (their graphs were dropped)
 
 
 @dataclass
@@ -120,6 +125,9 @@ class SignatureRecord:
     # Tensors the forward builds on the GPU from Python data, which the graph holds as constants
     # (bcg_diffusion.python_data): no break needed. Same format as auto_breaks.
     constants: list[str] = field(default_factory=list)
+    # Python values the capture read (module attributes, parameters, submodules: bcg_diffusion.python_state),
+    # checked once per pipeline call; a change drops the signature.
+    watched: int = 0
 
 
 class _EagerReplay:
@@ -166,6 +174,7 @@ class _Entry:
     spec: Hashable = None
     paths: list[_Path] = field(default_factory=list)
     current: _Path | None = None  # the path the last call took; None: the signature runs eagerly
+    stand_ins: list[OpaqueArgument] = field(default_factory=list)  # for arguments the spec cannot hold
 
     def reset(self) -> None:
         for path in self.paths:
@@ -180,6 +189,31 @@ def _describe_state(state: tuple[Hashable, Hashable, Hashable]) -> str:
     names = ("state", "call", "outer")
     parts = [f"{name}={value!r}" for name, value in zip(names, state) if value not in (None, ())]
     return "; ".join(parts)
+
+
+def _changed_arguments(spec: Hashable, leaves: list[torch.Tensor], args: tuple, kwargs: dict) -> str | None:
+    """Why a graph cannot replay a forward that changed the structure of its own arguments (an item put
+    into an input list, an attribute of an input object set), or None when it did not: eager leaves
+    the caller's objects changed, while a replay would change nothing but the static copies.
+    ``spec`` and ``leaves`` are the static arguments' before the runs."""
+    after, after_spec = flatten((args, kwargs), [])
+    if after_spec != spec or any(a is not b for a, b in zip(after, leaves)):
+        found = differences(spec, after_spec)
+        where = f" ({found[0]})" if found else ""
+        return f"the forward changes the objects or lists it is given{where}; a replay would not"
+    return None
+
+
+@contextlib.contextmanager
+def _pointed(stand_ins: list[OpaqueArgument], objects: list[Any]) -> Iterator[None]:
+    """Point a signature's stand-ins at this call's objects for the call, and let go of them after."""
+    for stand_in, target in zip(stand_ins, objects):
+        stand_in.point_at(target)
+    try:
+        yield
+    finally:
+        for stand_in in stand_ins:
+            stand_in.point_at(None)
 
 
 def _static_copy(tensor: torch.Tensor) -> torch.Tensor:
@@ -267,6 +301,9 @@ class GraphRunner:
         self.suspended: str | None = None  # why every call currently runs eagerly (e.g. a cache hook)
         self.outer_state: OuterState | None = None  # set by a feature (step caching) after construction
         self._specs: set[Hashable] = set()  # argument structures captured at least once
+        self._watch = StateWatch()  # the Python state the captured signatures read
+        self._checked_scope: int | None = None  # the pipeline call whose state was checked last
+        self._change_streaks: dict[str, int] = {}  # values found changed at consecutive checks
 
     # ----------------------------------------------------------------------------------------- call
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -285,11 +322,14 @@ class GraphRunner:
             return self._eager(
                 "grad_mode", "autograd is enabled; graphs are for inference (use torch.no_grad())", args, kwargs
             )
+        objects: list[Any] = []  # arguments the signature cannot hold: the graph uses them through stand-ins
         try:
-            leaves, spec = flatten((args, kwargs))
+            leaves, spec = flatten((args, kwargs), objects)
         except UnsupportedValue as exc:
             return self._eager(f"unsupported:{exc}", str(exc), args, kwargs)
         with self.lock:
+            if len(self._watch):
+                self._check_state()
             try:
                 key = (spec, self._state(args, kwargs)) if self._keyed else spec
             except UnsupportedValue as exc:
@@ -298,13 +338,20 @@ class GraphRunner:
             if entry is None:
                 if not self.capture_new:
                     return self._miss(key, spec, args, kwargs)
-                return self._capture(key, spec, leaves, args, kwargs)
+                if not objects:
+                    return self._capture(key, spec, leaves, args, kwargs, [])
+                stand_ins = [OpaqueArgument(o) for o in objects]
+                with _pointed(stand_ins, objects):
+                    return self._capture(key, spec, leaves, args, kwargs, stand_ins)
             if entry.current is None:
                 self.counters.eager_fallbacks += 1
                 return self.fn(*args, **kwargs)
             if self.budget is not None:
                 self.budget.touch(self, key)
-            return self._replay(entry, leaves, args, kwargs)
+            if not objects:
+                return self._replay(entry, leaves, args, kwargs)
+            with _pointed(entry.stand_ins, objects):
+                return self._replay(entry, leaves, args, kwargs)
 
     @property
     def _keyed(self) -> bool:
@@ -401,7 +448,7 @@ class GraphRunner:
         """Capture the path a replay's decisions chose, from the signature's static inputs."""
         if len(entry.paths) >= MAX_PATHS:
             return self._give_up(entry, f"its breaks took more than {MAX_PATHS} different paths", args, kwargs)
-        static_args, static_kwargs = unflatten(entry.spec, entry.static_inputs)
+        static_args, static_kwargs = unflatten(entry.spec, entry.static_inputs, entry.stand_ins)
         started = time.perf_counter()
         path = self._capture_cuda(entry, static_args, static_kwargs, warmup_runs=1)
         if path is None:
@@ -427,7 +474,15 @@ class GraphRunner:
         return unflatten(path.output_spec, [leaf.clone() for leaf in path.outputs])
 
     # -------------------------------------------------------------------------------------- capture
-    def _capture(self, key: Hashable, spec: Hashable, leaves: list[torch.Tensor], args: tuple, kwargs: dict) -> Any:
+    def _capture(
+        self,
+        key: Hashable,
+        spec: Hashable,
+        leaves: list[torch.Tensor],
+        args: tuple,
+        kwargs: dict,
+        stand_ins: list[OpaqueArgument],
+    ) -> Any:
         record = SignatureRecord(
             component=self.name,
             signature=describe(spec),
@@ -435,7 +490,7 @@ class GraphRunner:
             state=_describe_state(key[1]) if self._keyed else "",
         )
         self._log_miss(key, spec)
-        entry = _Entry(key=key, record=record, static_inputs=[], spec=spec)
+        entry = _Entry(key=key, record=record, static_inputs=[], spec=spec, stand_ins=stand_ins)
         self._entries[key] = entry
         if not self.debug:
             misplaced = sorted({str(leaf.device) for leaf in leaves if leaf.device != self.pool.device})
@@ -446,10 +501,11 @@ class GraphRunner:
 
         started = time.perf_counter()
         entry.static_inputs = [_static_copy(leaf) for leaf in leaves]
-        static_args, static_kwargs = unflatten(spec, entry.static_inputs)
+        static_args, static_kwargs = unflatten(spec, entry.static_inputs, stand_ins)
+        static_spec = flatten((static_args, static_kwargs), [])[1]  # the copies' own strides may differ
         try:
             if self.debug:
-                path = self._capture_debug(static_args, static_kwargs)
+                path = self._capture_debug(entry, static_args, static_kwargs)
             else:
                 # An argument structure captured before under another outer state (a cache's next step)
                 # has run its lazy initialisation already: one warm-up, for the state's buffers.
@@ -458,13 +514,34 @@ class GraphRunner:
                 if path is None:
                     self.counters.eager_fallbacks += 1
                     return self.fn(*args, **kwargs)
+            changed = _changed_arguments(static_spec, entry.static_inputs, static_args, static_kwargs)
+            if changed is not None:
+                path.graph.reset()
+                return self._give_up(entry, changed, args, kwargs)
             entry.paths.append(path)
             entry.current = path
             record.paths = 1
             self._specs.add(spec)
-        except BaseException:
+        except Exception as exc:
             # The eager callable itself failed (in a warm-up): the user's error, not ours. Forget the
             # signature so a corrected call captures normally.
+            self._entries.pop(key, None)
+            if not stand_ins:
+                raise
+            # Unless it failed on a stand-in (an argument used in a way eager breaks cannot follow):
+            # the call as written then runs, and raises if the error was the call's own.
+            result = self.fn(*args, **kwargs)
+            self._entries[key] = entry
+            kinds = ", ".join(sorted({stand_in.stands_for.__qualname__ for stand_in in stand_ins}))
+            first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
+            self._disable(
+                entry,
+                f"the forward uses an argument the graph cannot hold ({kinds}) in a way eager breaks cannot "
+                f"follow: {type(exc).__name__}: {first}",
+            )
+            self.counters.eager_fallbacks += 1
+            return result
+        except BaseException:
             self._entries.pop(key, None)
             raise
         record.capture_seconds = time.perf_counter() - started
@@ -520,10 +597,18 @@ class GraphRunner:
             "; ".join(nearest[:4]) + (f" (+{len(nearest) - 4} more)" if len(nearest) > 4 else ""),
         )
 
-    def _capture_debug(self, args: tuple, kwargs: dict) -> _Path:
-        if self.outer_state is not None:
-            self.outer_state.checkpoint()  # its checks, as before a real capture
-        outputs, output_spec = flatten(self._run(args, kwargs))
+    def _capture_debug(self, entry: _Entry, args: tuple, kwargs: dict) -> _Path:
+        outer = self.outer_state
+        token = outer.checkpoint() if outer is not None else None  # its checks, as before a real capture
+        recorder = self._recorder()
+        with recorder.recording() if recorder is not None else contextlib.nullcontext():
+            outputs, output_spec = flatten(self._run(args, kwargs))
+        if recorder is not None and recorder.paused:
+            after = outer.checkpoint() if outer is not None else None
+            self._record_through_compiled(recorder, args, kwargs, token)
+            if outer is not None:
+                outer.rewind(after)
+        self._watch_reads(entry, recorder)
         graph = _EagerReplay(lambda *a, **k: self._run(a, k), args, kwargs, outputs, output_spec)
         return _Path(graph, outputs, output_spec)
 
@@ -539,16 +624,20 @@ class GraphRunner:
         if outer is not None:
             warmup_runs = max(warmup_runs, 1)
         constants = PythonDataConstants(self._module_names()) if self.auto_breaks else None
+        recorder = self._recorder()  # the first warm-up notes the Python state the forward reads
         stream = pool.stream  # the warm-ups' stream; a failed capture may move the pool to a new one (renew)
         caller_stream = torch.cuda.current_stream(pool.device)
         stream.wait_stream(caller_stream)
         try:
             with torch.cuda.stream(stream):
-                for _ in range(warmup_runs):
+                for index in range(warmup_runs):
                     if outer is not None:
                         outer.rewind(token)
-                    with constants.recording() if constants is not None else contextlib.nullcontext():
+                    reading = recorder.recording() if recorder is not None and index == 0 else contextlib.nullcontext()
+                    with reading, constants.recording() if constants is not None else contextlib.nullcontext():
                         self._run(args, kwargs)
+                if recorder is not None and recorder.paused:
+                    self._record_through_compiled(recorder, args, kwargs, token)
                 if outer is not None:
                     outer.rewind(token)
         finally:
@@ -588,11 +677,77 @@ class GraphRunner:
         entry.record.memory_bytes += max(0, pool.reserved_bytes() - reserved_before)
         if breaker is not None:
             self._record_auto_breaks(entry, breaker, constants)
+        self._watch_reads(entry, recorder)
         keep = constants.kept if constants is not None else []
         return _Path(graph, outputs, output_spec, outer.record() if outer is not None else None, keep)
 
     def _module_names(self) -> dict[int, str]:
         return {id(m): name for name, m in self.module.named_modules()} if self.module is not None else {}
+
+    # ------------------------------------------------------------------------------- Python state
+    def _recorder(self) -> ReadRecorder | None:
+        """A recorder of what the forward reads of ``module``'s tree (None without a module)."""
+        if self.module is None:
+            return None
+        return ReadRecorder({id(m): (name, m) for name, m in self.module.named_modules()})
+
+    def _record_through_compiled(self, recorder: ReadRecorder, args: tuple, kwargs: dict, token: Any) -> None:
+        """One more run, from the call's outer state, in which compiled regions run their eager originals
+        under ``recorder``: what they read was hidden from it (compiled code runs without its hook)."""
+        if self.outer_state is not None:
+            self.outer_state.rewind(token)
+        with recorder.recording(through_compiled=True):
+            self._run(args, kwargs)
+
+    def _watch_reads(self, entry: _Entry, recorder: ReadRecorder | None) -> None:
+        """Watch what ``entry``'s capture read; values other signatures read that have changed since
+        (the capture read their new value) drop those signatures."""
+        if recorder is None:
+            return
+        stale = self._watch.add(entry.key, recorder.reads)
+        if stale:
+            self._drop_changed(stale, keep=entry.key)
+            self._watch.add(entry.key, recorder.reads)
+        entry.record.watched = len(recorder.reads)
+
+    def _check_state(self) -> None:
+        """Once per pipeline call (every call outside one): drop the signatures whose captures read a
+        Python value that has changed since (see :mod:`bcg_diffusion.python_state`)."""
+        scope = current_scope()
+        number = scope[0] if scope is not None else None
+        if number is not None and number == self._checked_scope:
+            return
+        self._checked_scope = number
+        started = time.perf_counter()
+        changed = self._watch.changes()
+        if changed:
+            self._drop_changed(changed)
+        elif self._change_streaks:
+            self._change_streaks.clear()
+        self.counters.state_checks += 1
+        self.counters.state_check_seconds += time.perf_counter() - started
+
+    def _drop_changed(self, changed: list[Watched], keep: Hashable = None) -> None:
+        for item in changed:
+            doomed = self._watch.readers(item) - {keep}
+            self._watch.forget_item(item)
+            for key in doomed:
+                self._remove(key)
+            self.counters.state_changes += 1
+            logger.info(
+                "%s: %s since its capture; dropping %d captured signature(s) that read it",
+                self.name,
+                item.describe_change(),
+                len(doomed),
+            )
+            streak = self._change_streaks[item.where] = self._change_streaks.get(item.where, 0) + 1
+            if streak == 3:
+                self._warn_once(
+                    f"state-streak:{item.where}",
+                    f"bcg-diffusion: {self.name}: {item.where} changed before each of the last 3 calls, and each "
+                    "change captures its graphs again (slower than eager). If the model changes it itself, "
+                    "run this component eagerly (accelerate(pipe, components=...) without it) or restore(pipe)",
+                )
 
     def _learn(
         self,
@@ -648,6 +803,7 @@ class GraphRunner:
     def _disable(self, entry: _Entry, reason: str) -> None:
         if self.budget is not None:  # a disabled signature holds no graph: nothing left to evict
             self.budget.forget(self, entry.key)
+        self._watch.forget(entry.key)  # it runs eagerly: nothing of it can go stale
         entry.reset()
         entry.record.status = "failed"
         entry.record.reason = reason
@@ -676,8 +832,8 @@ class GraphRunner:
             if self.budget is not None:
                 self.budget.forget(self, key)
             entry.reset()
+        self._watch.forget(key)
         return entry
-        logger.info("%s: evicted %s", self.name, entry.record.signature)
 
     def invalidate(self, reason: str) -> None:
         """Drop every graph: they bake in weight addresses and Python values that ``reason`` changed.
@@ -725,3 +881,4 @@ class GraphRunner:
             entry.reset()
         self._entries.clear()
         self._specs.clear()
+        self._watch.clear()

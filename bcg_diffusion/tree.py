@@ -19,6 +19,7 @@ than hashing them, and we need a cheap, hashable key that includes them (``img_s
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Hashable
 from typing import Any
 
@@ -29,7 +30,7 @@ __all__ = ["UnsupportedValue", "describe", "differences", "flatten", "unflatten"
 _CONSTANT_TYPES = (bool, int, float, str, bytes, complex, type(None), torch.dtype, torch.device)
 
 # Spec node tags. Tuples of small ints and strings hash fast and compare structurally.
-_TENSOR, _CONST, _LIST, _TUPLE, _DICT, _OUTPUT = "T", "C", "L", "U", "D", "O"
+_TENSOR, _CONST, _LIST, _TUPLE, _DICT, _OUTPUT, _OBJECT, _OPAQUE = "T", "C", "L", "U", "D", "O", "B", "Q"
 
 
 class UnsupportedValue(TypeError):
@@ -41,7 +42,30 @@ def _is_output_dataclass(value: Any) -> bool:
     return dataclasses.is_dataclass(value) and not isinstance(value, type)
 
 
-def _flatten(value: Any, leaves: list[torch.Tensor]) -> Hashable:
+@functools.lru_cache(maxsize=256)
+def pure_python(cls: type) -> bool:
+    """Whether ``cls`` and its bases (``object`` aside) are all classes written in Python: no C layout
+    that C code could read from an object claiming to be one (see :mod:`bcg_diffusion.opaque`)."""
+    heap = 1 << 9  # Py_TPFLAGS_HEAPTYPE: a class made by a class statement
+    return all(base is object or base.__flags__ & heap for base in cls.__mro__) and not issubclass(
+        cls, (torch.nn.Module, type)
+    )
+
+
+@functools.lru_cache(maxsize=256)
+def _plain_class(cls: type) -> bool:
+    callable_instances = any("__call__" in vars(base) for base in cls.__mro__)
+    return cls.__new__ is object.__new__ and not issubclass(cls, (torch.nn.Module, type)) and not callable_instances
+
+
+def _is_plain_object(value: Any) -> bool:
+    """An instance of a plain Python class that only holds data in its ``__dict__`` (a KV cache such as
+    diffusers' ``Flux2KVCache``): rebuilt by ``object.__new__`` and its attributes. Modules, callables,
+    classes and instances of classes with a ``__new__`` or ``__slots__`` of their own are not."""
+    return _plain_class(type(value)) and hasattr(value, "__dict__")
+
+
+def _flatten(value: Any, leaves: list[torch.Tensor], opaque: list[Any] | None) -> Hashable:
     if isinstance(value, torch.Tensor):
         leaves.append(value)
         return (_TENSOR, tuple(value.shape), value.stride(), value.dtype, value.device, value.requires_grad)
@@ -49,36 +73,70 @@ def _flatten(value: Any, leaves: list[torch.Tensor]) -> Hashable:
         # type() in the key keeps 1, 1.0 and True apart: they hash equal but trace different code.
         return (_CONST, type(value), value)
     if isinstance(value, list):
-        return (_LIST, tuple(_flatten(item, leaves) for item in value))
+        return (_LIST, tuple(_flatten(item, leaves, opaque) for item in value))
     if _is_output_dataclass(value):
         names = tuple(field.name for field in dataclasses.fields(value))
-        return (_OUTPUT, type(value), names, tuple(_flatten(getattr(value, n), leaves) for n in names))
+        return (_OUTPUT, type(value), names, tuple(_flatten(getattr(value, n), leaves, opaque) for n in names))
     if isinstance(value, tuple):
         kind = type(value) if type(value) is not tuple else None
-        return (_TUPLE, kind, tuple(_flatten(item, leaves) for item in value))
+        return (_TUPLE, kind, tuple(_flatten(item, leaves, opaque) for item in value))
     if isinstance(value, dict):
         keys = tuple(value.keys())
-        return (_DICT, type(value), keys, tuple(_flatten(value[k], leaves) for k in keys))
+        return (_DICT, type(value), keys, tuple(_flatten(value[k], leaves, opaque) for k in keys))
+    if _is_plain_object(value):
+        attributes = vars(value)
+        keys = tuple(attributes)
+        mark = len(leaves), len(opaque) if opaque is not None else 0
+        try:
+            children = tuple(_flatten(attributes[k], leaves, opaque) for k in keys)
+            return (_OBJECT, type(value), keys, children)
+        except UnsupportedValue as exc:
+            if opaque is None:
+                where = f"{type(value).__qualname__}.{_failing_key(attributes, keys)}"
+                raise UnsupportedValue(f"{exc} (in {where})") from None
+            del leaves[mark[0] :], opaque[mark[1] :]  # set the whole object aside instead
+    if opaque is not None and getattr(type(value), "bcg_stand_in", False):
+        opaque.append(value)
+        return (_OPAQUE, value.stands_for)  # a stand-in keeps its real object's class in the spec
+    if opaque is not None and pure_python(type(value)):
+        opaque.append(value)
+        return (_OPAQUE, type(value))
     raise UnsupportedValue(
         f"cannot use a value of type {type(value).__module__}.{type(value).__qualname__} in a graph signature"
     )
 
 
-def flatten(value: Any) -> tuple[list[torch.Tensor], Hashable]:
+def _failing_key(attributes: dict[str, Any], keys: tuple[str, ...]) -> str:
+    for key in keys:
+        try:
+            _flatten(attributes[key], [], None)
+        except UnsupportedValue:
+            return key
+    return "?"
+
+
+def flatten(value: Any, opaque: list[Any] | None = None) -> tuple[list[torch.Tensor], Hashable]:
     """Split ``value`` into its tensors (in a fixed order) and a hashable spec of everything else.
 
     Supports tensors, ``None``, bools, ints, floats, strings, dtypes, devices, and lists, tuples
-    (named tuples too), dicts and dataclasses (diffusers output classes) of those.
+    (named tuples too), dicts and dataclasses (diffusers output classes) of those, and instances of
+    plain Python classes whose attributes are all of those (KV caches: rebuilt as new instances of
+    the same class with the same attributes; the class and attribute names join the spec).
+
+    With ``opaque`` (a list), any other instance of a class written in Python (:func:`pure_python`)
+    is appended to it and stands in the spec as its class (:mod:`bcg_diffusion.opaque` passes a
+    stand-in for it); :func:`unflatten` then takes the objects to put back, in the same order.
 
     Raises:
-        UnsupportedValue: for any other object (a generator, a module, a callable...).
+        UnsupportedValue: for any other object (a generator, a module, a function...), and with
+            ``opaque`` None for every object that is not made of the values above.
     """
     leaves: list[torch.Tensor] = []
-    spec = _flatten(value, leaves)
+    spec = _flatten(value, leaves, opaque)
     return leaves, spec
 
 
-def _unflatten(spec: Any, leaves: list[Any], position: list[int]) -> Any:
+def _unflatten(spec: Any, leaves: list[Any], position: list[int], opaque: list[Any]) -> Any:
     tag = spec[0]
     if tag == _TENSOR:
         leaf = leaves[position[0]]
@@ -87,26 +145,36 @@ def _unflatten(spec: Any, leaves: list[Any], position: list[int]) -> Any:
     if tag == _CONST:
         return spec[2]
     if tag == _LIST:
-        return [_unflatten(child, leaves, position) for child in spec[1]]
+        return [_unflatten(child, leaves, position, opaque) for child in spec[1]]
     if tag == _TUPLE:
-        items = [_unflatten(child, leaves, position) for child in spec[2]]
+        items = [_unflatten(child, leaves, position, opaque) for child in spec[2]]
         kind = spec[1]
         if kind is None:
             return tuple(items)
         return kind(*items) if hasattr(kind, "_fields") else kind(items)
     if tag == _DICT:
         kind, keys = spec[1], spec[2]
-        return kind(zip(keys, (_unflatten(child, leaves, position) for child in spec[3])))
+        return kind(zip(keys, (_unflatten(child, leaves, position, opaque) for child in spec[3])))
     if tag == _OUTPUT:
         kind, names = spec[1], spec[2]
-        return kind(**{name: _unflatten(child, leaves, position) for name, child in zip(names, spec[3])})
+        return kind(**{name: _unflatten(child, leaves, position, opaque) for name, child in zip(names, spec[3])})
+    if tag == _OBJECT:
+        kind, names = spec[1], spec[2]
+        rebuilt = object.__new__(kind)
+        vars(rebuilt).update(
+            (name, _unflatten(child, leaves, position, opaque)) for name, child in zip(names, spec[3])
+        )
+        return rebuilt
+    if tag == _OPAQUE:
+        return opaque.pop(0)
     raise ValueError(f"corrupt spec node {tag!r}")
 
 
-def unflatten(spec: Hashable, leaves: list[Any]) -> Any:
-    """Rebuild a value of structure ``spec`` (from :func:`flatten`) around ``leaves``, in order."""
+def unflatten(spec: Hashable, leaves: list[Any], opaque: list[Any] = ()) -> Any:
+    """Rebuild a value of structure ``spec`` (from :func:`flatten`) around ``leaves``, in order, with
+    ``opaque`` in the places of the values :func:`flatten` set aside."""
     position = [0]
-    value = _unflatten(spec, leaves, position)
+    value = _unflatten(spec, leaves, position, list(opaque))
     if position[0] != len(leaves):
         raise ValueError(f"spec uses {position[0]} leaves but {len(leaves)} were given")
     return value
@@ -128,7 +196,9 @@ def describe(spec: Hashable, limit: int = 400) -> str:
             return "(" + ", ".join(render(c) for c in node[2]) + ")"
         if tag == _DICT:
             return "{" + ", ".join(f"{k}: {render(c)}" for k, c in zip(node[2], node[3])) + "}"
-        if tag == _OUTPUT:
+        if tag == _OPAQUE:
+            return f"<{node[1].__qualname__}>"
+        if tag in (_OUTPUT, _OBJECT):
             return node[1].__name__ + "(" + ", ".join(f"{n}={render(c)}" for n, c in zip(node[2], node[3])) + ")"
         return repr(node)
 
@@ -163,6 +233,8 @@ def differences(old: Hashable, new: Hashable, path: str = "") -> list[str]:
         return [f"{label}: {_tensor_text(old)} -> {_tensor_text(new)}"]
     if tag == _CONST:
         return [f"{label}: {old[2]!r} -> {new[2]!r}"]
+    if tag == _OPAQUE:
+        return [f"{label}: {describe(old, 60)} -> {describe(new, 60)}"]
     children_old, children_new, names = _children(old), _children(new), _child_names(old)
     if len(children_old) != len(children_new) or _child_names(new) != names:
         return [f"{label}: {describe(old, 60)} -> {describe(new, 60)}"]
@@ -178,7 +250,7 @@ def _children(node: Any) -> tuple:
         return node[1]
     if tag == _TUPLE:
         return node[2]
-    return node[3]  # dict and output dataclass
+    return node[3]  # dict, output dataclass and object
 
 
 def _child_names(node: Any) -> tuple:

@@ -191,6 +191,7 @@ def _time_group(
     def cache() -> Any:
         return cache_config(args.cache, case.steps, threshold=args.cache_threshold, max_skip=args.cache_max_skip)
 
+    checked: dict[str, float | None] = {}  # per mode: the state checks' time before the timed runs
     comparisons: dict[str, list[dict[str, Any]]] = {}  # per mode, per timed run: against the reference
     run_images: dict[str, list[torch.Tensor]] = {}  # per timed run, for modes with a reference of their own
     for name in names:
@@ -216,6 +217,7 @@ def _time_group(
                 measure.timed_call(mode.pipe, case, device)
             progress.update(1 + args.warmup)
             calls[name] = []
+            checked[name] = mode.state_check_seconds()
             if name in CACHED:
                 counters[name] = SkipCounter(mode.pipe.transformer)
         except Exception as exc:  # a peer that cannot run this case is a result, not a crash
@@ -255,6 +257,10 @@ def _time_group(
             for stage in ("encode", "denoise", "decode")
         }
         entry["peak_memory_bytes"] = max(peak for _, peak in timings)
+        if checked.get(name) is not None:  # the per-call check of the Python state the graphs read
+            per_call = (prepared[name].state_check_seconds() - checked[name]) / len(timings)
+            entry["state_check_s_per_call"] = per_call
+            entry["state_check_share"] = per_call / entry["latency_s"]["median"]
         entry["speedup"] = eager_median / entry["latency_s"]["median"] if eager_median else None
         if name in CACHED:
             entry["speedup_vs_eager_cache"] = cached_median / entry["latency_s"]["median"] if cached_median else None

@@ -160,11 +160,17 @@ class PreparedMode:
     reference: Callable[[], contextlib.AbstractContextManager[Any]] | None = None
     reference_name: str = ""
 
+    def state_check_seconds(self) -> float | None:
+        """The time this mode's pipeline has spent checking the Python state its graphs read (None for
+        modes that are not ours)."""
+        return stats(self.pipe)["state_check_seconds"] if self.name in OURS else None
+
     def graph_stats(self) -> dict[str, Any]:
         if self.name not in OURS:
             return {}
         report = stats(self.pipe)
         keys = ("active", "captures", "replays", "eager_fallbacks", "misses", "graph_memory_bytes", "capture_seconds")
+        keys += ("state_checks", "state_changes", "state_check_seconds")
         keys += ("compiles", "compile_seconds", "compiled_blocks", "cfg_batched") if self.name in FAST else ()
         keys += ("cache_states", "cache_branches", "cache_branch_switches") if self.name in CACHED else ()
         keys += ("quantized", "quantized_linears") if self.name in FP8_MODES else ()

@@ -63,6 +63,13 @@ def markdown(record: dict[str, Any]) -> str:
                 f"{_mib(mode['peak_memory_bytes'])} | {_mib(graphs.get('graph_memory_bytes'))} | "
                 f"{graphs.get('captures', '–')} / {graphs.get('replays', '–')} | {same} |"
             )
+        checks = [
+            f"{n} {m['state_check_s_per_call'] * 1e3:.3f} ms ({m['state_check_share']:.2%} of a call)"
+            for n, m in case["modes"].items()
+            if m.get("state_check_s_per_call") is not None
+        ]
+        if checks:
+            out += ["", "Checking the Python state the graphs read, per timed call: " + ", ".join(checks) + "."]
         separate = [n for n, m in case["modes"].items() if m.get("eager_same_group_s")]
         if separate:
             out += [

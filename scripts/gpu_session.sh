@@ -8,6 +8,8 @@
 # Then, with the device tool (carry [".whl"]):  bash scripts/gpu_session.sh PHASE [PHASE ...]
 #
 # Phases:
+#   tests-state Python state read by captures and object arguments, exact and fast (tiny)
+#   bench-state the per-call check of the Python state: Z-Image-Turbo 512² and Qwen-Image 512² 10 steps CFG 4
 #   tests       core + reliability + tiny-pipeline GPU tests (incl. LoRA re-capture, warm-up, buckets, eviction)
 #   tests-full  full-size (random-weight) Qwen-Image and Z-Image equality with eager
 #   tests-fast  fast mode (compiled blocks in graphs) against its compiled reference, tiny pipelines
@@ -67,7 +69,7 @@
 #                    for `python scripts/screenshot_replay.py DIR OUT.png` here (the GPU machine has no browser)
 # Everything it writes is under $OUT (logs, results.json/.md/.png); copy it to bench/results/<date>-h200/.
 set -uo pipefail
-[ $# -gt 0 ] || { echo "usage: scripts/gpu_session.sh tests|tests-full|tests-fast|tests-coexist|tests-shared|tests-cache|bench-cache-qwen-1024|bench-cache-qwen-512|bench-cache-z|tests-quant|tests-auto|probe-hand-patches|bench-auto|coverage|bench-fp8-z|bench-fp8-qwen|warm-start-fp8-z|probe-fp8-groups|probe-fp8-block|hotswap-z|tests-z|te-z|fast-check|profile-qwen|profile-z|fast-qwen-50|ab-attention|probe-floor|probe-norms|probe-blocks|compile-max-qwen|memory-z|bench-z|warm-start-z|bench-qwen|bench-qwen-512|bench-qwen-1024|issue2|parallel|parallel-cfg|serving|demo ..." >&2; exit 2; }
+[ $# -gt 0 ] || { echo "usage: scripts/gpu_session.sh tests-state|bench-state|tests|tests-full|tests-fast|tests-coexist|tests-shared|tests-cache|bench-cache-qwen-1024|bench-cache-qwen-512|bench-cache-z|tests-quant|tests-auto|probe-hand-patches|bench-auto|coverage|bench-fp8-z|bench-fp8-qwen|warm-start-fp8-z|probe-fp8-groups|probe-fp8-block|hotswap-z|tests-z|te-z|fast-check|profile-qwen|profile-z|fast-qwen-50|ab-attention|probe-floor|probe-norms|probe-blocks|compile-max-qwen|memory-z|bench-z|warm-start-z|bench-qwen|bench-qwen-512|bench-qwen-1024|issue2|parallel|parallel-cfg|serving|demo ..." >&2; exit 2; }
 out=${OUT:-/tmp/bcg-out}
 mkdir -p "$out"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -81,6 +83,21 @@ case "$phase" in
     timeout 200 python3 -m pytest -m cuda -q -rs -p no:cacheprovider --tb=short \
       tests/test_graphs_cuda.py tests/test_reliability_cuda.py tests/test_pipelines_cuda.py tests/test_serving_cuda.py \
       2>&1 | tee "$out/pytest-cuda-tiny.log" | tail -15
+    ;;
+  tests-state)
+    # Python state read by captures (module attributes, globals, in-place constants) and object arguments
+    # (Flux2KleinKVPipeline's KV cache, arguments used through eager breaks), exact and fast (tiny)
+    timeout "${STATE_TESTS_TIMEOUT:-240}" python3 -m pytest -m cuda -q -rs -s -p no:cacheprovider --tb=short \
+      tests/test_python_state_cuda.py tests/test_object_arguments_cuda.py 2>&1 \
+      | grep -v "Warning\|warnings.warn" | tee "$out/pytest-state.log" | tail -30
+    ;;
+  bench-state)
+    # what the per-call check of the Python state costs: Z-Image-Turbo 512² (8 steps) and Qwen-Image 512²
+    # (10 steps, true CFG 4), eager and our modes in one run each; the report prints the check's time per call
+    timeout 280 python3 -m bench --pipeline z-image --weights random-full --modes eager,bcg,fast --runs 5 \
+      --warmup 0 --no-progress --out "$out/state-z" 2>&1 | tail -12
+    timeout 300 python3 -m bench --pipeline qwen-image --weights random-full --resolutions 512x512 --steps 10 \
+      --guidance 4 --modes eager,bcg,fast --runs 3 --warmup 0 --no-progress --out "$out/state-qwen" 2>&1 | tail -12
     ;;
   tests-coexist)
     # our graphs beside torch.compile(mode="reduce-overhead"), both orders (issue 19); then the same test

@@ -201,6 +201,32 @@ def test_a_served_tensor_is_a_copy_so_changes_in_place_stay_in_one_call():
     assert torch.equal(kept, torch.tensor([1.0, 2.0])) and served.data_ptr() != kept.data_ptr()
 
 
+class ChangesItsConstantInPlace(torch.nn.Module):
+    """Builds a tensor from Python data and then changes it in place before using it."""
+
+    def forward(self, x):
+        ids = torch.tensor([0.0, 1.0, 2.0], device=x.device, dtype=x.dtype)
+        ids += 10
+        return x + ids
+
+
+def test_a_constant_changed_in_place_by_the_forward_is_served_as_it_was_built():
+    # The graph copies the constant from a tensor the warm-up built; the forward then changed that
+    # very tensor in place, so the capture served [20, 21, 22] where eager builds [10, 11, 12].
+    model = ChangesItsConstantInPlace()
+    constants = PythonDataConstants(device_type="cpu")
+    x = torch.zeros(3)
+    for _ in range(2):
+        with constants.recording():
+            expected = model(x)
+    with constants.serving():
+        served = model(x)
+    assert torch.equal(expected, torch.tensor([10.0, 11.0, 12.0]))
+    assert torch.equal(served, expected) and not constants.unstable
+    with constants.serving():  # a second capture attempt (the runner retries once) is served the same
+        assert torch.equal(model(x), expected)
+
+
 def test_a_value_that_changes_between_warm_ups_is_no_constant():
     model = BuildsFromPython(counter=True)
     constants = PythonDataConstants(device_type="cpu")
