@@ -17,6 +17,7 @@ import argparse
 import json
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -186,16 +187,35 @@ def _gloo_rank(rank: int, check: Any, world: int, folder: str) -> None:
         dist.destroy_process_group()
 
 
-def gloo_reports(check: Any, world: int, folder: Path) -> list[dict[str, Any]]:
+def gloo_reports(check: Any, world: int, folder: Path, timeout: float | None = None) -> list[dict[str, Any]]:
     """Run ``check(rank)`` (a module-level function returning a JSON-able report) in ``world`` spawned CPU
-    processes joined by gloo, and return their reports in rank order. Skips the test without gloo."""
+    processes joined by gloo, and return their reports in rank order. Skips the test without gloo.
+
+    ``timeout`` (seconds, None: no limit): fail the test, killing the ranks, when they have not all
+    finished by then, so that a collective one rank never reaches fails the test instead of blocking it."""
     import pytest
     import torch.multiprocessing as mp
 
     if not dist.is_available() or not dist.is_gloo_available():
         pytest.skip("torch.distributed with gloo is not available")
-    mp.spawn(_gloo_rank, args=(check, world, str(folder)), nprocs=world, join=True)
+    context = mp.spawn(_gloo_rank, args=(check, world, str(folder)), nprocs=world, join=False)
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while not context.join(None if deadline is None else max(0.0, deadline - time.monotonic())):
+        if deadline is not None and time.monotonic() >= deadline:
+            _kill(context.processes)
+            pytest.fail(
+                f"the {world} ranks had not finished after {timeout:.0f} s: a collective that never completes?"
+            )
     return [json.loads((folder / f"rank{rank}.json").read_text()) for rank in range(world)]
+
+
+def _kill(processes: list[Any]) -> None:
+    """End the spawned ranks still running (each by its own process object), and wait for them."""
+    for process in processes:
+        if process.is_alive():
+            process.kill()
+    for process in processes:
+        process.join(30)
 
 
 def main() -> None:

@@ -2,13 +2,17 @@
 
 This feature decides where it applies (a true-CFG pipeline, two ranks, across the context-parallel
 groups if there are any, a scheduler that reports its step), wraps the transformer's ``cache_context`` so each call knows
-whether it is the cond or the uncond one, and puts the split around the transformer's runner call.
+whether it is the cond or the uncond one, and puts the split around the transformer's runner call. The
+split lives on the transformer, so every pipeline sharing it shares the split; each call finds its
+pipeline (scheduler, arguments) through :func:`bcg_diffusion.hooks.current_call`, and the ranks check
+at the first step of every call that they make the same one.
 """
 
 from __future__ import annotations
 
 import contextlib
 import warnings
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -57,7 +61,8 @@ class CfgParallel(Feature):
             _refuse("the transformer has no cache_context, so its calls cannot be told apart")
             return None
         group = None if option is True else option
-        split = CfgSplit(group, lambda pipe=setup.pipe: pipe.scheduler)
+        # Weakly: the split lives on the transformer, which may outlive this pipeline.
+        split = CfgSplit(group, weakref.ref(setup.pipe))
         if setup.layout is not None:
             check_across(group, setup.layout.group)
         return cls(split)
