@@ -31,7 +31,9 @@ mode compiles (on an H200, Z-Image 512² in FP8: a first call of 128 s with it, 
 no faster afterwards).
 
 ``restore`` gives the original weights back. They are kept on the CPU while quantized, so the GPU
-holds the quantized model only.
+holds the quantized model only. A quantization that fails midway (out of memory, an error in torchao,
+an interrupt) gives them back too, and the modules torchao swapped in, before its error goes on with a
+note saying so: the model is left as it was, never partly quantized.
 
 A transformer that the user quantized with torchao *before* ``accelerate`` needs nothing from this
 module: its tensor subclasses are captured like any weight (see
@@ -43,7 +45,11 @@ reasons above.
 from __future__ import annotations
 
 import contextlib
+import gc
+import logging
 import re
+import traceback
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -53,6 +59,7 @@ import torch
 __all__ = [
     "FP8",
     "MIN_FP8_CAPABILITY",
+    "OriginalLinear",
     "Quantized",
     "block_linears",
     "default_filter",
@@ -68,6 +75,8 @@ _TEXT_STREAM = re.compile(r"(^|\.)(add_q_proj|add_k_proj|add_v_proj|to_add_out|t
 _ATTENTION_OUT = re.compile(r"(^|\.)to_out\.0$")
 
 Filter = Callable[[torch.nn.Module, str], bool]
+
+logger = logging.getLogger(__name__)
 
 
 def block_linears(model: torch.nn.Module) -> Filter:
@@ -156,13 +165,38 @@ def check_fp8_device(device: torch.device) -> None:
         )
 
 
+@dataclass(eq=False)
+class OriginalLinear:
+    """One linear :func:`quantize_transformer` selected, as it was before quantizing, and what quantizing
+    left in its place.
+
+    ``weight`` is a CPU copy of its weight's values (the GPU then holds the quantized model only), ``device``
+    and ``requires_grad`` where and how it was; ``parameter`` refers weakly to the weight parameter itself,
+    so a weight torchao never replaced is kept as that very object. ``parent`` and ``child`` say where the
+    module hangs (``parent`` is None for the model itself), ``attributes`` are its instance attributes
+    (torchao binds an ``extra_repr`` there). ``placed`` and ``left`` are what quantizing left on the parent
+    and in those attributes: giving back undoes only what is still as quantizing left it.
+    """
+
+    module: torch.nn.Module
+    parent: torch.nn.Module | None
+    child: str
+    weight: torch.Tensor
+    device: torch.device
+    requires_grad: bool
+    parameter: weakref.ref[torch.Tensor]
+    attributes: dict[str, Any]
+    placed: torch.nn.Module | None = None
+    left: dict[str, Any] = field(default_factory=dict)
+
+
 @dataclass
 class Quantized:
-    """What :func:`quantize_transformer` did: the config, the names quantized, the original weights."""
+    """What :func:`quantize_transformer` did: the config, the names quantized, the original linears."""
 
     config: Any
     names: list[str] = field(default_factory=list)
-    originals: dict[str, tuple[torch.nn.Module, torch.Tensor, torch.device]] = field(default_factory=dict)
+    originals: dict[str, OriginalLinear] = field(default_factory=dict)
 
 
 def quantize_transformer(model: torch.nn.Module, quantize: Any, filter_fn: Filter | None = None) -> Quantized:
@@ -170,7 +204,12 @@ def quantize_transformer(model: torch.nn.Module, quantize: Any, filter_fn: Filte
     torchao, in place; keep their original weights on the CPU for :func:`dequantize`.
 
     Raises ImportError (with the install command) without torchao, RuntimeError for ``"fp8"`` on a
-    device without FP8, ValueError when the filter selects nothing.
+    device without FP8, ValueError when the filter selects nothing. When quantizing fails midway, whatever
+    failed (an error in torchao, out of memory, KeyboardInterrupt), every selected linear is given back as
+    it was (:func:`dequantize`'s contract) and the same exception is raised again, its type kept, with a
+    note (Python 3.11+; logged before) naming the linear it failed at and saying the weights are back. If
+    moving a weight back to its device fails too, that error is raised instead (the first one is its
+    context), noted with how many linears hold their original weights on the CPU.
     """
     try:
         from torchao.quantization import quantize_
@@ -188,18 +227,135 @@ def quantize_transformer(model: torch.nn.Module, quantize: Any, filter_fn: Filte
     if not linears:
         raise ValueError(f"the quantize filter selected no linear of {type(model).__name__}")
     done = Quantized(torchao_config(quantize), names=sorted(linears))
-    for name, module in linears.items():
-        done.originals[name] = (module, module.weight.detach().to("cpu", copy=True), module.weight.device)
-    with keeping_global_settings():
-        quantize_(model, done.config, filter_fn=lambda module, fqn: fqn in linears)
+    done.originals = {name: _original(model, name, module) for name, module in linears.items()}
+    taken: list[str] = []  # the linears torchao took, in its order: the last is the one it failed at
+
+    def selected(module: torch.nn.Module, fqn: str) -> bool:
+        if fqn not in linears:
+            return False
+        taken.append(fqn)
+        return True
+
+    try:
+        with keeping_global_settings():
+            quantize_(model, done.config, filter_fn=selected)
+    except BaseException as exc:
+        _give_back_after(exc, done, _label(quantize), taken)
+        raise
+    for original in done.originals.values():
+        _mark_left(original)
     return done
 
 
 def dequantize(done: Quantized) -> None:
-    """Put the original weights back (on the device they were on)."""
-    for module, weight, device in done.originals.values():
-        module.weight = torch.nn.Parameter(weight.to(device), requires_grad=False)
+    """Put the original linears back as they were before :func:`quantize_transformer`: each weight a plain
+    ``nn.Parameter`` with its values, dtype, device and ``requires_grad``, on the module torchao found (where
+    torchao swapped in a module of its own and nothing replaced it since), with the instance attributes
+    torchao set undone.
+
+    The quantized weights are dropped before any original moves back to its device. Raises what moving a
+    weight back raised (out of memory, say), noted: the linears not moved yet hold their original weights on
+    the CPU, whole, and ``model.to(device)`` finishes the job once memory is free.
+    """
+    _restore(done, "bcg-diffusion: giving the transformer's original weights back")
+
+
+def _original(model: torch.nn.Module, name: str, module: torch.nn.Module) -> OriginalLinear:
+    """``model``'s linear ``name`` (``module``) as it is now, its weight copied to the CPU."""
+    parent_name, _, child = name.rpartition(".")
+    weight = module.weight
+    return OriginalLinear(
+        module=module,
+        parent=model.get_submodule(parent_name) if name else None,
+        child=child,
+        weight=weight.detach().to("cpu", copy=True),
+        device=weight.device,
+        requires_grad=weight.requires_grad,
+        parameter=weakref.ref(weight),
+        attributes=dict(module.__dict__),
+    )
+
+
+def _mark_left(original: OriginalLinear) -> None:
+    """Record what quantizing has left in ``original``'s place: the module on its parent, its attributes."""
+    original.placed = getattr(original.parent, original.child, None) if original.parent is not None else None
+    original.left = dict(original.module.__dict__)
+
+
+def _give_back_after(exc: BaseException, done: Quantized, label: str, taken: list[str]) -> None:
+    """``quantize_`` raised ``exc`` after taking the linears ``taken``: give every linear of ``done`` back
+    (:func:`_restore`) and note on ``exc`` that they are back. Raises, noted, what giving back raised."""
+    where = f"at {taken[-1]!r} ({len(taken)} of {len(done.names)} linears)" if taken else "before its first linear"
+    if isinstance(exc, torch.OutOfMemoryError):
+        # The failed call's frames still hold what it was allocating: the weights moving back need that memory.
+        traceback.clear_frames(exc.__traceback__)
+    for original in done.originals.values():
+        _mark_left(original)  # nothing else ran since quantize_ started: all that changed is its doing
+    _restore(done, f"bcg-diffusion: quantize={label} failed {where} (the error above)")
+    _note(exc, f"bcg-diffusion: quantize={label} failed {where}; the transformer's original weights are back")
+
+
+def _restore(done: Quantized, why: str) -> None:
+    """Give every linear of ``done`` back (:func:`dequantize`'s contract), the quantized weights dropped
+    first; ``why`` begins the note on an error from moving a weight back, which is raised again."""
+    moving = [original for original in done.originals.values() if _put_back(original)]
+    if any(original.device.type != "cpu" for original in moving):
+        gc.collect()  # a module torchao swapped in may sit in a reference cycle, its quantized weight with it
+    for index, original in enumerate(moving):
+        try:
+            original.module.weight = torch.nn.Parameter(
+                _to_device(original.weight, original.device), requires_grad=original.requires_grad
+            )
+        except BaseException as exc:
+            left, device = len(moving) - index, original.device
+            _note(
+                exc,
+                f"{why}: moving the original weights back to {device} failed; the original weights of {left} "
+                f"linear{'s' if left > 1 else ''} are on the CPU, whole: free memory on {device}, then move the "
+                f"model with .to({str(device)!r})",
+            )
+            raise
     done.originals.clear()
+
+
+def _put_back(original: OriginalLinear) -> bool:
+    """Undo on ``original``'s linear what quantizing did and nothing changed since: the module it swapped in
+    on the parent, the instance attributes it set; the weight goes back on the CPU, which frees the
+    quantized one. Returns whether the weight still has to move to its device."""
+    module, parent, placed = original.module, original.parent, original.placed
+    if parent is not None and placed is not module and getattr(parent, original.child, None) is placed:
+        setattr(parent, original.child, module)
+    missing = object()
+    for key in {**original.attributes, **original.left}:
+        before, after = original.attributes.get(key, missing), original.left.get(key, missing)
+        if after is before or module.__dict__.get(key, missing) is not after:
+            continue  # not changed by quantizing, or changed again since by someone else
+        if before is missing:
+            del module.__dict__[key]
+        else:
+            module.__dict__[key] = before
+    if module.weight is original.parameter():
+        return False  # torchao never replaced it (a module it swapped out, or one it had not reached)
+    module.weight = torch.nn.Parameter(original.weight, requires_grad=original.requires_grad)
+    return True
+
+
+def _to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``tensor`` on ``device``: where an original weight moves back (the tests make it fail here)."""
+    return tensor.to(device)
+
+
+def _label(quantize: Any) -> str:
+    """``quantize`` for a message: ``"fp8"`` or the torchao config's class name."""
+    return repr(quantize) if isinstance(quantize, str) else type(quantize).__name__
+
+
+def _note(exc: BaseException, note: str) -> None:
+    """Add ``note`` to ``exc`` (printed under its message); Python 3.10 has no notes, so it is logged there."""
+    if hasattr(exc, "add_note"):
+        exc.add_note(note)
+    else:
+        logger.error("%s", note)
 
 
 def quantized_weights(model: torch.nn.Module) -> dict[str, int]:

@@ -2,8 +2,11 @@
 
 The work is :mod:`bcg_diffusion.quantize` (torchao's ``quantize_`` with our default filter); this
 feature runs it before fast mode compiles the blocks, reports what it did, and gives the original
-weights back on ``restore``. A transformer quantized by the user beforehand needs no feature: its
-weights are reported (``stats()["quantized"]``) and captured as they are.
+weights back on ``restore``. A quantization that fails midway has given them back itself before its
+error leaves ``prepare`` (:func:`~bcg_diffusion.quantize.quantize_transformer`), so ``accelerate``
+undoes the rest and raises it with the transformer as it was; ``close`` then has nothing to give back.
+A transformer quantized by the user beforehand needs no feature: its weights are reported
+(``stats()["quantized"]``) and captured as they are.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ class Quantization(Feature):
         return cls(setup)
 
     def prepare(self, setup: Setup, patches: MethodPatches) -> None:
+        # On failure quantize_transformer gives the weights back before raising: self.done stays None.
         if self.option is not None:
             self.done = quantize_transformer(self.module, self.option, self.filter)
 
