@@ -160,6 +160,11 @@ class CacheState:
     on, one set per resolution: the memory the cache itself keeps in eager. Raises
     :class:`~bcg_diffusion.tree.UnsupportedValue` from :meth:`key` otherwise, and for unsupported hooks,
     which the runner turns into an eager call with the reason.
+
+    Tensors a hook keeps on the CPU while the model is on a GPU (MagCache's accumulators become 0-d CPU
+    tensors once its ratios are a tensor) are host values, not buffers: no graph writes them, and the
+    hook decides on them in Python. They key the signature by value, as Python numbers do, and a
+    replay leaves copies of the values its capture ended with.
     """
 
     def __init__(self, module: torch.nn.Module) -> None:
@@ -170,6 +175,7 @@ class CacheState:
         # on them can never be replayed again, and their buffers go with them.
         self.on_removed: Callable[[set[int]], None] | None = None
         self._walked: tuple[Any, ...] | None = None  # what the last walk saw (see _live)
+        self._on_gpu: bool | None = None  # whether the module's weights are on a GPU (see _is_host)
 
     # ------------------------------------------------------------------------------ discovery
     def _live(self, fresh: bool = False) -> list[_Holder]:
@@ -232,6 +238,15 @@ class CacheState:
         self._holders.clear()
 
     # ----------------------------------------------------------------------------- the state
+    def _is_host(self, tensor: torch.Tensor) -> bool:
+        """A CPU tensor kept by a hook of a model on a GPU: a host value (see the class docstring)."""
+        if self._on_gpu is None:
+            self._on_gpu = any(p.device.type == "cuda" for p in self.module.parameters())
+        return self._on_gpu and tensor.device.type == "cpu"
+
+    def _host_copies(self, leaves: list[torch.Tensor]) -> list[torch.Tensor]:
+        return [leaf.clone() if self._is_host(leaf) else leaf for leaf in leaves]
+
     def _settle(self, holder: _Holder, state: Any, allocate: bool) -> None:
         """Move every tensor of ``state`` into its holder's buffer for its place and layout."""
         context = holder.context
@@ -243,6 +258,9 @@ class CacheState:
                 continue
             targets = []
             for index, leaf in enumerate(leaves):
+                if self._is_host(leaf):
+                    targets.append(leaf)
+                    continue
                 where = (context, attr, index, _layout(leaf))
                 buffer = holder.buffers.get(where)
                 if buffer is None:
@@ -279,15 +297,17 @@ class CacheState:
         parts = []
         for holder in self._live():
             state = holder.state()
+            host: tuple[tuple[Any, ...], ...] = ()
             if state is not None:
                 self._settle(holder, state, allocate=True)
-                _, spec = flatten(vars(state))
+                leaves, spec = flatten(vars(state))
+                host = tuple(tuple(leaf.reshape(-1).tolist()) for leaf in leaves if self._is_host(leaf))
             else:
                 spec = None
             # The manager's id keys its buffers' addresses, which the graphs bake in: hooks enabled again
             # (new managers, new buffers) must not replay graphs of the old ones. Holders keep the
             # managers alive, so the ids are not reused while a key names them.
-            parts.append((*holder.identity, holder.context, spec))
+            parts.append((*holder.identity, holder.context, spec, host))
         return tuple(parts)
 
     def persist(self) -> None:
@@ -330,7 +350,10 @@ class CacheState:
             state = holder.state()
             flat = None
             if state is not None:
-                flat = {attr: _swap(flatten(value)) for attr, value in vars(state).items()}
+                flat = {}
+                for attr, value in vars(state).items():
+                    spec, leaves = _swap(flatten(value))
+                    flat[attr] = (spec, self._host_copies(leaves))  # host values as the capture left them
             recorded.append((holder, holder.context, flat))
         return recorded
 
@@ -340,7 +363,7 @@ class CacheState:
             if state is None:
                 continue
             for attr, (spec, leaves) in flat.items():
-                setattr(state, attr, unflatten(spec, leaves))
+                setattr(state, attr, unflatten(spec, self._host_copies(leaves)))
 
 
 # What checkpoint() keeps per holder: its context, the state object (None: absent), the state's attributes

@@ -9,14 +9,20 @@ Two settings only make the suite faster, on small machines above all; neither ch
   objects that live as long as the process) is frozen out of the garbage collector's view (``gc.freeze``), so a
   full collection, which every ``restore()`` runs, takes microseconds instead of about 0.4 s. Objects the tests
   make are collected as before.
+
+Every test leaves the process-wide settings as it found them (:func:`_process_settings`): a test that quantizes
+with torchao's defaults (``set_inductor_config=True``) or flips a backend flag would otherwise change what every
+later test computes or compiles, and the suite's results would depend on the order of its tests.
 """
 
 from __future__ import annotations
 
 import gc
+import logging
 import os
 import re
 from collections import Counter
+from typing import Any
 
 if (os.cpu_count() or 1) <= 4:
     os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
@@ -34,6 +40,89 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+# torch's config modules whose every setting a test must leave as it found it (inductor's coordinate-descent
+# tuning, dynamo's recompile limit, ...).
+_CONFIG_MODULES = (
+    "torch._inductor.config",
+    "torch._dynamo.config",
+    "torch._functorch.config",
+    "torch.fx.experimental._config",
+)
+# (getter, setter) of process-wide flags outside those modules.
+_FLAGS: dict[str, tuple[Any, Any]] = {
+    "float32 matmul precision": (torch.get_float32_matmul_precision, torch.set_float32_matmul_precision),
+    "deterministic algorithms": (
+        lambda: (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()),
+        lambda value: torch.use_deterministic_algorithms(value[0], warn_only=value[1]),
+    ),
+    **{
+        f"cudnn.{name}": (
+            lambda name=name: getattr(torch.backends.cudnn, name),
+            lambda value, name=name: setattr(torch.backends.cudnn, name, value),
+        )
+        for name in ("enabled", "benchmark", "deterministic", "allow_tf32")
+    },
+    **{
+        f"cuda.matmul.{name}": (
+            lambda name=name: getattr(torch.backends.cuda.matmul, name),
+            lambda value, name=name: setattr(torch.backends.cuda.matmul, name, value),
+        )
+        for name in ("allow_bf16_reduced_precision_reduction", "allow_fp16_reduced_precision_reduction")
+    },
+    **{
+        f"{kind} attention": (
+            getattr(torch.backends.cuda, f"{kind}_sdp_enabled"),
+            getattr(torch.backends.cuda, f"enable_{kind}_sdp"),
+        )
+        for kind in ("flash", "mem_efficient", "math", "cudnn")
+    },
+}
+# Environment variables that torch, its libraries and ours read while running (not only at import).
+_ENVIRONMENT_PREFIXES = ("TORCH", "PYTORCH", "CUBLAS", "CUDNN", "NVIDIA_TF32", "BCG_")
+_LOGGERS = ("", "bcg_diffusion", "torch", "diffusers", "transformers", "torchao")
+
+
+def _settings() -> dict[str, Any]:
+    import importlib
+
+    saved: dict[str, Any] = {name: getter() for name, (getter, _) in _FLAGS.items()}
+    for module in _CONFIG_MODULES:
+        saved[module] = importlib.import_module(module).get_config_copy()
+    saved["environment"] = {k: v for k, v in os.environ.items() if k.startswith(_ENVIRONMENT_PREFIXES)}
+    saved["loggers"] = {name: logging.getLogger(name).level for name in _LOGGERS}
+    return saved
+
+
+def _restore_settings(saved: dict[str, Any]) -> None:
+    """Put back what changed since :func:`_settings` (only that: writing a setting can have effects)."""
+    import importlib
+
+    for name, (getter, setter) in _FLAGS.items():  # the precision first: it also sets cuda.matmul.allow_tf32
+        if getter() != saved[name]:
+            setter(saved[name])
+    for module in _CONFIG_MODULES:
+        config = importlib.import_module(module)
+        now = config.get_config_copy()
+        changed = {key: value for key, value in saved[module].items() if now.get(key) != value}
+        if changed:
+            config.load_config(changed)
+    for key in [k for k in os.environ if k.startswith(_ENVIRONMENT_PREFIXES) and k not in saved["environment"]]:
+        del os.environ[key]
+    os.environ.update({k: v for k, v in saved["environment"].items() if os.environ.get(k) != v})
+    for name, level in saved["loggers"].items():
+        logging.getLogger(name).setLevel(level)
+
+
+@pytest.fixture(autouse=True)
+def _process_settings():
+    """Restore, after each test, the process-wide settings it changed without restoring them itself: torch's
+    config modules (inductor, dynamo, functorch, symbolic shapes), the float32 matmul precision, determinism,
+    cuDNN, reduced-precision and attention-backend flags, torch's environment variables and the log levels."""
+    saved = _settings()
+    yield
+    _restore_settings(saved)
 
 
 def pytest_collection_finish(session):

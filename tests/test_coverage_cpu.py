@@ -1,7 +1,10 @@
 """Diffusers pipelines beyond the two we tune (bench.coverage). Tiny, on the CPU in debug mode: the runner
 takes them, gives eager's bytes, and reports what a capture would meet outside the breaks. Published
 sizes, on the meta device: the configs are accepted by the classes, have the published sizes, and the
-call arguments fit them (they run on a GPU only)."""
+call arguments fit them (they run on a GPU only).
+
+Debug mode counts captures and replays as graphs do: each transformer of a pipeline must have replayed
+itself, with no eager fallback, miss or failed signature (the VAE's replays alone do not pass)."""
 
 from __future__ import annotations
 
@@ -10,8 +13,10 @@ import inspect
 
 import pytest
 import torch
+from _checks import assert_report_ran, recorded_stats
 from diffusers import WanTransformer3DModel
 
+import bench.coverage as coverage
 from bench.coverage import FULL, TINY, _random_model, check, check_tiny, main, parameter_counts, timing_table
 
 # Models a pipeline calls that no runner holds: the runner knows transformer, vae and text_encoder only.
@@ -40,7 +45,19 @@ PUBLISHED_BILLIONS = {
 # Where each transformer class keeps the width of the text embeddings it takes.
 TEXT_WIDTH_KEYS = ("joint_attention_dim", "text_dim", "caption_channels", "cap_feat_dim", "text_embed_dim")
 
-_tiny_row = functools.cache(check_tiny)  # one debug run per pipeline, shared by the tests below
+
+@functools.cache
+def _tiny_run(name):
+    """One debug run per pipeline, shared by the tests below: ``check_tiny``'s row and the ``stats`` report it
+    took before restoring the pipeline."""
+    with recorded_stats(coverage) as reports:
+        row = check_tiny(name)
+    [report] = reports
+    return row, report
+
+
+def _tiny_row(name):
+    return _tiny_run(name)[0]
 
 
 @functools.cache
@@ -54,6 +71,10 @@ def test_tiny_pipeline_runs_the_runner_path_and_equals_eager(name):
     assert row["active"], row["reason"]
     assert row["identical"], row
     assert row["replays"] > 0 and row["signatures"] >= 2, row  # transformer and VAE at least
+    report = _tiny_run(name)[1]
+    transformers = sorted(c for c in report["components"] if c.startswith("transformer"))  # Wan 2.2: two
+    assert "transformer" in transformers and "vae" in report["components"], sorted(report["components"])
+    assert_report_ran(report, captures=True, components=[*transformers, "vae"])  # each replayed by itself
     assert all(" at " in op and "(" in op for op in row["hostile_ops"]), row["hostile_ops"]
     assert set(row["not_accelerated"]) <= set(LEFT_EAGER.get(name, ())), row  # no gap beyond the known ones
 
@@ -126,6 +147,9 @@ def test_check_times_a_tiny_pipeline_and_renders_its_row():
     assert case["eager"]["deterministic"] and case["exact"]["identical"], case
     assert case["exact"]["graphs"]["active"] and case["exact"]["not_accelerated"] == []
     assert {s["component"] for s in case["exact"]["graphs"]["signatures"]} == {"transformer", "vae"}
+    replays = {s["component"]: s["replays"] for s in case["exact"]["graphs"]["signatures"]}
+    assert replays["transformer"] > 0 and replays["vae"] > 0, replays  # each replayed, not the VAE alone
+    assert case["exact"]["graphs"]["eager_fallbacks"] == 0, case["exact"]["graphs"]
     assert "outputs" not in case["eager"] and "fast" not in case
     assert "| FLUX.1 | tiny 32x32 | debug (no graphs) |" in timing_table([result])
 

@@ -1,6 +1,12 @@
 """Quantized transformers inside real graphs (marker: cuda): ``quantize="fp8"`` and models quantized
 with torchao before ``accelerate`` give the bytes of the same quantized model run eagerly (exact mode),
-and of its compiled blocks without graphs (fast mode)."""
+and of its compiled blocks without graphs (fast mode), and the transformer itself replayed.
+
+torchao's int8 dynamic config does not capture (cuBLAS's int8 product refuses a capturing stream): one test
+checks what happens instead (eager with the reason, eager's bytes), another that its graphs run, marked as
+an expected failure. Every torchao config here passes ``set_inductor_config=False``: the default changes
+inductor's settings and the float32 matmul precision for the rest of the process (``conftest.py`` puts them
+back after each test as well)."""
 
 from __future__ import annotations
 
@@ -9,9 +15,9 @@ import copy
 import pytest
 import torch
 from _cases import CFG_CASE, cuda_pipeline, run_case
-from _checks import assert_graphs_ran
+from _checks import GraphsDidNotRun, assert_graphs_ran, assert_report_ran
 
-from bcg_diffusion import accelerate, eager, restore, stats
+from bcg_diffusion import BCGWarning, accelerate, eager, restore, stats
 from bcg_diffusion.hostile import HostileOpFinder
 from bcg_diffusion.quantize import default_filter
 
@@ -42,14 +48,14 @@ def test_fp8_option_equals_the_same_fp8_model_and_restores_bf16(name, mode):
     with cuda_pipeline(name, "tiny") as pipe:
         plain = _run(pipe, name)
         by_hand = copy.deepcopy(pipe)
-        config = Float8DynamicActivationFloat8WeightConfig(granularity=PerRow())
+        config = Float8DynamicActivationFloat8WeightConfig(granularity=PerRow(), set_inductor_config=False)
         quantize_(by_hand.transformer, config, filter_fn=default_filter(by_hand.transformer))
         reference = _run(by_hand, name)
         del by_hand
         accelerate(pipe, mode=mode, quantize="fp8")
         try:
             images = [_run(pipe, name) for _ in range(2)]
-            report = assert_graphs_ran(pipe)
+            report = assert_graphs_ran(pipe, components=("transformer",))
             assert report["quantized_linears"] > 0, report
             if mode == "fast":
                 with eager(pipe):
@@ -64,7 +70,7 @@ def test_fp8_option_equals_the_same_fp8_model_and_restores_bf16(name, mode):
 
 @pytest.mark.parametrize(
     "config",
-    [Int8WeightOnlyConfig(), "fp8"],
+    [Int8WeightOnlyConfig(set_inductor_config=False), "fp8"],
     ids=["int8-weight-only", "fp8-rowwise"],
 )
 @pytest.mark.parametrize("name", ["qwen-image", "z-image"])
@@ -79,7 +85,7 @@ def test_a_model_quantized_before_accelerate_is_captured_exactly(name, config):
         accelerate(pipe)
         try:
             images = [_run(pipe, name) for _ in range(2)]
-            report = assert_graphs_ran(pipe)
+            report = assert_graphs_ran(pipe, components=("transformer",))
             assert "before accelerate" in report["quantized"], report
             for image in images:
                 assert torch.equal(image, reference)
@@ -88,31 +94,57 @@ def test_a_model_quantized_before_accelerate_is_captured_exactly(name, config):
             restore(pipe)
 
 
-@pytest.mark.parametrize("name", ["qwen-image", "z-image"])
-def test_int8_dynamic_gives_eager_bytes_captured_around_its_products_or_eagerly(name):
-    # torchao's int8 dynamic config (version 1, torch._int_mm through cuBLAS) failed inside CUDA when
-    # captured, on torch 2.11 and an H200 (runs 58 and 62, before automatic breaks), with nothing the
-    # hostile-op finder sees in the transformer. Automatic breaks now retry such a capture with the op
-    # that raised as an eager break: either that capture holds, or the signature runs eagerly with the
-    # reason. Both must give eager's bytes; the printout says which happened.
+INT8_SIZE = 128  # torch._int_mm needs more than 16 rows; torchao takes another path below that
+INT8_REFUSED = "cuBLAS's int8 GEMM refuses a capturing stream (docs/quantization.md)"
+
+
+def _int8_dynamic(name):
+    """The tiny pipeline with its transformer in torchao's int8 dynamic config (version 1: torch._int_mm
+    through cuBLAS): the reference (the same quantized model eager), then two accelerated calls and the
+    ``stats`` report after them (printed: what each transformer signature did)."""
     config = Int8DynamicActivationInt8WeightConfig(set_inductor_config=False)
-    size = 128  # torch._int_mm needs more than 16 rows; torchao takes another path below that
     with cuda_pipeline(name, "tiny") as pipe:
         quantize_(pipe.transformer, config, filter_fn=default_filter(pipe.transformer))
         with HostileOpFinder(pipe.transformer) as finder:
-            reference = _run(pipe, name, size)
+            reference = _run(pipe, name, INT8_SIZE)
         accelerate(pipe)
         try:
-            images = [_run(pipe, name, size) for _ in range(2)]
-            signatures = [s for s in stats(pipe)["signatures"] if s["component"] == "transformer"]
-            print("\n".join(["", "the finder saw:", *map(str, finder.found)]))
-            for s in signatures:
-                print(s["status"], s["reason"] or "", "; ".join(s["auto_breaks"]))
-            assert signatures and all(
-                s["status"] == "captured" or (s["status"] == "failed" and "capture failed" in s["reason"])
-                for s in signatures
-            ), signatures
-            for image in images:
-                assert torch.equal(image, reference)
+            images = [_run(pipe, name, INT8_SIZE) for _ in range(2)]
+            report = stats(pipe)
         finally:
             restore(pipe)
+    print("\n".join(["", f"{name}: the finder saw:", *map(str, finder.found)]))
+    for s in report["signatures"]:
+        print(s["component"], s["status"], s["reason"] or "", "; ".join(s["auto_breaks"]))
+    return reference, images, report
+
+
+@pytest.mark.parametrize("name", ["qwen-image", "z-image"])
+def test_int8_dynamic_runs_its_transformer_eagerly_with_the_reason_and_eager_bytes(name):
+    # What happens today: the capture fails inside cuBLAS's int8 product (CUDA: "operation not permitted
+    # when stream is capturing"); automatic breaks retry once and find no operation to move out (runs 58,
+    # 62, 72 on an H200). Every transformer signature then runs eagerly, with a warning giving the reason,
+    # and the images are the same quantized model's eager bytes. This is not a graph test: the one that asks
+    # for graphs is the expected failure below. When a capture holds one day, this test fails and that one
+    # passes (strict): update both.
+    with pytest.warns(BCGWarning, match=r"transformer runs eagerly for signature .*capture failed"):
+        reference, images, report = _int8_dynamic(name)
+    assert report["active"], report["reason"]
+    signatures = [s for s in report["signatures"] if s["component"] == "transformer"]
+    assert signatures and all(s["status"] == "failed" and "capture failed" in s["reason"] for s in signatures), [
+        (s["status"], s["reason"]) for s in signatures
+    ]
+    transformer = report["components"]["transformer"]
+    assert transformer["replays"] == 0 and transformer["eager_fallbacks"] > 0, transformer  # every call ran eagerly
+    for image in images:
+        assert torch.equal(image, reference)
+
+
+@pytest.mark.xfail(strict=True, raises=GraphsDidNotRun, reason=INT8_REFUSED)
+@pytest.mark.filterwarnings("ignore::bcg_diffusion.BCGWarning")
+@pytest.mark.parametrize("name", ["qwen-image", "z-image"])
+def test_int8_dynamic_transformer_replays_its_graphs(name):
+    reference, images, report = _int8_dynamic(name)
+    for image in images:  # a plain AssertionError: not the expected failure, so it fails the test
+        assert torch.equal(image, reference)
+    assert_report_ran(report, components=("transformer",))  # raises GraphsDidNotRun: the expected failure

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _caches import CACHES, cache_config, mixed_threshold
+from _caches import CACHES, cache_config, check_interleaved_calls, mixed_threshold
 from _cases import run_case
 from _checks import assert_graphs_ran, needs_compiler
 from diffusers import FirstBlockCacheConfig, MagCacheConfig
@@ -48,13 +48,21 @@ def test_every_cache_keeps_the_runner_and_eager_bytes(name, cache):
     try:
         for _ in range(2):
             assert torch.equal(_run(pipe, name), reference)
-        report = assert_graphs_ran(pipe)
+        report = assert_graphs_ran(pipe, components=("transformer",))
         assert report["cache_hooks"] and report["cache_states"] > 0, report
         assert 0 < counter.skipped < counter.calls, (counter.skipped, counter.calls)
     finally:
         counter.remove()
         restore(pipe)
     assert torch.equal(_run(pipe, name), reference)  # restore leaves the cache on, eager
+
+
+@pytest.mark.parametrize("cache", CACHES)
+@pytest.mark.parametrize("name", ["qwen-image", "z-image"])
+def test_interleaved_sizes_prompts_and_cfg_keep_eager_bytes_and_decisions(name, cache):
+    # One pipeline, two resolutions, two prompts, CFG on and off, interleaved (_caches.MIXED_SEQUENCE); MagCache
+    # with ratios whose accumulated error decides. Each call equals eager's with the same cache and decisions.
+    print("\n" + check_interleaved_calls(_pipe(name), _pipe(name), name, cache, ((32, 32), (48, 32)), debug=True))
 
 
 @pytest.mark.parametrize("name", ["qwen-image", "z-image"])
@@ -136,7 +144,7 @@ def test_fast_mode_wraps_the_compiled_blocks_and_gives_them_back():
         assert torch.equal(_run(pipe, "qwen-image"), image)  # replays them
         with eager(pipe):
             assert torch.equal(_run(pipe, "qwen-image"), image)
-        report = assert_graphs_ran(pipe)
+        report = assert_graphs_ran(pipe, components=("transformer",))
         assert report["compiled_blocks"] > 0 and report["compiles"] > 0 and report["cfg_batched"] == 0, report
         assert report["eager_block_calls"] == 0, report
     finally:

@@ -2,16 +2,20 @@
 bytes of eager with the same cache; in fast mode, of the compiled blocks without graphs.
 
 A replay runs no Python: these are the tests where a cache decision or a kept tensor that the graphs
-did not carry would show (the CPU tests, in debug mode, run the hooks' Python on every call).
+did not carry would show (the CPU tests, in debug mode, run the hooks' Python on every call). The
+interleaved test calls one pipeline with two resolutions, two prompts and CFG on and off, and runs MagCache
+with ratios whose accumulated error decides (``_caches.MAG_SCHEDULE``), against an eager pipeline built the
+same way.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from _caches import CACHES, cache_config, mixed_threshold
+from _caches import CACHES, cache_config, check_interleaved_calls, mixed_threshold
 from _cases import cuda_pipeline, run_case
 from _checks import assert_graphs_ran
+from diffusers import MagCacheConfig
 
 from bcg_diffusion import accelerate, eager, restore, stats
 from bcg_diffusion.graphs import GraphPool, eager_break
@@ -23,6 +27,7 @@ pytestmark = pytest.mark.cuda
 CASE = {"qwen-image": "true_cfg", "z-image": "cfg"}
 STEPS = 6
 SIZE = (64, 64)
+MIXED_SIZES = ((64, 64), (96, 64))  # (height, width): the interleaved test's two resolutions
 
 
 def test_a_break_that_decides_selects_a_captured_path_of_its_own():
@@ -65,7 +70,7 @@ def test_cached_pipeline_keeps_graphs_and_eager_bytes(pipeline, cache, mode):
         try:
             counter = SkipCounter(pipe.transformer)
             images = [run_case(pipe, pipeline, case, height=SIZE[0], width=SIZE[1], steps=STEPS) for _ in range(3)]
-            report = assert_graphs_ran(pipe)
+            report = assert_graphs_ran(pipe, components=("transformer",))
             assert report["cache_hooks"], report
             assert 0 < counter.skipped < counter.calls, (counter.skipped, counter.calls)
             if mode == "fast":
@@ -78,8 +83,9 @@ def test_cached_pipeline_keeps_graphs_and_eager_bytes(pipeline, cache, mode):
             if cache == "first-block":
                 assert report["cache_branches"] > 0, report
             print(
-                f"\n{pipeline}/{cache}/{mode}: skipped {counter.skipped}/{counter.calls} captures={report['captures']} "
-                f"replays={report['replays']} branches={report['cache_branches']} states={report['cache_states']}"
+                f"\n{pipeline}/{cache}/{mode}: skipped {counter.skipped}/{counter.calls} "
+                f"captures={report['captures']} replays={report['replays']} branches={report['cache_branches']} "
+                f"states={report['cache_states']}"
             )
             counter.remove()
         finally:
@@ -87,6 +93,15 @@ def test_cached_pipeline_keeps_graphs_and_eager_bytes(pipeline, cache, mode):
         # restore leaves the cache on, eager, with diffusers' own methods
         assert torch.equal(run_case(pipe, pipeline, case, height=SIZE[0], width=SIZE[1], steps=STEPS), eager_images[0])
         disable_cache(pipe)
+
+
+@pytest.mark.parametrize("cache", CACHES)
+@pytest.mark.parametrize("pipeline", ["qwen-image", "z-image"])
+def test_interleaved_sizes_prompts_and_cfg_keep_graphs_eager_bytes_and_decisions(pipeline, cache):
+    # _caches.check_interleaved_calls: every call byte-equal to eager with the same cache and decisions; the
+    # repeats replay the transformer's own graphs alone (assert_graphs_ran, no capture, no fallback).
+    with cuda_pipeline(pipeline, "tiny") as reference, cuda_pipeline(pipeline, "tiny") as pipe:
+        print("\n" + check_interleaved_calls(reference, pipe, pipeline, cache, MIXED_SIZES))
 
 
 @pytest.mark.parametrize("pipeline", ["qwen-image", "z-image"])
@@ -106,9 +121,56 @@ def test_enable_and_disable_the_cache_while_accelerated(pipeline):
                     enable_cache(pipe, cache_config("taylorseer", STEPS))
                 image = run_case(pipe, pipeline, case, height=SIZE[0], width=SIZE[1], steps=STEPS)
                 assert torch.equal(image, expected), what
-                before = assert_graphs_ran(pipe, before)
+                # a cache's first call captures a graph per step's state: the transformer replays from the next
+                before = assert_graphs_ran(pipe, before, components=("transformer",) if what != "on" else ())
                 if what == "on":
                     disable_cache(pipe)
             assert stats(pipe)["invalidations"] == 0
+        finally:
+            restore(pipe)
+
+
+# MagCache's accumulators become 0-d CPU tensors once its ratios are a tensor. They were kept in buffers that no graph
+# writes and were not part of the key: after replays, a capture later in the same call decided on stale values. Z-Image's
+# cfg_truncation makes such a call: its CFG steps (batch 2) replay, the steps after the truncation (batch 1) capture.
+# H200, run 76: eager computed steps 0 and 6, the accelerated call steps 0, 5 and 7 (max difference 0.40). Host tensors
+# now key the signature by value and a replay leaves the values its capture ended with (step_cache.CacheState).
+STALE_RATIOS = [1.0, 1.02, 1.02, 1.02, 1.02, 1.02, 0.7, 1.0]  # steps 1-5 skip, the error passes 0.5 at step 6
+
+
+def test_magcache_captured_after_replays_in_one_call_decides_as_eager():
+    steps = len(STALE_RATIOS)
+
+    def config():
+        return MagCacheConfig(
+            mag_ratios=STALE_RATIOS,
+            num_inference_steps=steps,
+            threshold=0.5,
+            max_skip_steps=steps,
+            retention_ratio=0.1,
+        )
+
+    def call(pipe, truncation):
+        extra = {} if truncation is None else {"cfg_truncation": truncation}
+        return pipe(
+            prompt="a red fox in the snow", negative_prompt="blurry", guidance_scale=4.0, height=64, width=64,
+            num_inference_steps=steps, generator=torch.Generator("cpu").manual_seed(0), output_type="pt", **extra,
+        ).images.cpu()  # fmt: skip
+
+    truncations = [None, 0.3]  # 0.3: batch 2 for steps 0-4, batch 1 for steps 5-7
+    with cuda_pipeline("z-image", "tiny") as reference, cuda_pipeline("z-image", "tiny") as pipe:
+        enable_cache(reference, config())
+        counter = SkipCounter(reference.transformer)
+        expected = [call(reference, t) for t in truncations]
+        counter.remove()
+        if not 0 < counter.skipped < counter.calls:  # else the test could not tell a stale decision
+            pytest.fail(f"eager MagCache skipped {counter.skipped} of {counter.calls} calls")
+        enable_cache(pipe, config())
+        accelerate(pipe)
+        try:
+            images = [call(pipe, t) for t in truncations] + [call(pipe, t) for t in truncations]
+            assert_graphs_ran(pipe, components=("transformer",))
+            for image, reference_image in zip(images, expected + expected):
+                assert torch.equal(image, reference_image), (image - reference_image).abs().max()
         finally:
             restore(pipe)
