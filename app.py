@@ -24,7 +24,7 @@ os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 os.environ.setdefault("DO_NOT_TRACK", "1")
 
-PIPELINES = ("z-image", "qwen-image")  # bcg_diffusion.loading.PIPELINE_NAMES, z-image first: smaller and faster
+PIPELINES = ("z-image", "qwen-image")  # bcg_diffusion.models.PIPELINE_NAMES, z-image first: smaller and faster
 RANDOM_WEIGHTS = ("tiny", "random-full")
 DTYPES = ("bfloat16", "float16", "float32")
 ACCELERATIONS = ("exact", "fast")  # bcg_diffusion.demo.ACCELERATIONS (not imported here: see the environment above)
@@ -245,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.record:
         from pathlib import Path
 
-        from bcg_diffusion.demo_record import record
+        from bcg_diffusion.demo.record import record
 
         try:
             result = record(backend, default_pipeline, Path(args.record), acceleration=args.mode)
@@ -278,9 +278,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def serve_replay(args: argparse.Namespace) -> int:
-    """Serve the page for a result saved with ``--record`` (see ``bcg_diffusion.demo_record``)."""
+    """Serve the page for a result saved with ``--record`` (see ``bcg_diffusion.demo.record``)."""
     from bcg_diffusion import demo
-    from bcg_diffusion.demo_record import RecordedBackend
+    from bcg_diffusion.demo.record import RecordedBackend
 
     try:
         backend = RecordedBackend(args.replay)

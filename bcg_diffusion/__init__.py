@@ -6,9 +6,9 @@
 
 from .api import accelerate, eager, invalidate, restore, stats
 from .config import AccelerateConfig
-from .graphs import BreakResultMismatch, eager_break
-from .runner import BCGWarning
-from .step_cache import SkipCounter, disable_cache, enable_cache
+from .core.graphs import BreakResultMismatch, eager_break
+from .core.runner import BCGWarning
+from .features.step_caching import SkipCounter, disable_cache, enable_cache
 from .warmup import warm_up
 
 __all__ = [

@@ -15,12 +15,12 @@ import torch
 
 from . import features
 from .config import _KNOWN_COMPONENTS, AccelerateConfig
+from .core.hooks import diffusers_hooks, serialise_calls, unserialise_calls
+from .core.runner import BCGWarning
+from .features.step_caching import CACHE_DIT_REASON, cache_dit_enabled
 from .group import GraphGroup, held_by, pipeline_names
-from .hooks import diffusers_hooks, serialise_calls, unserialise_calls
 from .pipelines import PipelineAdapter, adapter_for
-from .runner import BCGWarning
 from .state import STATE_ATTR, PipelineState, accelerated_state, check_pipeline
-from .step_cache import CACHE_DIT_REASON, cache_dit_enabled
 from .warmup import warm_up
 
 __all__ = ["accelerate", "eager", "invalidate", "restore", "stats"]
@@ -100,7 +100,7 @@ def accelerate(pipe: P, config: AccelerateConfig | None = None, **options: Any) 
     signature (resolution, batch, text length, CFG mode) on first use and replays it afterwards, with
     images byte-identical to eager in the default ``mode="exact"``. ``mode="fast"`` also compiles
     the transformer's repeated blocks with inductor and captures the compiled kernels (see
-    :mod:`bcg_diffusion.fast`). ``warmup=[(w, h), ...]`` captures before returning (see
+    :mod:`bcg_diffusion.features.compiled_blocks`). ``warmup=[(w, h), ...]`` captures before returning (see
     :func:`~bcg_diffusion.warm_up`).
 
     Pipelines that share components (``ZImageImg2ImgPipeline(**pipe.components)``) share their graphs:
@@ -301,16 +301,16 @@ def stats(pipe: Any) -> dict[str, Any]:
     settings changed), ``hotswaps`` (LoRA weights hot-swapped in place, graphs kept), ``state_checks``,
     ``state_changes`` and ``state_check_seconds`` (checks of the Python values the graphs read, once per
     pipeline call per component; values found changed, whose graphs were dropped; the time the checks took:
-    see :mod:`bcg_diffusion.python_state`), ``cache_hooks``, ``cache_states``,
-    ``cache_branches`` and ``cache_branch_switches`` (step caching: see :mod:`bcg_diffusion.step_cache`),
+    see :mod:`bcg_diffusion.core.python_state`), ``cache_hooks``, ``cache_states``,
+    ``cache_branches`` and ``cache_branch_switches`` (step caching: see :mod:`bcg_diffusion.features.step_caching`),
     ``capture_seconds``, ``graph_memory_bytes`` (the shared pool's size now),
     ``compiled_blocks``, ``compiles``, ``compile_seconds`` and ``compile_failure`` (fast mode: blocks
     compiled, dynamo compiles inside them, first compiles and recompiles, the wall time of the block
     calls that compiled, and why the blocks went back to eager forwards, if they did; 0 / None in
     exact mode), ``cfg_batched`` and ``cfg_batch_dropped`` (fast
     mode: uncond calls served from a batch with their cond call, and speculated halves left unused;
-    see :mod:`bcg_diffusion.cfg_batch`), ``text_encoder_trimmed`` (fast mode: text encodings run
-    without the prompts' padding, see :mod:`bcg_diffusion.text_trim`), ``signatures`` (one dict per captured signature:
+    see :mod:`bcg_diffusion.features.cfg_batching`), ``text_encoder_trimmed`` (fast mode: text encodings run
+    without the prompts' padding, see :mod:`bcg_diffusion.features.text_trimming`), ``signatures`` (one dict per captured signature:
     component, signature, status, state (what keys it besides the arguments: attention backend,
     parallel layout...), reason, segments, breaks, memory_bytes, capture_seconds, replays, paths),
     ``components`` (counters per component), ``patches`` and ``shared_with`` (the classes of the other

@@ -6,7 +6,7 @@ import os
 from dataclasses import dataclass, fields
 from typing import Any
 
-__all__ = ["AccelerateConfig"]
+__all__ = ["AccelerateConfig", "validate_buckets"]
 
 _MODES = ("exact", "fast")
 _CAPTURE_ERROR_MODES = ("global", "thread_local", "relaxed")
@@ -36,7 +36,7 @@ class AccelerateConfig:
         capture_error_mode: ``cudaStreamCaptureMode`` for captures: ``"thread_local"`` (default)
             lets other threads keep using CUDA while one captures; ``"global"`` is strictest.
         track_external_tensors: keep alive every tensor created outside a capture that the graph
-            reads (see :mod:`bcg_diffusion.graphs`). Turn off only if you hold them yourself.
+            reads (see :mod:`bcg_diffusion.core.graphs`). Turn off only if you hold them yourself.
         compile_cache_dir: ``mode="fast"`` only: where PyTorch keeps its compile caches (inductor, AOT
             autograd, Triton; it sets ``TORCHINDUCTOR_CACHE_DIR`` for the process) and where we keep a
             portable copy of them, so a later process (on this or another machine) starts warm. None:
@@ -44,7 +44,7 @@ class AccelerateConfig:
         text_buckets: Qwen-Image only: pad prompt embeddings and mask to the next of these token
             lengths (e.g. ``(64, 128, 256, 512)``), so one capture serves every prompt up to a bucket.
             Not byte-identical to the unpadded call (the masked attention path rounds differently; see
-            :mod:`bcg_diffusion.buckets`). None (default): exact, no padding. Z-Image needs none:
+            :mod:`bcg_diffusion.features.text_buckets`). None (default): exact, no padding. Z-Image needs none:
             its captions are bucketed exactly to multiples of 32 tokens (:mod:`bcg_diffusion.patches.zimage`).
         max_signatures: at most this many captured signatures per pipeline (all components together);
             capturing one more first evicts the one replayed longest ago, whose graph memory returns to
@@ -58,27 +58,27 @@ class AccelerateConfig:
             in ``stats()["misses"]`` and logged once with what differs from the nearest captured one),
             so no request waits for a capture.
         batch_cfg: ``mode="fast"`` only: run true CFG's cond and uncond transformer calls of a step
-            as one batch (Qwen-Image's pipeline; see :mod:`bcg_diffusion.cfg_batch`), which reads the
+            as one batch (Qwen-Image's pipeline; see :mod:`bcg_diffusion.features.cfg_batching`), which reads the
             weights once for both. ``None`` (default): on in fast mode for the pipelines that support
             it; ``False``: off. Its rounding is part of fast mode's, so ``with eager(pipe):`` batches too.
         quantize: ``"fp8"``: quantize the transformer's repeated blocks with torchao's row-wise FP8
             (dynamic activations, needs compute capability 8.9 or more and ``bcg-diffusion[fp8]``),
             before capture; or any torchao config object, applied the same way. Exact mode then
             equals the same quantized model run eagerly; ``restore`` gives the original weights back.
-            See :mod:`bcg_diffusion.quantize`. None (default): the weights as they are (a model the
+            See :mod:`bcg_diffusion.features.quantization`. None (default): the weights as they are (a model the
             user quantized with torchao beforehand is captured as it is).
         quantize_filter: which linears ``quantize`` quantizes, as torchao's ``filter_fn(module, name)``;
-            None: :func:`bcg_diffusion.quantize.default_filter`.
+            None: :func:`bcg_diffusion.features.quantization.default_filter`.
         auto_breaks: make every operation a capture cannot hold (host syncs, data-dependent shapes,
             copies from pageable host memory) an eager break of its own, checked on replay like a
             marked one, and retry a failed capture once with what it taught
-            (:mod:`bcg_diffusion.auto_breaks`). Each is listed in
+            (:mod:`bcg_diffusion.core.auto_breaks`). Each is listed in
             ``stats()["signatures"][i]["auto_breaks"]``. False: such a capture fails and its
             signature runs eagerly, with the reason. Needs ``track_external_tensors``.
         cfg_parallel: under ``torchrun`` with two ranks, ``True`` (the default process group) or a
             process group of two: each true-CFG step's cond call runs on rank 0 and its uncond call on
             rank 1, with one exchange of the predictions per step; byte-identical to one GPU
-            (:mod:`bcg_diffusion.cfg_parallel`). Every rank makes the same pipeline calls. Under context
+            (:mod:`bcg_diffusion.features.cfg_parallel`). Every rank makes the same pipeline calls. Under context
             parallelism, the group of two ranks from different context-parallel groups
             (``mesh["cfg"].get_group()``; ``True`` is refused).
     """
@@ -131,8 +131,6 @@ class AccelerateConfig:
             if self.max_signatures < 1:
                 raise ValueError(f"max_signatures must be at least 1, got {self.max_signatures}")
         if self.text_buckets is not None:
-            from .buckets import validate_buckets
-
             object.__setattr__(self, "text_buckets", validate_buckets(self.text_buckets))
         object.__setattr__(self, "warmup", resolution_pairs(self.warmup))
         cfg_modes = self.warmup_cfg
@@ -205,3 +203,16 @@ def resolution_pairs(value: Any) -> tuple[tuple[int, int], ...]:
             raise ValueError(f"warmup resolution {item!r} must be positive")
         pairs.append((item[0], item[1]))
     return tuple(dict.fromkeys(pairs))
+
+
+def validate_buckets(buckets: Any) -> tuple[int, ...]:
+    """Sorted, distinct positive ints. Raises TypeError / ValueError naming what is wrong."""
+    if isinstance(buckets, (str, bytes)) or not isinstance(buckets, (tuple, list)):
+        raise TypeError(f"text_buckets must be a tuple of token lengths such as (64, 128, 256, 512), got {buckets!r}")
+    if not buckets:
+        raise ValueError("text_buckets is empty: give at least one token length, or None for exact mode")
+    if not all(isinstance(b, int) and not isinstance(b, bool) for b in buckets):
+        raise TypeError(f"text_buckets must hold ints, got {buckets!r}")
+    if min(buckets) <= 0:
+        raise ValueError(f"text_buckets must be positive, got {buckets!r}")
+    return tuple(sorted(set(buckets)))

@@ -32,15 +32,15 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from . import features as feature_registry
-from . import parallel
-from .budget import SignatureBudget
 from .config import AccelerateConfig
+from .core.budget import SignatureBudget
+from .core.graphs import GraphPool
+from .core.hooks import MethodPatches, watch_component
+from .core.runner import GraphRunner
 from .features import Feature, Setup, Target
-from .graphs import GraphPool
-from .hooks import MethodPatches, watch_component
+from .features import context_parallel as parallel
 from .patches import FunctionPatch
 from .patches.text_encoder import CAUSAL_MASK_PATCH
-from .runner import GraphRunner
 
 if TYPE_CHECKING:
     from .pipelines import PipelineAdapter

@@ -7,11 +7,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .config import AccelerateConfig
+from .core.hooks import MethodPatches
+from .core.runner import GraphRunner
 from .features import Feature
 from .group import GraphGroup, HeldModule
-from .hooks import MethodPatches
 from .pipelines import PipelineAdapter
-from .runner import GraphRunner
 
 __all__ = ["PipelineState", "accelerated_state", "check_pipeline"]
 

@@ -11,8 +11,8 @@ from typing import Any
 import torch
 
 from .config import resolution_pairs
+from .core.runner import BCGWarning
 from .pipelines.base import WarmupRequest
-from .runner import BCGWarning
 from .state import accelerated_state
 
 __all__ = ["DEFAULT_WARMUP_PROMPT", "warm_up"]

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from bcg_diffusion.loading import DEFAULT_PROMPTS
+from bcg_diffusion.models import DEFAULT_PROMPTS
 
 SHORT_PROMPTS = tuple(p for p in DEFAULT_PROMPTS if len(p.split()) <= 20)
 LONG_PROMPTS = tuple(p for p in DEFAULT_PROMPTS if len(p.split()) > 20)

@@ -30,8 +30,8 @@ from typing import Any
 
 import torch
 
-from bcg_diffusion.loading import PIPELINE_NAMES, build_pipeline
-from bcg_diffusion.step_cache import SkipCounter
+from bcg_diffusion.features.step_caching import SkipCounter
+from bcg_diffusion.models import PIPELINE_NAMES, build_pipeline
 
 from . import measure, report, runs
 from .caching import CACHES, cache_config

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from bcg_diffusion import accelerate, eager, restore, stats
-from bcg_diffusion.loading import PIPELINE_NAMES, build_pipeline
+from bcg_diffusion.models import PIPELINE_NAMES, build_pipeline
 
 from . import runs
 

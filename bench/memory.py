@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from bcg_diffusion import accelerate, eager, restore, stats, warm_up
-from bcg_diffusion.loading import PIPELINE_NAMES, build_pipeline
+from bcg_diffusion.models import PIPELINE_NAMES, build_pipeline
 from bcg_diffusion.patches.zimage import CAPTION_MULTIPLE
 from bcg_diffusion.pipelines import adapter_for
 

@@ -20,8 +20,8 @@ import torch
 from diffusers.utils import BaseOutput
 
 from bcg_diffusion import accelerate, eager, restore, stats
-from bcg_diffusion.quantize import FP8, quantize_transformer
-from bcg_diffusion.step_cache import enable_cache
+from bcg_diffusion.features.quantization import FP8, quantize_transformer
+from bcg_diffusion.features.step_caching import enable_cache
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +46,7 @@ MODES: tuple[str, ...] = (
 )
 # The modes with a step cache (``--cache``): they compare with eager+cache as the others with eager.
 CACHED: tuple[str, ...] = ("eager+cache", "bcg+cache", "fast+cache", "compile+cache")
-# The modes with the transformer quantized to row-wise FP8 (bcg_diffusion.quantize): they compare with
+# The modes with the transformer quantized to row-wise FP8 (bcg_diffusion.features.quantization): they compare with
 # eager-fp8 (the same quantization by hand, eager) as the others with eager.
 FP8_MODES: tuple[str, ...] = ("eager-fp8", "bcg-fp8", "fast-fp8")
 # Ablations of what our defaults add: the text encoder's graphs, automatic breaks and fast mode's CFG batching.
@@ -70,7 +70,7 @@ DESCRIPTIONS = {
     "bcg+cache": "bcg exact mode with the same step cache inside its graphs",
     "fast+cache": "fast mode with the same step cache inside its graphs",
     "eager-fp8": "diffusers with the transformer's block linears quantized to row-wise FP8 by hand (torchao, "
-    "bcg_diffusion.quantize's default filter)",
+    "bcg_diffusion.features.quantization's default filter)",
     "bcg-fp8": 'accelerate(pipe, quantize="fp8"): the same FP8 model in exact graphs',
     "fast-fp8": 'accelerate(pipe, mode="fast", quantize="fp8"): the same FP8 model, compiled blocks in graphs',
     "compile+cache": "regional compile (compile_repeated_blocks, fullgraph=False: the cache's hooks break graphs) "
@@ -96,7 +96,7 @@ def baseline(name: str) -> str:
 WITHOUT_TEXT_ENCODER = ("transformer", "vae")
 # Peers that record CUDA graphs of their own (inductor's cudagraph trees) run in a group of their own,
 # after ours are freed. That began as the way around a crash (our replay used a cuBLAS workspace that
-# reduce-overhead's recording had freed), fixed since in bcg_diffusion.graphs (runs 50 and 52); it stays
+# reduce-overhead's recording had freed), fixed since in bcg_diffusion.core.graphs (runs 50 and 52); it stays
 # so that each side's graph memory and first call are measured without the other's graphs alive, as in
 # every record before.
 SEPARATE = ("compile-max",)

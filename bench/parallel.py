@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 
 from bcg_diffusion import accelerate, restore, stats
-from bcg_diffusion.loading import build_pipeline
+from bcg_diffusion.models import build_pipeline
 
 from . import measure, runs
 from .cli import _resolutions

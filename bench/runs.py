@@ -18,7 +18,7 @@ RUNS_DIR = Path("bench-runs")
 SMOKE_WEIGHTS = "tiny"  # the only weights a machine without a GPU is let build
 DEFAULT_WEIGHTS = "random-full"  # python -m bench's
 DEFAULT_PIPELINE = "z-image"
-PIPELINES = ("qwen-image", "z-image")  # bcg_diffusion.loading.PIPELINE_NAMES (not imported here: it imports diffusers)
+PIPELINES = ("qwen-image", "z-image")  # bcg_diffusion.models.PIPELINE_NAMES (not imported here: it imports diffusers)
 
 
 def default_out(name: str, now: datetime.datetime | None = None) -> Path:

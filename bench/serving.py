@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from bcg_diffusion import accelerate, eager, restore, stats, warm_up
-from bcg_diffusion.loading import DEFAULT_PROMPTS, PIPELINE_NAMES, build_pipeline
+from bcg_diffusion.models import DEFAULT_PROMPTS, PIPELINE_NAMES, build_pipeline
 from bcg_diffusion.pipelines import adapter_for
 
 from . import measure, runs

@@ -44,7 +44,7 @@ def _child(args: argparse.Namespace) -> None:
     import torch
 
     from bcg_diffusion import accelerate, stats
-    from bcg_diffusion.loading import build_pipeline
+    from bcg_diffusion.models import build_pipeline
 
     from .cases import Case
     from .measure import synchronize
@@ -172,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.profile and args.out is None:  # the profiles need a folder: never the current directory
         args.out = runs.default_out(f"warm-start-{args.pipeline}")
-    from bcg_diffusion.fast import ARTIFACTS_FILE
+    from bcg_diffusion.features.compiled_blocks import ARTIFACTS_FILE
 
     results: dict[str, Any] = {
         "command": "python -m bench.warm_start " + " ".join(sys.argv[1:] if argv is None else argv)

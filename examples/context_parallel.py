@@ -25,7 +25,7 @@ from diffusers import ContextParallelConfig
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 
 from bcg_diffusion import accelerate, restore, stats  # noqa: E402
-from bcg_diffusion.loading import build_pipeline  # noqa: E402
+from bcg_diffusion.models import build_pipeline  # noqa: E402
 
 
 def main() -> None:

@@ -10,7 +10,7 @@ from _checks import assert_graphs_ran
 from diffusers import FirstBlockCacheConfig, MagCacheConfig, TaylorSeerCacheConfig
 
 from bcg_diffusion import accelerate, restore, stats
-from bcg_diffusion.step_cache import SkipCounter, disable_cache, enable_cache
+from bcg_diffusion.features.step_caching import SkipCounter, disable_cache, enable_cache
 
 CACHES = ("first-block", "taylorseer", "magcache")
 # FirstBlockCache's threshold compares relative residual changes, near 1 with random weights: the

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from bcg_diffusion.loading import build_pipeline
+from bcg_diffusion.models import build_pipeline
 
 SHORT = "a red fox in the snow"
 LONG = (

@@ -30,7 +30,7 @@ if __package__ in (None, ""):  # run as a script by torchrun: the repository roo
 from _checks import assert_graphs_ran  # noqa: E402 - tests/ is on sys.path (the script's folder, or spawn's copy)
 
 from bcg_diffusion import accelerate, restore, stats  # noqa: E402
-from bcg_diffusion.loading import build_pipeline  # noqa: E402
+from bcg_diffusion.models import build_pipeline  # noqa: E402
 from bench.measure import image_md5  # noqa: E402
 
 # Token counts with the offline tokenizer: 8 and 20 divide by 2 and 4 ranks, 10 by 2, 7 by neither.
@@ -73,7 +73,7 @@ def _call(
 def consensus_protocol() -> list[bool]:
     """The capture consensus with the last rank failing after one break: every rank casts two votes
     (the failing one: ok, then its failure) and all see the failure at the second."""
-    from bcg_diffusion.parallel import CaptureConsensus
+    from bcg_diffusion.features.context_parallel import CaptureConsensus
 
     consensus = CaptureConsensus(None)
     failing = dist.get_rank() == dist.get_world_size() - 1

@@ -8,7 +8,7 @@ from _checks import assert_graphs_ran
 from diffusers import DiffusionPipeline
 
 from bcg_diffusion import AccelerateConfig, BCGWarning, accelerate, restore, stats
-from bcg_diffusion.loading import build_pipeline
+from bcg_diffusion.models import build_pipeline
 
 
 @pytest.fixture(scope="module")

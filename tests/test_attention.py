@@ -15,9 +15,9 @@ from _cases import run_case
 from _checks import assert_graphs_ran, needs_compiler
 
 from bcg_diffusion import accelerate, eager, restore, stats
-from bcg_diffusion.cfg_batch import CfgBatcher
-from bcg_diffusion.hooks import MethodPatches
-from bcg_diffusion.loading import build_pipeline
+from bcg_diffusion.core.hooks import MethodPatches
+from bcg_diffusion.features.cfg_batching import CfgBatcher
+from bcg_diffusion.models import build_pipeline
 from bcg_diffusion.patches.attention import (
     QWEN_ATTENTION_PATCH,
     TEXT_LENGTHS_KWARG,

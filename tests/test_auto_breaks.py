@@ -9,8 +9,8 @@ import threading
 import pytest
 import torch
 
-from bcg_diffusion import graphs
-from bcg_diffusion.auto_breaks import (
+from bcg_diffusion.core import graphs
+from bcg_diffusion.core.auto_breaks import (
     LEARNED,
     AutoBreaker,
     OpBreak,
@@ -18,9 +18,9 @@ from bcg_diffusion.auto_breaks import (
     modules_to_break,
     refused_by_capture,
 )
-from bcg_diffusion.hostile import HostileOp, classify
-from bcg_diffusion.python_data import KIND, PythonDataConstants
-from bcg_diffusion.runner import GraphRunner
+from bcg_diffusion.core.hostile import HostileOp, classify
+from bcg_diffusion.core.python_data import KIND, PythonDataConstants
+from bcg_diffusion.core.runner import GraphRunner
 
 aten = torch.ops.aten
 

@@ -11,8 +11,8 @@ import threading
 import pytest
 import torch
 
-from bcg_diffusion.graphs import GraphPool
-from bcg_diffusion.runner import GraphRunner
+from bcg_diffusion.core.graphs import GraphPool
+from bcg_diffusion.core.runner import GraphRunner
 
 pytestmark = pytest.mark.cuda
 

@@ -103,7 +103,7 @@ def test_python_m_bench_refuses_before_importing_the_pipelines(no_gpu, capsys, m
     assert runs.refuse_early([]) and "--pipeline z-image --weights tiny" in capsys.readouterr().err
     for argv in (["--help"], ["--preset", "issue2"], ["--weights", "tiny"], ["--pipeline"], ["--pipeline", "flux"]):
         assert not runs.refuse_early(argv), argv
-    from bcg_diffusion.loading import PIPELINE_NAMES
+    from bcg_diffusion.models import PIPELINE_NAMES
 
     assert runs.PIPELINES == PIPELINE_NAMES
     assert capsys.readouterr().err == ""
@@ -172,7 +172,7 @@ def test_exit_status_needs_graphs_that_ran():
 def test_timed_call_puts_back_the_instances_encode_prompt():
     """Timing wraps ``encode_prompt`` on the instance; the wrapper text buckets installed there stays."""
     from bcg_diffusion import accelerate, restore
-    from bcg_diffusion.loading import build_pipeline
+    from bcg_diffusion.models import build_pipeline
     from bench.cases import Case
     from bench.measure import timed_call
 
@@ -326,7 +326,7 @@ def test_cached_modes_compare_with_eager_and_the_cache(tmp_path):
 def test_a_pipeline_copy_keeps_the_pipeline_settings_and_copies_a_second_expert():
     # pipeline_copy rebuilt pipelines from their components only: a Wan 2.2 copy lost boundary_ratio
     # (and so ran its first expert at every step) and shared its second expert with the original.
-    from bench.coverage import TINY
+    from bench.coverage_models import TINY
     from bench.modes import pipeline_copy
 
     pipe, _ = TINY["Wan 2.2 T2V"]()

@@ -7,8 +7,9 @@ import torch
 from _checks import assert_graphs_ran
 
 from bcg_diffusion import AccelerateConfig, BCGWarning, accelerate, restore, stats
-from bcg_diffusion.buckets import bucket_for, pad_to_bucket, validate_buckets
-from bcg_diffusion.loading import build_pipeline
+from bcg_diffusion.config import validate_buckets
+from bcg_diffusion.features.text_buckets import bucket_for, pad_to_bucket
+from bcg_diffusion.models import build_pipeline
 
 PROMPTS = [
     "a fox",

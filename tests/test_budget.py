@@ -7,8 +7,8 @@ import torch
 from _checks import assert_graphs_ran
 
 from bcg_diffusion import AccelerateConfig, accelerate, eager, restore, stats
-from bcg_diffusion.budget import SignatureBudget
-from bcg_diffusion.loading import build_pipeline
+from bcg_diffusion.core.budget import SignatureBudget
+from bcg_diffusion.models import build_pipeline
 
 
 class _FakeRunner:

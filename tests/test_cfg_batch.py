@@ -1,4 +1,4 @@
-"""Fast mode's CFG batching (:mod:`bcg_diffusion.cfg_batch`) on CPU, against diffusers' own forward.
+"""Fast mode's CFG batching (:mod:`bcg_diffusion.features.cfg_batching`) on CPU, against diffusers' own forward.
 
 The batcher is driven by the real tiny Qwen-Image pipeline (float32), so it sees exactly the calls
 diffusers makes; speculation that must be refused is driven by direct calls.
@@ -15,10 +15,10 @@ from _cases import run_case
 from _checks import assert_graphs_ran
 
 from bcg_diffusion import AccelerateConfig, accelerate, restore, stats
-from bcg_diffusion.cfg_batch import CfgBatcher
-from bcg_diffusion.loading import build_pipeline
+from bcg_diffusion.core.runner import BCGWarning
+from bcg_diffusion.features.cfg_batching import CfgBatcher
+from bcg_diffusion.models import build_pipeline
 from bcg_diffusion.pipelines.qwenimage import QwenImageAdapter
-from bcg_diffusion.runner import BCGWarning
 
 SPEC = QwenImageAdapter.cfg_batch
 

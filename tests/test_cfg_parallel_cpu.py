@@ -12,7 +12,7 @@ import torch
 from _cases import run_case
 
 from bcg_diffusion import accelerate, restore, stats
-from bcg_diffusion.loading import build_pipeline
+from bcg_diffusion.models import build_pipeline
 
 WORLD, STEPS = 2, 4
 

@@ -19,8 +19,8 @@ import torch
 from _checks import assert_graphs_ran
 
 from bcg_diffusion import accelerate, restore
-from bcg_diffusion import graphs as graphs_module
-from bcg_diffusion.loading import build_pipeline
+from bcg_diffusion.core import graphs as graphs_module
+from bcg_diffusion.models import build_pipeline
 
 pytestmark = pytest.mark.cuda
 

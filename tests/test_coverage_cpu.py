@@ -17,7 +17,8 @@ from _checks import assert_report_ran, recorded_stats
 from diffusers import WanTransformer3DModel
 
 import bench.coverage as coverage
-from bench.coverage import FULL, TINY, _random_model, check, check_tiny, main, parameter_counts, timing_table
+from bench.coverage import check, check_tiny, main, parameter_counts, timing_table
+from bench.coverage_models import FULL, TINY, _random_model
 
 # Models a pipeline calls that no runner holds: the runner knows transformer, vae and text_encoder only.
 LEFT_EAGER: dict[

@@ -12,7 +12,8 @@ import pytest
 from _checks import assert_report_ran, recorded_stats
 
 import bench.coverage as coverage
-from bench.coverage import TINY, check
+from bench.coverage import check
+from bench.coverage_models import TINY
 
 pytestmark = pytest.mark.cuda
 

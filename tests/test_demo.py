@@ -11,7 +11,7 @@ import pytest
 import torch
 from _checks import needs_compiler
 
-from bcg_diffusion import demo, stats
+from bcg_diffusion import stats
 from bcg_diffusion.demo import (
     ACCELERATED_ONLY,
     ACCELERATIONS,
@@ -22,7 +22,8 @@ from bcg_diffusion.demo import (
     GenerationRequest,
     parse_resolution,
 )
-from bcg_diffusion.loading import build_pipeline
+from bcg_diffusion.demo import session as demo
+from bcg_diffusion.models import build_pipeline
 
 gr = pytest.importorskip("gradio")
 

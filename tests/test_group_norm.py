@@ -7,8 +7,8 @@ import torch
 import torch.nn.functional as F
 
 from bcg_diffusion import accelerate, restore, stats
-from bcg_diffusion.hooks import MethodPatches
-from bcg_diffusion.loading import build_pipeline
+from bcg_diffusion.core.hooks import MethodPatches
+from bcg_diffusion.models import build_pipeline
 from bcg_diffusion.patches.group_norm import VAE_GROUP_NORM_PATCH, group_norm, patch_group_norms
 
 SHAPES = [((2, 64, 16, 16), 32), ((1, 128, 8, 8), 32), ((3, 6, 5), 3), ((2, 8), 4), ((1, 16, 2, 4, 4), 8)]

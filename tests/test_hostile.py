@@ -12,8 +12,8 @@ from _cases import run_case
 from _checks import needs_compiler
 
 from bcg_diffusion import accelerate, eager_break, restore, stats
-from bcg_diffusion.hostile import HostileOpFinder, classify
-from bcg_diffusion.loading import build_pipeline
+from bcg_diffusion.core.hostile import HostileOpFinder, classify
+from bcg_diffusion.models import build_pipeline
 
 
 class _Block(torch.nn.Module):
@@ -97,7 +97,7 @@ def test_copies_between_host_and_gpu_are_classified_by_their_devices():
 def test_debug_mode_reports_what_a_capture_would_meet():
     import threading
 
-    from bcg_diffusion.runner import GraphRunner
+    from bcg_diffusion.core.runner import GraphRunner
 
     model = _Model(_scale_by_max)
     runner = GraphRunner(model.forward, name="transformer", pool=None, lock=threading.RLock(), debug=True)

@@ -8,7 +8,7 @@ from _cases import run_case
 from _checks import assert_graphs_ran
 
 from bcg_diffusion import BCGWarning, accelerate, restore, stats
-from bcg_diffusion.loading import build_pipeline
+from bcg_diffusion.models import build_pipeline
 
 
 @pytest.fixture

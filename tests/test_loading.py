@@ -1,4 +1,4 @@
-"""bcg_diffusion.loading: tiny and random-full pipelines, built offline, finite and deterministic."""
+"""bcg_diffusion.models: tiny and random-full pipelines, built offline, finite and deterministic."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from diffusers.models.transformers.transformer_qwenimage import QwenEmbedRope
 from PIL import Image
 from transformers import Qwen2_5_VLForConditionalGeneration, Qwen3Model
 
-from bcg_diffusion._offline_tokenizer import build_offline_tokenizer
-from bcg_diffusion.loading import DEFAULT_PROMPTS, PIPELINE_NAMES, build_pipeline
+from bcg_diffusion.models import DEFAULT_PROMPTS, PIPELINE_NAMES, build_pipeline
+from bcg_diffusion.models.tokenizer import build_offline_tokenizer
 
 SHORT, LONG = DEFAULT_PROMPTS[0], DEFAULT_PROMPTS[3]
 

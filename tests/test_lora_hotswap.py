@@ -13,7 +13,7 @@ import torch
 from _checks import assert_graphs_ran
 
 from bcg_diffusion import accelerate, eager, restore, stats
-from bcg_diffusion.loading import build_pipeline
+from bcg_diffusion.models import build_pipeline
 
 pytest.importorskip("peft")
 

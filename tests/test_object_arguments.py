@@ -1,5 +1,5 @@
 """Arguments that are objects holding tensors (KV caches, dataclasses, diffusers outputs) join the graph
-signature: their tensors become static inputs and their structure keys the graph (bcg_diffusion.tree)."""
+signature: their tensors become static inputs and their structure keys the graph (bcg_diffusion.core.tree)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from _cases import flux2_klein_kv_case
 from _checks import assert_graphs_ran
 
 from bcg_diffusion import accelerate, restore, stats
-from bcg_diffusion.runner import GraphRunner
-from bcg_diffusion.tree import UnsupportedValue, describe, flatten, unflatten
+from bcg_diffusion.core.runner import GraphRunner
+from bcg_diffusion.core.tree import UnsupportedValue, describe, flatten, unflatten
 
 
 class LayerCache:

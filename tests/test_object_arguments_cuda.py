@@ -12,8 +12,8 @@ from _checks import assert_graphs_ran
 from test_object_arguments import Scorer, UsesScorer
 
 from bcg_diffusion import accelerate, eager, restore, stats
-from bcg_diffusion.graphs import GraphPool
-from bcg_diffusion.runner import GraphRunner
+from bcg_diffusion.core.graphs import GraphPool
+from bcg_diffusion.core.runner import GraphRunner
 
 pytestmark = pytest.mark.cuda
 

@@ -52,7 +52,7 @@ def test_no_recapture_over_50_calls(reports: list[dict]) -> None:
 
 
 def test_signature_includes_the_parallel_layout(reports: list[dict]) -> None:
-    from bcg_diffusion.parallel import ParallelLayout
+    from bcg_diffusion.features.context_parallel import ParallelLayout
 
     for report in reports:
         degrees = (2, 1) if report["kind"] == "ulysses" else (1, 2)

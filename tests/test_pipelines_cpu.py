@@ -8,7 +8,7 @@ from _cases import CASES, run_case
 from _checks import assert_graphs_ran
 
 from bcg_diffusion import BCGWarning, accelerate, restore, stats
-from bcg_diffusion.loading import build_pipeline
+from bcg_diffusion.models import build_pipeline
 from bcg_diffusion.pipelines import adapter_for
 
 RESOLUTIONS = ((32, 32), (32, 48))

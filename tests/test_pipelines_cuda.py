@@ -12,7 +12,7 @@ from _cases import CASES, GPU_WEIGHTS, cuda_pipeline, run_case
 from _checks import assert_graphs_ran
 
 from bcg_diffusion import accelerate, restore, stats
-from bcg_diffusion.loading import build_pipeline
+from bcg_diffusion.models import build_pipeline
 
 pytestmark = pytest.mark.cuda
 

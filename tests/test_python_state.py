@@ -1,4 +1,4 @@
-"""Python state a capture read is checked once per pipeline call (bcg_diffusion.python_state), on CPU.
+"""Python state a capture read is checked once per pipeline call (bcg_diffusion.core.python_state), on CPU.
 
 Debug mode re-runs the forward at every "replay", so its images follow any change; what these tests
 check is that the runner notices the change, names it and captures again (on a GPU the replay would
@@ -15,10 +15,10 @@ import torch
 from _checks import assert_graphs_ran
 
 from bcg_diffusion import accelerate, invalidate, restore, stats
-from bcg_diffusion.graphs import call_untracked
-from bcg_diffusion.loading import build_pipeline
-from bcg_diffusion.python_state import ReadRecorder, StateWatch, call_scope, paused, recording
-from bcg_diffusion.runner import GraphRunner
+from bcg_diffusion.core.graphs import call_untracked
+from bcg_diffusion.core.python_state import ReadRecorder, StateWatch, call_scope, paused, recording
+from bcg_diffusion.core.runner import GraphRunner
+from bcg_diffusion.models import build_pipeline
 
 
 class Shifted(torch.nn.Module):

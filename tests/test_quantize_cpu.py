@@ -16,9 +16,9 @@ import pytest
 import torch
 from _cases import run_cfg_case, tiny_pipeline
 
-import bcg_diffusion.quantize as quantize_module
+import bcg_diffusion.features.quantization as quantize_module
 from bcg_diffusion import AccelerateConfig, accelerate, restore, stats
-from bcg_diffusion.quantize import block_linears, default_filter, quantize_transformer
+from bcg_diffusion.features.quantization import block_linears, default_filter, quantize_transformer
 
 torchao = pytest.importorskip("torchao")
 from torchao.core.config import AOBaseConfig  # noqa: E402

@@ -18,8 +18,8 @@ from _cases import CFG_CASE, cuda_pipeline, run_case
 from _checks import GraphsDidNotRun, assert_graphs_ran, assert_report_ran
 
 from bcg_diffusion import BCGWarning, accelerate, eager, restore, stats
-from bcg_diffusion.hostile import HostileOpFinder
-from bcg_diffusion.quantize import default_filter
+from bcg_diffusion.core.hostile import HostileOpFinder
+from bcg_diffusion.features.quantization import default_filter
 
 pytestmark = [pytest.mark.cuda, pytest.mark.filterwarnings("ignore:Deprecation:UserWarning")]
 torchao = pytest.importorskip("torchao")

@@ -31,7 +31,7 @@ from _cases import CFG_CASE, cuda_pipeline, run_case
 from _checks import assert_graphs_ran
 
 from bcg_diffusion import accelerate, restore, stats
-from bcg_diffusion.hostile import HostileOpFinder
+from bcg_diffusion.core.hostile import HostileOpFinder
 
 pytestmark = pytest.mark.cuda
 

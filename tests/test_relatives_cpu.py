@@ -17,7 +17,7 @@ from _checks import assert_graphs_ran
 from _relatives import MASKS, RELATIVES, STEPS_RUN
 
 from bcg_diffusion import accelerate, eager, restore, stats, warm_up
-from bcg_diffusion.loading import build_pipeline
+from bcg_diffusion.models import build_pipeline
 from bcg_diffusion.pipelines import adapter_for
 from bcg_diffusion.warmup import DEFAULT_WARMUP_PROMPT
 

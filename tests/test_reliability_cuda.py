@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from bcg_diffusion import BCGWarning, eager_break
-from bcg_diffusion.graphs import GraphPool
-from bcg_diffusion.runner import GraphRunner
+from bcg_diffusion.core.graphs import GraphPool
+from bcg_diffusion.core.runner import GraphRunner
 
 pytestmark = pytest.mark.cuda
 

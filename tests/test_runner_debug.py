@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from bcg_diffusion import BCGWarning, eager_break
-from bcg_diffusion.runner import GraphRunner
+from bcg_diffusion.core.runner import GraphRunner
 
 
 def make_runner(fn, **kwargs):
@@ -149,7 +149,7 @@ def test_zero_dim_and_empty_tensors():
 
 def test_a_new_signature_is_explained(caplog):
     runner = make_runner(lambda x, mask=None: x if mask is None else x * mask)
-    with torch.no_grad(), caplog.at_level("INFO", logger="bcg_diffusion.runner"):
+    with torch.no_grad(), caplog.at_level("INFO", logger="bcg_diffusion.core.runner"):
         runner(torch.zeros(1, 11))
         runner(torch.zeros(1, 20), mask=torch.ones(1, 20))
     lines = [r.getMessage() for r in caplog.records if "new signature" in r.getMessage()]

@@ -27,7 +27,7 @@ from diffusers import (
 )
 
 from bcg_diffusion import BCGWarning, accelerate, eager, restore, stats
-from bcg_diffusion.loading import build_pipeline
+from bcg_diffusion.models import build_pipeline
 
 FAMILIES = {
     "z-image": (ZImagePipeline, ZImageImg2ImgPipeline, ZImageInpaintPipeline),

@@ -17,8 +17,8 @@ from diffusers import FirstBlockCacheConfig, MagCacheConfig
 from diffusers.hooks.hooks import HookRegistry, ModelHook, StateManager
 
 from bcg_diffusion import BCGWarning, accelerate, eager, restore, stats
-from bcg_diffusion.loading import build_pipeline
-from bcg_diffusion.step_cache import CacheState, SkipCounter, disable_cache, enable_cache
+from bcg_diffusion.features.step_caching import CacheState, SkipCounter, disable_cache, enable_cache
+from bcg_diffusion.models import build_pipeline
 
 CASE = {"qwen-image": "true_cfg", "z-image": "cfg"}
 STEPS = 6
@@ -207,7 +207,7 @@ def test_cache_state_refuses_hooks_it_does_not_know():
 
 
 def test_cache_state_buffers_rewind_and_records(monkeypatch):
-    import bcg_diffusion.step_cache as step_cache
+    import bcg_diffusion.features.step_caching.state as step_cache
 
     monkeypatch.setattr(step_cache, "SUPPORTED_HOOKS", ("keep",))
     module, hook = _keeping_module()

@@ -18,9 +18,9 @@ from _checks import assert_graphs_ran
 from diffusers import MagCacheConfig
 
 from bcg_diffusion import accelerate, eager, restore, stats
-from bcg_diffusion.graphs import GraphPool, eager_break
-from bcg_diffusion.runner import GraphRunner
-from bcg_diffusion.step_cache import SkipCounter, disable_cache, enable_cache
+from bcg_diffusion.core.graphs import GraphPool, eager_break
+from bcg_diffusion.core.runner import GraphRunner
+from bcg_diffusion.features.step_caching import SkipCounter, disable_cache, enable_cache
 
 pytestmark = pytest.mark.cuda
 

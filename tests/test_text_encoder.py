@@ -9,7 +9,7 @@ import torch
 from _checks import assert_graphs_ran
 
 from bcg_diffusion import accelerate, restore, stats
-from bcg_diffusion.loading import build_pipeline
+from bcg_diffusion.models import build_pipeline
 from bcg_diffusion.patches.text_encoder import CAUSAL_MASK_PATCH
 
 COMPONENTS = ("transformer", "vae", "text_encoder")

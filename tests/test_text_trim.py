@@ -1,4 +1,4 @@
-"""Fast mode's text-encoder trimming (:mod:`bcg_diffusion.text_trim`) on CPU, against the untrimmed call."""
+"""Fast mode's text-encoder trimming (:mod:`bcg_diffusion.features.text_trimming`) on CPU, against the untrimmed call."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from _cases import run_case
 from _checks import assert_graphs_ran
 
 from bcg_diffusion import accelerate, eager, restore, stats, warm_up
-from bcg_diffusion.loading import build_pipeline
-from bcg_diffusion.text_trim import TrimmedTextEncoder
+from bcg_diffusion.features.text_trimming import TrimmedTextEncoder
+from bcg_diffusion.models import build_pipeline
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ import pytest
 import torch
 from diffusers.models.modeling_outputs import Transformer2DModelOutput
 
-from bcg_diffusion.tree import UnsupportedValue, describe, differences, flatten, unflatten
+from bcg_diffusion.core.tree import UnsupportedValue, describe, differences, flatten, unflatten
 
 
 def test_roundtrip_nested_containers():

@@ -9,7 +9,7 @@ import torch
 from _checks import assert_graphs_ran
 
 from bcg_diffusion import AccelerateConfig, BCGWarning, accelerate, eager, restore, stats, warm_up
-from bcg_diffusion.loading import build_pipeline
+from bcg_diffusion.models import build_pipeline
 from bcg_diffusion.pipelines import adapter_for
 from bcg_diffusion.warmup import DEFAULT_WARMUP_PROMPT
 
@@ -58,7 +58,7 @@ def test_a_miss_runs_eagerly_is_counted_and_logged_once(caplog):
     try:
         with eager(pipe):
             expected = _call(pipe, 80, 80, cfg=False)
-        with caplog.at_level(logging.WARNING, logger="bcg_diffusion.runner"):
+        with caplog.at_level(logging.WARNING, logger="bcg_diffusion.core.runner"):
             first = _call(pipe, 80, 80, cfg=False)
             second = _call(pipe, 80, 80, cfg=False)
         assert torch.equal(first, expected) and torch.equal(second, expected)

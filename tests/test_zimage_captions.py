@@ -12,7 +12,7 @@ import torch
 from _checks import assert_graphs_ran
 
 from bcg_diffusion import accelerate, eager, restore, stats, warm_up
-from bcg_diffusion.loading import build_pipeline
+from bcg_diffusion.models import build_pipeline
 from bcg_diffusion.patches.zimage import (
     bucket_captions,
     caption_bucket,

@@ -22,7 +22,7 @@ A feature lives on one component's module (``component = "transformer"``...) or 
 (``component = None``). A module shared by several pipelines is accelerated once (see
 :mod:`bcg_diffusion.group`), so a module feature is created when its module is first taken and lives
 as long as any accelerated pipeline holds that module; a pipeline feature is created for every
-pipeline. Every patch a feature makes goes through the :class:`~bcg_diffusion.hooks.MethodPatches`
+pipeline. Every patch a feature makes goes through the :class:`~bcg_diffusion.core.hooks.MethodPatches`
 it is handed (its module's, or its pipeline's), which ``restore`` undoes.
 
 >>> class Counting(Feature):                                   # doctest: +SKIP
@@ -48,14 +48,14 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from ..config import AccelerateConfig
-from ..hooks import MethodPatches
+from ..core.hooks import MethodPatches
 
 if TYPE_CHECKING:
+    from ..config import AccelerateConfig
+    from ..core.runner import GraphRunner
     from ..group import GraphGroup
-    from ..parallel import ParallelLayout
     from ..pipelines import PipelineAdapter
-    from ..runner import GraphRunner
+    from .context_parallel import ParallelLayout
 
 __all__ = ["Feature", "Setup", "Target"]
 

@@ -1,23 +1,382 @@
-"""Fast mode: true CFG's cond and uncond transformer calls of a step run as one batch.
+"""Fast mode: true CFG's cond and uncond transformer calls of one step run as one batch.
 
-The batching itself is :mod:`bcg_diffusion.cfg_batch`; this feature decides where it applies: asked
-for (or left at None), supported by the adapter for this very pipeline class (relatives that call the
-transformer differently, such as the Edit variants, do not batch), and not under context parallelism.
+With true CFG, Qwen-Image's pipeline calls the transformer twice per step: with the prompt ("cond"),
+then with the negative prompt ("uncond"), on the same latents and timestep. Each call reads every
+weight once, and at 512² a good part of a forward is bound by that traffic (the text stream and the
+per-block modulation multiply only a few rows), so the second call costs nearly what the first does.
+Batched, both halves share one read of the weights.
+
+The pipeline returns from the cond call before it makes the uncond call, so the pair cannot be formed
+by waiting. Instead, the cond call of a step *speculates*: it batches its own inputs with the negative
+prompt the previous step's uncond call used, returns the cond half and keeps the uncond half. The
+uncond call that follows gets that half only if its inputs are verifiably the ones speculated on:
+
+- the same latents tensor, unchanged since (identity and version counter);
+- the same negative embeddings and mask tensors, unchanged;
+- equal timestep and guidance values (compared on the device: one small host sync per step);
+- equal values of every other argument (``img_shapes``, ``attention_kwargs``, ``return_dict``...).
+
+Anything else runs as called, and the speculated half is dropped (counted in ``stats()``). The first
+step of a call runs cond and uncond one by one, which teaches the batcher the negative prompt. Calls
+under ``torch.inference_mode()`` run one by one: inference tensors keep no version counter, so a
+change in place could not be seen (diffusers' own ``torch.no_grad()`` is fine).
+
+When the two prompts have different token lengths, the shorter one is padded with zeros and both get
+a text mask: the model's masked path, as with ``text_buckets``. Batching and masking change rounding
+(other GEMM shapes and attention kernels), which is why this belongs to ``mode="fast"`` only.
+
+The :class:`CfgBatching` feature decides where it applies: asked for (or left at None), supported by
+the adapter for this very pipeline class (relatives that call the transformer differently, such as the
+Edit variants, do not batch), and not under context parallelism.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
+import logging
 import warnings
+import weakref
 from collections.abc import Callable
 from typing import Any
 
-from ..cfg_batch import CfgBatcher
-from ..patches.attention import TEXT_LENGTHS_KWARG
-from ..runner import BCGWarning
-from ..step_cache import has_cache_hooks
-from .base import Feature, Setup, Target
+import torch
 
-__all__ = ["CfgBatching"]
+from ..core.runner import BCGWarning
+from ..core.tree import UnsupportedValue, flatten, unflatten
+from ..patches.attention import TEXT_LENGTHS_KWARG
+from .base import Feature, Setup, Target
+from .step_caching import has_cache_hooks
+from .text_buckets import pad_to_bucket
+
+__all__ = ["CfgBatchSpec", "CfgBatcher", "CfgBatching"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class CfgBatchSpec:
+    """The roles of a transformer forward's arguments in a CFG pair (names of its parameters).
+
+    Attributes:
+        latents: the per-sample tensor both calls of a step share (the very same tensor).
+        text, text_mask: the prompt embeddings ``[B, L, D]`` and their mask ``[B, L]`` (or None), the
+            only inputs that differ between cond and uncond.
+        values: per-sample tensors (or None) whose values the two calls share, e.g. the timestep.
+        lists: per-sample Python lists the two calls share (concatenated for the batch).
+        absent: arguments that must be None for a call to be batched (e.g. ControlNet residuals).
+        attention_kwargs: the dict argument whose entries reach the attention processors, through
+            which a batch of texts that differ in length can tell them each text's length.
+    """
+
+    latents: str
+    text: str
+    text_mask: str
+    values: tuple[str, ...] = ()
+    lists: tuple[str, ...] = ()
+    absent: tuple[str, ...] = ()
+    attention_kwargs: str | None = None
+
+
+class _Ref:
+    """A weak reference to a tensor (or None) with its version counter when taken: ``same(x)`` says
+    whether ``x`` is that tensor, still holding what it held."""
+
+    __slots__ = ("_ref", "_version")
+
+    def __init__(self, tensor: torch.Tensor | None) -> None:
+        self._ref = None if tensor is None else weakref.ref(tensor)
+        self._version = None if tensor is None else tensor._version
+
+    def get(self) -> torch.Tensor | None:
+        return None if self._ref is None else self._ref()
+
+    def alive(self) -> bool:
+        return self._ref is None or self._ref() is not None
+
+    def same(self, tensor: torch.Tensor | None) -> bool:
+        if self._ref is None or tensor is None:
+            return self._ref is None and tensor is None
+        return self._ref() is tensor and tensor._version == self._version
+
+
+@dataclasses.dataclass
+class _Text:
+    """Prompt embeddings and their mask (or None), as weak references."""
+
+    text: _Ref
+    mask: _Ref
+
+    def same(self, text: torch.Tensor, mask: torch.Tensor | None) -> bool:
+        return self.text.same(text) and self.mask.same(mask)
+
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """The embeddings and mask, or None once either is gone or was changed in place."""
+        text, mask = self.text.get(), self.mask.get()
+        if text is None or not self.mask.alive():
+            return None
+        if not self.same(text, mask):
+            return None
+        return text, mask
+
+
+@dataclasses.dataclass(frozen=True)
+class _TextBatch:
+    """Cond and uncond texts as one batch: embeddings, mask (None: every token valid), and each
+    text's token length when its tokens are all valid (None: a mask says which are)."""
+
+    text: torch.Tensor
+    mask: torch.Tensor | None
+    lengths: tuple[int, int] | None
+
+
+@dataclasses.dataclass
+class _Pending:
+    """A speculated uncond half and the inputs it was computed for."""
+
+    latents: _Ref
+    negative: _Text
+    values: dict[str, torch.Tensor | None]
+    lists: dict[str, Any]
+    others: tuple[Any, list[torch.Tensor]]
+    output: Any
+
+
+def _split_others(spec: CfgBatchSpec, arguments: dict[str, Any]) -> tuple[Any, list[torch.Tensor]] | None:
+    """The arguments with no role in ``spec``, as a comparable (structure, tensor leaves) pair; None
+    when one of them is an object we cannot compare."""
+    roles = {spec.latents, spec.text, spec.text_mask, *spec.values, *spec.lists}
+    try:
+        leaves, structure = flatten({k: v for k, v in arguments.items() if k not in roles})
+    except UnsupportedValue:
+        return None
+    return structure, leaves
+
+
+class CfgBatcher:
+    """Calls ``call`` (a transformer forward, usually its graph runner) with CFG pairs batched.
+
+    Needs the forward's ``signature`` (to read arguments by name) and the model's
+    :class:`CfgBatchSpec`. With ``text_lengths_key`` (the model's attention takes it, see
+    :mod:`bcg_diffusion.patches.attention`), a batch of two unmasked texts of different lengths passes
+    ``{text_lengths_key: (cond length, uncond length)}`` in ``spec.attention_kwargs`` besides the
+    padding mask. Returns, for every call, what ``call`` would return for it; only rounding
+    differs for batched calls. ``batched`` counts uncond calls served from a batch, ``dropped``
+    speculated halves that were not used (each a wasted half forward).
+
+    Not thread-safe on its own: the caller holds the pipeline's lock.
+    """
+
+    def __init__(
+        self,
+        call: Callable[..., Any],
+        signature: inspect.Signature,
+        spec: CfgBatchSpec,
+        text_lengths_key: str | None = None,
+    ) -> None:
+        self._call = call
+        self._signature = signature
+        self._spec = spec
+        self._text_lengths_key = text_lengths_key if spec.attention_kwargs is not None else None
+        self._last_latents: _Ref | None = None  # the previous call's latents and text: a pair shares the latents
+        self._last_text: _Ref | None = None
+        self._negative: _Text | None = None  # the uncond text of the last pair: what cond calls batch with
+        self._pending: _Pending | None = None
+        # The padded text batch of the last pair: prompt and negative prompt stay the same for every
+        # step of a call, so the padding is done once per call (key: the cond text, the negative).
+        self._text_batch: tuple[_Text, _Text, _TextBatch] | None = None
+        self._logged: set[str] = set()
+        self._disabled: str | None = None  # why this model's calls can never be batched
+        self.batched = 0
+        self.dropped = 0
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            bound = self._signature.bind(*args, **kwargs)
+        except TypeError:
+            return self._call(*args, **kwargs)  # the model raises its own error for a bad call
+        bound.apply_defaults()
+        arguments = dict(bound.arguments)
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            reason = self._mismatch(pending, arguments)
+            if reason is None:
+                self.batched += 1
+                return pending.output
+            self._drop(reason)
+        reason = self._disabled or self._unbatchable(arguments)
+        if reason is not None:
+            self._log(f"not batched: {reason}")
+            self._forget()
+            return self._call(*args, **kwargs)
+        latents, text = arguments[self._spec.latents], arguments[self._spec.text]
+        if self._last_latents is not None and self._last_latents.same(latents) and not self._last_text.same(text):
+            # The uncond call after a cond call that ran alone: its text is what later steps batch with.
+            self._negative = _Text(_Ref(text), _Ref(arguments[self._spec.text_mask]))
+            self._forget()
+            return self._call(*args, **kwargs)
+        negative = self._negative.tensors() if self._negative is not None else None
+        if negative is not None and self._compatible(arguments, *negative):
+            return self._batch(arguments, *negative)
+        self._last_latents, self._last_text = _Ref(latents), _Ref(text)
+        return self._call(*args, **kwargs)
+
+    def pass_through(self) -> None:
+        """The caller runs this call unbatched: drop what was speculated and learned, so no later call
+        is served a half computed for other inputs."""
+        if self._pending is not None:
+            self._pending = None
+            self._drop("the next call ran unbatched")
+        self._negative = None
+        self._forget()
+
+    def _unbatchable(self, arguments: dict[str, Any]) -> str | None:
+        spec = self._spec
+        for name in (spec.latents, spec.text):
+            if not isinstance(arguments.get(name), torch.Tensor):
+                return f"{name} is not a tensor"
+        mask = arguments.get(spec.text_mask)
+        if mask is not None and not isinstance(mask, torch.Tensor):
+            return f"{spec.text_mask} is not a tensor"
+        if any(t is not None and t.is_inference() for t in (arguments[spec.latents], arguments[spec.text], mask)):
+            return "inference-mode tensors keep no version counter, so a change in place could not be seen"
+        for name in spec.absent:
+            if arguments.get(name) is not None:
+                return f"{name} is given"
+        if torch.is_grad_enabled():
+            return "autograd is on"
+        return None
+
+    def _compatible(self, arguments: dict[str, Any], text: torch.Tensor, mask: torch.Tensor | None) -> bool:
+        cond = arguments[self._spec.text]
+        batch = arguments[self._spec.latents].shape[0]
+        return (
+            cond.dim() == 3
+            and text.dim() == 3
+            and cond.shape[0] == text.shape[0] == batch
+            and cond.shape[2] == text.shape[2]
+            and cond.dtype == text.dtype
+            and cond.device == text.device
+            and (mask is None or mask.shape == text.shape[:2])
+        )
+
+    def _batch(
+        self, arguments: dict[str, Any], negative_text: torch.Tensor, negative_mask: torch.Tensor | None
+    ) -> Any:
+        spec = self._spec
+        batch = arguments[spec.latents].shape[0]
+        others = _split_others(spec, arguments)
+        if others is None:
+            self._log("not batched: an argument cannot be compared between calls")
+            return self._call(**arguments)
+        batched = dict(arguments)
+        batched[spec.latents] = torch.cat([arguments[spec.latents]] * 2)
+        texts = self._texts(arguments, negative_text, negative_mask)
+        batched[spec.text], batched[spec.text_mask] = texts.text, texts.mask
+        if texts.lengths is not None and self._text_lengths_key is not None:
+            given = arguments.get(spec.attention_kwargs)
+            if given is None or isinstance(given, dict):
+                batched[spec.attention_kwargs] = {**(given or {}), self._text_lengths_key: texts.lengths}
+        for name in spec.values:
+            value = arguments.get(name)
+            batched[name] = None if value is None else torch.cat([value] * 2)
+        for name in spec.lists:
+            value = arguments.get(name)
+            batched[name] = None if value is None else list(value) * 2
+        output = self._call(**batched)
+        halves = self._halves(output, batch)
+        if halves is None:
+            return self._call(**arguments)
+        self._pending = _Pending(
+            latents=_Ref(arguments[spec.latents]),
+            negative=self._negative,
+            values={name: arguments.get(name) for name in spec.values},
+            lists={name: arguments.get(name) for name in spec.lists},
+            others=others,
+            output=halves[1],
+        )
+        self._forget()
+        return halves[0]
+
+    def _texts(
+        self, arguments: dict[str, Any], negative_text: torch.Tensor, negative_mask: torch.Tensor | None
+    ) -> _TextBatch:
+        """The cond and negative texts as one batch: padded to one length and masked when their
+        lengths differ or either has a mask. Reused while the cond text and the negative are the same
+        tensors, unchanged."""
+        cond_text, cond_mask = arguments[self._spec.text], arguments[self._spec.text_mask]
+        cached = self._text_batch
+        if cached is not None and cached[0].same(cond_text, cond_mask) and cached[1] is self._negative:
+            return cached[2]
+        lengths = (cond_text.shape[1], negative_text.shape[1])
+        if cond_mask is None and negative_mask is None and lengths[0] == lengths[1]:
+            batch = _TextBatch(torch.cat([cond_text, negative_text]), None, None)
+        else:
+            length = (max(lengths),)
+            padded_cond, padded_cond_mask = pad_to_bucket(cond_text, cond_mask, length)
+            padded_negative, padded_negative_mask = pad_to_bucket(negative_text, negative_mask, length)
+            batch = _TextBatch(
+                torch.cat([padded_cond, padded_negative]),
+                torch.cat([padded_cond_mask, padded_negative_mask]),
+                # Every token of an unmasked text is valid: the mask then says no more than the lengths.
+                lengths if cond_mask is None and negative_mask is None else None,
+            )
+        cond = _Text(_Ref(cond_text), _Ref(cond_mask))
+        self._text_batch = (cond, self._negative, batch)
+        return batch
+
+    def _halves(self, output: Any, batch: int) -> tuple[Any, Any] | None:
+        """``output`` of a batch of ``2 * batch`` split into the cond and uncond halves. None when some
+        output is not per-sample: batching is then off for good (the batch was wasted once)."""
+        try:
+            leaves, structure = flatten(output)
+        except UnsupportedValue as exc:
+            self._disabled = f"the model's output cannot be split ({exc})"
+            return None
+        if not leaves or any(leaf.dim() == 0 or leaf.shape[0] != 2 * batch for leaf in leaves):
+            self._disabled = "the model's output is not one row per sample"
+            return None
+        return unflatten(structure, [leaf[:batch] for leaf in leaves]), unflatten(
+            structure, [leaf[batch:] for leaf in leaves]
+        )
+
+    def _mismatch(self, pending: _Pending, arguments: dict[str, Any]) -> str | None:
+        """Why this call is not the uncond call ``pending`` was computed for (None: it is)."""
+        spec = self._spec
+        if not pending.latents.same(arguments.get(spec.latents)):
+            return "the next call had other latents"
+        if not pending.negative.same(arguments.get(spec.text), arguments.get(spec.text_mask)):
+            return "the next call had another text"
+        for name, expected in pending.lists.items():
+            if arguments.get(name) != expected:
+                return f"the next call had another {name}"
+        others = _split_others(spec, arguments)
+        if (
+            others is None
+            or others[0] != pending.others[0]
+            or any(a is not b for a, b in zip(others[1], pending.others[1], strict=True))
+        ):
+            return "the next call had other arguments"
+        for name, expected in pending.values.items():
+            value = arguments.get(name)
+            if value is expected:
+                continue
+            if value is None or expected is None or value.shape != expected.shape or not torch.equal(value, expected):
+                return f"the next call had another {name}"
+        return None
+
+    def _drop(self, reason: str) -> None:
+        self.dropped += 1
+        self._negative = None
+        self._log(f"a speculated uncond half was not used: {reason}")
+
+    def _forget(self) -> None:
+        self._last_latents = self._last_text = None
+
+    def _log(self, message: str) -> None:
+        if message not in self._logged:
+            self._logged.add(message)
+            logger.info("CFG batching: %s", message)
 
 
 class CfgBatching(Feature):

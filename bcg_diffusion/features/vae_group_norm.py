@@ -6,7 +6,7 @@ to fast mode); this feature applies it to the decoder of an accelerated VAE.
 
 from __future__ import annotations
 
-from ..hooks import MethodPatches
+from ..core.hooks import MethodPatches
 from ..patches.group_norm import VAE_GROUP_NORM_PATCH, patch_group_norms
 from .base import Feature, Setup
 

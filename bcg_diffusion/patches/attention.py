@@ -1,7 +1,7 @@
 """Attention for fast mode: per-prompt joint attention in Qwen-Image's CFG batch; for Z-Image, cuDNN
 and RoPE outside autocast.
 
-Fast mode batches Qwen-Image's cond and uncond calls (:mod:`bcg_diffusion.cfg_batch`). When the two
+Fast mode batches Qwen-Image's cond and uncond calls (:mod:`bcg_diffusion.features.cfg_batching`). When the two
 prompts differ in length, the batch pads the shorter one and masks it; with a key mask PyTorch's
 SDPA takes its cuDNN kernel with the mask as a bias. Each row differs only in how many text tokens are
 valid, so the batch can instead attend per prompt over its own valid tokens, without a mask: in a

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..graphs import eager_break
+from ..core.graphs import eager_break
 from . import FunctionPatch
 
 __all__ = ["COLLECTIVES_PATCH", "MASK_GATHER_PATCH"]

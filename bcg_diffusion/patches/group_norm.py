@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..hooks import MethodPatches
+from ..core.hooks import MethodPatches
 
 __all__ = ["VAE_GROUP_NORM_PATCH", "group_norm", "patch_group_norms"]
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from ..hooks import MethodPatches
+from ..core.hooks import MethodPatches
 
 __all__ = ["ProcessorPatch"]
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..graphs import eager_break
+from ..core.graphs import eager_break
 from . import FunctionPatch
 
 __all__ = ["CAUSAL_MASK_PATCH"]

@@ -24,7 +24,7 @@ def adapter_for(pipe: Any) -> PipelineAdapter:
     Raises:
         TypeError: ``pipe`` has no ``transformer`` component (UNet pipelines are not supported).
     """
-    from ..runner import BCGWarning
+    from ..core.runner import BCGWarning
 
     for adapter in ADAPTERS:
         if adapter.matches(pipe):

@@ -12,8 +12,8 @@ import PIL.Image
 import torch
 from diffusers.models.attention_dispatch import _AttentionBackendRegistry
 
-from ..cfg_batch import CfgBatchSpec
-from ..hooks import MethodPatches
+from ..core.hooks import MethodPatches
+from ..features.cfg_batching import CfgBatchSpec
 from ..patches import FunctionPatch
 from ..patches.scoped import ProcessorPatch
 
@@ -152,7 +152,7 @@ class PipelineAdapter:
         return None
 
     def install_text_buckets(self, pipe: Any, buckets: tuple[int, ...], patches: MethodPatches) -> None:
-        """Pad prompts to ``buckets`` (see :mod:`bcg_diffusion.buckets`). Raises ValueError where the
+        """Pad prompts to ``buckets`` (see :mod:`bcg_diffusion.features.text_buckets`). Raises ValueError where the
         model's own padding would make that change the image."""
         raise ValueError(f"text buckets are not supported for the {self.name} adapter (Qwen-Image only)")
 
@@ -167,7 +167,7 @@ class PipelineAdapter:
         self, pipe: Any, call_kwargs: Mapping[str, Any], multiple: int
     ) -> list[dict[str, Any]]:
         """Keyword arguments of direct text-encoder calls, one per ``multiple``-token bucket, that
-        capture what fast mode's trimmed encoder (:mod:`bcg_diffusion.text_trim`) will run (none by
+        capture what fast mode's trimmed encoder (:mod:`bcg_diffusion.features.text_trimming`) will run (none by
         default: only pipelines that pad prompts for a causal encoder trim)."""
         return []
 

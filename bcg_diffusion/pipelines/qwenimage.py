@@ -2,14 +2,14 @@
 
 Per denoising step the pipeline calls the transformer once, or twice with true CFG (cond and
 uncond, each with its own text length, so two signatures; fast mode batches the two from the second
-step on, see :mod:`bcg_diffusion.cfg_batch`). When prompts in a batch differ in length
+step on, see :mod:`bcg_diffusion.features.cfg_batching`). When prompts in a batch differ in length
 it passes a text mask: the masked path's only host copy (``compute_text_seq_len_from_mask``) is
 patched to a device-side fill. RoPE tables are built and cached during warm-up, before capture. In
 fast mode the blocks apply RoPE in real arithmetic (inductor does not compile complex multiplication),
 and a CFG batch of two prompts of different lengths attends per prompt, without a text mask
 (:mod:`bcg_diffusion.patches.attention`).
 Edit Plus 2511 builds a tensor from a Python list inside the forward (``zero_cond_t``); the capture
-holds it as a graph constant (:mod:`bcg_diffusion.python_data`). The Edit variants are not in
+holds it as a graph constant (:mod:`bcg_diffusion.core.python_data`). The Edit variants are not in
 ``tested_classes`` (a warning says so) but are measured in ``docs/coverage.md``.
 """
 
@@ -19,9 +19,9 @@ from typing import Any
 
 import torch
 
-from ..buckets import text_buckets_wrapper
-from ..cfg_batch import CfgBatchSpec
-from ..hooks import MethodPatches
+from ..core.hooks import MethodPatches
+from ..features.cfg_batching import CfgBatchSpec
+from ..features.text_buckets import text_buckets_wrapper
 from ..patches.attention import QWEN_ATTENTION_PATCH
 from ..patches.qwenimage import TEXT_SEQ_LEN_PATCH
 from ..patches.rope import QWEN_REAL_ROPE_PATCH

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from ..hooks import MethodPatches
+from ..core.hooks import MethodPatches
 from ..patches.attention import ZIMAGE_ATTENTION_PATCH, ZIMAGE_ROPE_PATCH
 from ..patches.zimage import (
     CAPTION_MULTIPLE,

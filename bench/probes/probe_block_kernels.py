@@ -23,8 +23,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from bcg_diffusion import fast
-from bcg_diffusion.hooks import MethodPatches
+from bcg_diffusion.core.hooks import MethodPatches
+from bcg_diffusion.features import compiled_blocks as fast
 from bcg_diffusion.patches import attention
 from bench.probes.probe_fast_floor import graph_replay_ms, kernel_table, random_block, section
 

@@ -13,14 +13,14 @@ from _caches import cache_config  # noqa: E402
 from _cases import cuda_pipeline, run_case  # noqa: E402
 
 from bcg_diffusion import accelerate, restore, stats  # noqa: E402
-from bcg_diffusion.step_cache import disable_cache, enable_cache  # noqa: E402
-from bcg_diffusion.tree import flatten  # noqa: E402
+from bcg_diffusion.core.tree import flatten  # noqa: E402
+from bcg_diffusion.features.step_caching import disable_cache, enable_cache  # noqa: E402
 
 DEBUG = "--cpu" in sys.argv
 if DEBUG:
     import contextlib
 
-    from bcg_diffusion.loading import build_pipeline
+    from bcg_diffusion.models import build_pipeline
 
     @contextlib.contextmanager
     def cuda_pipeline(name, weights):  # noqa: F811 - the CPU stand-in, to check this script

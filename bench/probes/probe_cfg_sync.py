@@ -18,7 +18,7 @@ import time
 import torch
 
 from bcg_diffusion import accelerate, cfg_batch, stats
-from bcg_diffusion.loading import build_pipeline
+from bcg_diffusion.models import build_pipeline
 
 
 def main() -> None:

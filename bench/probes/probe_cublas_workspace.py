@@ -48,9 +48,9 @@ def _clearing_workspaces(capture):
 
 
 def run(order: str) -> int:
-    from bcg_diffusion import runner as runner_module
-    from bcg_diffusion.graphs import GraphPool
-    from bcg_diffusion.runner import GraphRunner
+    from bcg_diffusion.core import runner as runner_module
+    from bcg_diffusion.core.graphs import GraphPool
+    from bcg_diffusion.core.runner import GraphRunner
 
     if order.endswith("-fixed"):
         runner_module.capture_breakable = _clearing_workspaces(runner_module.capture_breakable)
@@ -83,12 +83,12 @@ def run_pipelines(order: str) -> int:
     """The benchmark's case that crashed (2026-11-29, run 9): full-size random-weight Z-Image-Turbo at 512²,
     8 steps, our exact graphs and reduce-overhead on two copies of one pipeline, calls interleaved."""
     from bcg_diffusion import accelerate
-    from bcg_diffusion import runner as runner_module
+    from bcg_diffusion.core import runner as runner_module
     from bench.modes import _compile_with_own_graphs, pipeline_copy
 
     if order.endswith("-fixed"):
         runner_module.capture_breakable = _clearing_workspaces(runner_module.capture_breakable)
-    from bcg_diffusion.loading import build_pipeline
+    from bcg_diffusion.models import build_pipeline
 
     base = build_pipeline("z-image", "random-full", device="cuda", dtype=torch.bfloat16)
     base.set_progress_bar_config(disable=True)

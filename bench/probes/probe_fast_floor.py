@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from bcg_diffusion import accelerate, restore
-from bcg_diffusion.loading import build_pipeline
+from bcg_diffusion.models import build_pipeline
 from bench.cases import Case
 from bench.measure import kernel_kind, timed_call
 

@@ -18,7 +18,7 @@ import warnings
 import torch
 
 from bcg_diffusion import accelerate, eager, stats
-from bcg_diffusion.loading import build_pipeline
+from bcg_diffusion.models import build_pipeline
 
 KEYS = ("captures", "replays", "eager_fallbacks", "invalidations", "compiles", "compile_failure")
 

@@ -29,10 +29,16 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from bcg_diffusion import fast
-from bcg_diffusion.hooks import MethodPatches
+from bcg_diffusion.core.hooks import MethodPatches
+from bcg_diffusion.features import compiled_blocks as fast
+from bcg_diffusion.features.quantization import (
+    FP8,
+    block_linears,
+    default_filter,
+    quantize_transformer,
+    torchao_config,
+)
 from bcg_diffusion.patches import attention
-from bcg_diffusion.quantize import FP8, block_linears, default_filter, quantize_transformer, torchao_config
 from bench.probes.probe_block_kernels import COPIES, _inputs, _tflops, _time_products
 from bench.probes.probe_fast_floor import graph_replay_ms, kernel_table, random_block, section
 

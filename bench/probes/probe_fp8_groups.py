@@ -1,6 +1,6 @@
 """What each group of linears costs in quality under FP8, and what keeping it in bf16 costs in time.
 
-For each group of the linears FP8 can take (``bcg_diffusion.quantize.block_linears``: attention
+For each group of the linears FP8 can take (``bcg_diffusion.features.quantization.block_linears``: attention
 projections, attention output, MLP in, MLP out), one pipeline copy keeps that group in bf16 and
 quantizes the rest with ``quantize="fp8"`` (through ``quantize_filter``), in fast mode. Each row gives its PSNR and largest difference against
 bf16 eager, and its latency (median of ``--runs``, interleaved). The rows ``all fp8`` and ``bf16``
@@ -25,8 +25,8 @@ from typing import Any
 import torch
 
 from bcg_diffusion import accelerate, restore
-from bcg_diffusion.loading import build_pipeline
-from bcg_diffusion.quantize import block_linears, default_filter
+from bcg_diffusion.features.quantization import block_linears, default_filter
+from bcg_diffusion.models import build_pipeline
 
 from .. import measure
 from ..cases import Case

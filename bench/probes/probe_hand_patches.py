@@ -3,7 +3,7 @@ where it is faster than the automatic handling it replaces).
 
 Qwen-Image's one exact-mode patch, ``TEXT_SEQ_LEN_PATCH`` (``bcg_diffusion.patches.qwenimage``),
 replaces ``torch.as_tensor(text_seq_len, device=...)`` with a fill kernel. Without it, the capture
-holds that tensor as a graph constant (``bcg_diffusion.python_data``). This runs eager, exact mode
+holds that tensor as a graph constant (``bcg_diffusion.core.python_data``). This runs eager, exact mode
 with the patch, and exact mode with the adapter's patches removed, one after the other in one
 process (a patch is process-wide, so the two cannot be alive together), and reports each one's
 median latency, whether it equals eager, and its graphs' segments, breaks and constants.
@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from bcg_diffusion import accelerate, restore, stats
-from bcg_diffusion.loading import build_pipeline
+from bcg_diffusion.models import build_pipeline
 from bcg_diffusion.pipelines.qwenimage import QwenImageAdapter
 
 from .. import measure

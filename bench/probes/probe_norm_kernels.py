@@ -20,9 +20,9 @@ import statistics
 import torch
 import torch.nn.functional as F
 
-from bcg_diffusion import fast
-from bcg_diffusion.hooks import MethodPatches
-from bcg_diffusion.loading import build_pipeline
+from bcg_diffusion.core.hooks import MethodPatches
+from bcg_diffusion.features import compiled_blocks as fast
+from bcg_diffusion.models import build_pipeline
 from bcg_diffusion.patches import attention
 from bcg_diffusion.patches.group_norm import patch_group_norms
 from bcg_diffusion.patches.rope import QWEN_REAL_ROPE_PATCH, apply_rotary_emb_qwen

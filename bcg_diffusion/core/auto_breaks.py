@@ -1,9 +1,9 @@
 """Automatic eager breaks: a capture turns what it cannot hold into eager breaks by itself.
 
-Marked breaks (:func:`~bcg_diffusion.graphs.eager_break`) need someone to know the model. With an
+Marked breaks (:func:`~bcg_diffusion.core.graphs.eager_break`) need someone to know the model. With an
 :class:`AutoBreaker`, the capture's own dispatch mode (``graphs._ExternalTensorTracker``) asks, for
 every operation it records, whether CUDA would refuse it inside a capture (the kinds of
-:mod:`bcg_diffusion.hostile`):
+:mod:`bcg_diffusion.core.hostile`):
 
 * **host syncs**: ``.item()``, ``if tensor:``, ``torch.equal``, copies to the host (``.cpu()``,
   ``.tolist()``);
@@ -13,17 +13,17 @@ every operation it records, whether CUDA would refuse it inside a capture (the k
 Each such operation becomes a one-operation eager break, the narrowest break there is: the segment
 ends, the operation runs, the next segment begins, and every replay runs it again at that point.
 Its results are checked on replay as a marked break's are: a Python value, a tensor shape or the
-contents of a host tensor that changed raise :class:`~bcg_diffusion.graphs.BreakResultMismatch`,
+contents of a host tensor that changed raise :class:`~bcg_diffusion.core.graphs.BreakResultMismatch`,
 so the runner replays (or captures) the path of the new value. Nothing downstream of a host read
 is replayed with a stale value.
 
 Two things a dispatch mode cannot reach, which the runner learns from a failed capture instead
-(:meth:`~bcg_diffusion.runner.GraphRunner` retries it once):
+(:meth:`~bcg_diffusion.core.runner.GraphRunner` retries it once):
 
 * an operation that fails inside CUDA although nothing marks it hostile (a library kernel that
   synchronizes): :attr:`AutoBreaker.failed_op` names it, and later captures break around it;
 * ``torch.tensor(data, device="cuda")``: its copy runs inside the constructor, below the
-  dispatcher. An eager run under :class:`~bcg_diffusion.hostile.HostileOpFinder` names the innermost
+  dispatcher. An eager run under :class:`~bcg_diffusion.core.hostile.HostileOpFinder` names the innermost
   module that built a GPU tensor from Python data, and :func:`module_breaks` runs that module's
   ``forward`` as an eager break (the smallest enclosing function the finder can name).
 
@@ -57,7 +57,7 @@ class OpBreak:
 
     Returns ``(result, host_contents)``: the bytes of every host tensor in the result join the
     break's result spec, so a replay whose host copy reads other values raises
-    :class:`~bcg_diffusion.graphs.BreakResultMismatch` (the Python that read them at capture is not
+    :class:`~bcg_diffusion.core.graphs.BreakResultMismatch` (the Python that read them at capture is not
     replayed). An in-place operation returns no result of its own (its target is its first argument).
     """
 

@@ -45,7 +45,7 @@ def _is_output_dataclass(value: Any) -> bool:
 @functools.lru_cache(maxsize=256)
 def pure_python(cls: type) -> bool:
     """Whether ``cls`` and its bases (``object`` aside) are all classes written in Python: no C layout
-    that C code could read from an object claiming to be one (see :mod:`bcg_diffusion.opaque`)."""
+    that C code could read from an object claiming to be one (see :mod:`bcg_diffusion.core.opaque`)."""
     heap = 1 << 9  # Py_TPFLAGS_HEAPTYPE: a class made by a class statement
     return all(base is object or base.__flags__ & heap for base in cls.__mro__) and not issubclass(
         cls, (torch.nn.Module, type)
@@ -124,7 +124,7 @@ def flatten(value: Any, opaque: list[Any] | None = None) -> tuple[list[torch.Ten
     the same class with the same attributes; the class and attribute names join the spec).
 
     With ``opaque`` (a list), any other instance of a class written in Python (:func:`pure_python`)
-    is appended to it and stands in the spec as its class (:mod:`bcg_diffusion.opaque` passes a
+    is appended to it and stands in the spec as its class (:mod:`bcg_diffusion.core.opaque` passes a
     stand-in for it); :func:`unflatten` then takes the objects to put back, in the same order.
 
     Raises:

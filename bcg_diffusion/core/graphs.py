@@ -7,7 +7,7 @@ collectives). Mark such a function with :func:`eager_break`; :func:`capture_brea
     graph segment, eager step, graph segment, ..., graph segment
 
 and :meth:`BreakableGraph.replay` replays the segments and re-runs the eager steps between them.
-With a ``breaker`` (:mod:`bcg_diffusion.auto_breaks`), the capture also makes each single operation
+With a ``breaker`` (:mod:`bcg_diffusion.core.auto_breaks`), the capture also makes each single operation
 it could not hold an eager step of its own, unmarked.
 
 Contract of an eager break, during capture:
@@ -22,7 +22,7 @@ Contract of an eager break, during capture:
   so a replay whose break returns a different value raises :class:`BreakResultMismatch` instead of
   silently replaying the wrong code path. The exception names the break and what it returned, so
   the caller can replay or capture the graph of that other path (a *branch*: the runner does, see
-  :mod:`bcg_diffusion.runner`); :attr:`BreakableGraph.path` says which way every break went;
+  :mod:`bcg_diffusion.core.runner`); :attr:`BreakableGraph.path` says which way every break went;
 * it may run more than once per call: a replay that takes another branch starts that branch's
   graph from the beginning, which runs the breaks before the branch point again. A break must give
   the same result for the same inputs and change nothing a second run would see (host syncs,
@@ -77,6 +77,7 @@ __all__ = [
     "BreakResultMismatch",
     "BreakableGraph",
     "GraphPool",
+    "PeerCaptureFailed",
     "call_untracked",
     "capture_breakable",
     "eager_break",
@@ -92,17 +93,22 @@ _ACTIVE: contextvars.ContextVar[_BreakableCapture | None] = contextvars.ContextV
 
 _EMPTY_GRAPH_WARNING = "The CUDA Graph is empty"
 
-# For bcg_diffusion.hostile's finder: how many are active (one list item, so the check is one read),
+# For bcg_diffusion.core.hostile's finder: how many are active (one list item, so the check is one read),
 # and whether the code running now is inside an eager break (what a break does is no capture's problem).
 _FINDERS = [0]
 _IN_BREAK: contextvars.ContextVar[bool] = contextvars.ContextVar("bcg_in_break", default=False)
+
+
+class PeerCaptureFailed(RuntimeError):
+    """Another rank's capture of this signature failed, so this rank abandons its capture too (raised
+    through a capture's ``consensus``: see :func:`capture_breakable`)."""
 
 
 class BreakResultMismatch(RuntimeError):
     """A break returned, on replay, something the captured segments after it were not built for.
 
     ``index`` is the break's position among the graph's breaks (0-based) and ``spec`` the structure
-    of what it returned this time (see :mod:`bcg_diffusion.tree`): together with the specs of the
+    of what it returned this time (see :mod:`bcg_diffusion.core.tree`): together with the specs of the
     breaks before it, they name the other path of the forward that this replay must take.
     """
 
@@ -381,7 +387,7 @@ def call_untracked(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         # The read recorder's hook on nn.Module leaves meanwhile: dynamo traces attribute access itself.
         with python_state.paused():
             return call_untracked(fn, *args, **kwargs)
-    # A torch-function mode that pauses for compiled code (bcg_diffusion.python_data's, during warm-ups
+    # A torch-function mode that pauses for compiled code (bcg_diffusion.core.python_data's, during warm-ups
     # and captures) leaves the stack meanwhile: torch.compile guards on that stack, and would compile
     # each block again.
     mode = _get_current_function_mode()
@@ -399,7 +405,7 @@ def _call_untracked(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     tracker = capture.tracker if capture is not None else None
     if tracker is None or not tracker.recording:
         if getattr(_get_current_dispatch_mode(), "pauses_for_compiled_code", False):
-            # bcg_diffusion.hostile's finder (debug mode): compiled code will not run under it either.
+            # bcg_diffusion.core.hostile's finder (debug mode): compiled code will not run under it either.
             # A block compiled with fullgraph=True holds no host sync, so nothing is missed inside.
             with _pop_mode_temporarily():
                 return fn(*args, **kwargs)
@@ -487,11 +493,9 @@ class _BreakableCapture:
 
     def agree(self) -> None:
         """With a consensus (context parallelism), vote that this rank is still capturing; raise
-        :class:`~bcg_diffusion.parallel.PeerCaptureFailed` if another rank's capture failed. Only
+        :class:`PeerCaptureFailed` if another rank's capture failed. Only
         between segments: the vote is a collective and must not be captured."""
         if self.consensus is not None and not self.consensus.vote(True):
-            from .parallel import PeerCaptureFailed
-
             self.peer_failed = True
             raise PeerCaptureFailed("another rank's capture of this signature failed")
 
@@ -591,15 +595,15 @@ def capture_breakable(
     Returns ``(graph, result)``; ``result``'s tensors live in the pool and are rewritten by every
     replay. Because each segment is replayed as soon as it is captured, ``result`` holds real values.
 
-    With ``consensus`` (a :class:`~bcg_diffusion.parallel.CaptureConsensus`, for context-parallel
+    With ``consensus`` (a :class:`~bcg_diffusion.features.context_parallel.CaptureConsensus`, for context-parallel
     models whose breaks are collectives), every rank of its group votes at each break and at the end,
     and the capture succeeds on all ranks or on none.
 
-    With ``breaker`` (a :class:`~bcg_diffusion.auto_breaks.AutoBreaker`; needs ``track_external``,
+    With ``breaker`` (a :class:`~bcg_diffusion.core.auto_breaks.AutoBreaker`; needs ``track_external``,
     whose dispatch mode consults it), every operation it names becomes an eager break of its own.
 
     Raises whatever ``fn`` raised (the capture is closed first, never left half-open),
-    :class:`~bcg_diffusion.parallel.PeerCaptureFailed` when another rank's capture failed, and
+    :class:`PeerCaptureFailed` when another rank's capture failed, and
     :class:`RuntimeError` if called while another capture is active in this context.
     """
     if _ACTIVE.get() is not None:

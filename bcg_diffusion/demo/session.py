@@ -1,7 +1,7 @@
 """Logic of the Gradio demo (``app.py``): one pipeline, its reference and its accelerated image side by side.
 
 :class:`DemoBackend` builds each pipeline once (lazily, per ``(pipeline, weights, device)``) with
-:func:`bcg_diffusion.loading.build_pipeline`, keeps one accelerated copy of it per acceleration mode (an entry
+:func:`bcg_diffusion.models.build_pipeline`, keeps one accelerated copy of it per acceleration mode (an entry
 of :data:`ACCELERATIONS`: exact or fast; ``debug=True`` off CUDA, where no graph can run) and answers requests
 with :meth:`DemoBackend.generate`: the reference runs inside :func:`bcg_diffusion.eager` on the same pipeline
 object (eager in exact mode; in fast mode its compiled blocks without graphs, fast mode's reference), then the
@@ -36,8 +36,8 @@ from typing import Any
 import PIL.Image
 import torch
 
-from .api import accelerate, eager, restore, stats
-from .loading import DEFAULT_PROMPTS, PIPELINE_NAMES, RANDOM_WEIGHTS, build_pipeline
+from ..api import accelerate, eager, restore, stats
+from ..models import DEFAULT_PROMPTS, PIPELINE_NAMES, RANDOM_WEIGHTS, build_pipeline
 
 __all__ = [
     "ACCELERATED_ONLY",

@@ -1,4 +1,7 @@
-"""Step caching: diffusers' cache hooks on the transformer keep their graphs (see :mod:`bcg_diffusion.step_cache`).
+"""Step caching: diffusers' cache hooks on the transformer keep their graphs.
+
+How their decisions and state are carried through the graphs is :mod:`.state`; enabling a cache on
+any pipeline (Z-Image's included) and counting what it skipped is :mod:`.enable`.
 
 Always installed on an accelerated transformer: a cache may be enabled before ``accelerate`` or at
 any time after, and disabled again; the signature keys follow the hooks that are on. Fast mode
@@ -13,12 +16,26 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-from ..hooks import MethodPatches
-from ..runner import BCGWarning
-from ..step_cache import CacheState, cache_hooks
-from .base import Feature, Setup, Target
+from ...core.hooks import MethodPatches, register_graph_safe_hooks
+from ...core.runner import BCGWarning
+from ..base import Feature, Setup, Target
+from .enable import SkipCounter, disable_cache, enable_cache
+from .state import CACHE_DIT_REASON, SUPPORTED_HOOKS, CacheState, cache_dit_enabled, cache_hooks, has_cache_hooks
 
-__all__ = ["StepCaching"]
+__all__ = [
+    "CACHE_DIT_REASON",
+    "CacheState",
+    "SkipCounter",
+    "StepCaching",
+    "cache_dit_enabled",
+    "cache_hooks",
+    "disable_cache",
+    "enable_cache",
+    "has_cache_hooks",
+]
+
+# The carried caches' hooks can stay on a module whose forward graphs hold.
+register_graph_safe_hooks(*SUPPORTED_HOOKS)
 
 
 class StepCaching(Feature):

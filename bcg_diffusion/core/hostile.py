@@ -133,7 +133,7 @@ def innermost_module(names: dict[int, str]) -> str:
 
 class HostileOpFinder(TorchDispatchMode):
     """Notes the hostile ops of the code run under it (see the module docstring); ``found`` lists them
-    in order, each once. Ops inside an :func:`~bcg_diffusion.graphs.eager_break` are not noted: the
+    in order, each once. Ops inside an :func:`~bcg_diffusion.core.graphs.eager_break` are not noted: the
     break already keeps them out of the graph. Module paths are relative to ``root`` (default: the
     outermost module called under the finder)."""
 

@@ -20,7 +20,6 @@ import torch
 
 from .python_state import call_scope, current_scope, is_skipped, plain
 from .runner import BCGWarning, GraphRunner
-from .step_cache import SUPPORTED_HOOKS
 
 __all__ = [
     "MethodPatches",
@@ -28,6 +27,7 @@ __all__ = [
     "baked_state",
     "current_call",
     "diffusers_hooks",
+    "register_graph_safe_hooks",
     "serialise_calls",
     "unserialise_calls",
     "watch_component",
@@ -63,7 +63,7 @@ INVALIDATING_METHODS = (
 # Methods that install diffusers hooks a graph cannot follow, mapped to the method that removes them
 # (None: no such method): layerwise casting and group offloading replace the weights around every
 # forward. While such hooks are on, the component runs eagerly. (Cache hooks are followed: see
-# bcg_diffusion.step_cache; enable_cache and disable_cache need no patch, the signature keys see them.)
+# bcg_diffusion.features.step_caching; enable_cache and disable_cache need no patch, the signature keys see them.)
 SUSPENDING_METHODS: dict[str, str | None] = {
     "enable_layerwise_casting": None,
     "enable_group_offload": None,
@@ -110,21 +110,31 @@ class MethodPatches:
         self._patches.clear()
 
 
-# diffusers' context-parallel hooks split inputs on the device and gather outputs with a collective
-# that runs as an eager break (bcg_diffusion.parallel), and the cache hooks of step_cache.SUPPORTED_HOOKS
-# have their decisions and state carried through the graphs: graphs can hold them.
-_GRAPH_SAFE_HOOK_PREFIXES = ("cp_input---", "cp_output---", *SUPPORTED_HOOKS)
+# Names (prefixes) of the diffusers hooks that graphs can hold, registered by the features that make
+# them safe: context parallelism (its collectives run as eager breaks) and step caching (it carries the
+# caches' decisions and state through the graphs). Every other diffusers hook keeps a component eager.
+_GRAPH_SAFE_HOOKS: set[str] = set()
+
+
+def register_graph_safe_hooks(*prefixes: str) -> None:
+    """Let graphs hold the diffusers hooks whose names start with one of ``prefixes``: the caller (a
+    feature) makes what they do safe to capture. Idempotent.
+
+    >>> register_graph_safe_hooks("fbc_leader_block_hook", "fbc_block_hook")  # doctest: +SKIP
+    """
+    _GRAPH_SAFE_HOOKS.update(prefixes)
 
 
 def diffusers_hooks(module: torch.nn.Module) -> list[str]:
     """Names of the diffusers hooks on ``module``'s tree that graphs cannot hold (FasterCache, layerwise
-    casting, group offload...): every hook but context parallelism's and the supported caches'."""
+    casting, group offload...): every hook but those registered by :func:`register_graph_safe_hooks`."""
     names: set[str] = set()
     for submodule in module.modules():
         registry = getattr(submodule, "_diffusers_hook", None)
         if registry is not None:
             names.update(getattr(registry, "hooks", {}))
-    return sorted(name for name in names if not name.startswith(_GRAPH_SAFE_HOOK_PREFIXES))
+    safe = tuple(_GRAPH_SAFE_HOOKS)
+    return sorted(name for name in names if not name.startswith(safe))
 
 
 def _invalidating(method: Callable[..., Any], runner: GraphRunner, reason: str) -> Callable[..., Any]:
@@ -248,7 +258,7 @@ def serialise_calls(pipe: Any, lock: threading.RLock) -> None:
     the current timestep), so two threads calling one pipeline corrupt each other even eagerly, and
     with graphs they would also share static buffers. The instance gets a subclass of its own class,
     with the same name (``save_pretrained`` records it), whose ``__call__`` holds ``lock`` and runs in
-    a :func:`~bcg_diffusion.python_state.call_scope` (runners check the Python state their graphs
+    a :func:`~bcg_diffusion.core.python_state.call_scope` (runners check the Python state their graphs
     read once per scope; :func:`current_call` returns the call).
     """
     original = type(pipe)

@@ -1,6 +1,6 @@
 """The runner: replaces one callable (a module's ``forward``, a VAE's ``decode``) with graphs.
 
-For every distinct call signature (see :mod:`bcg_diffusion.tree`) the runner keeps static input
+For every distinct call signature (see :mod:`bcg_diffusion.core.tree`) the runner keeps static input
 buffers, warms the callable up on the capture stream, captures it as a breakable graph on the first
 call, and replays it afterwards: copy inputs in, replay, clone outputs (two calls of one graph return
 the same buffers, so CFG's cond and uncond results would otherwise overwrite each other).
@@ -14,7 +14,7 @@ it replays the signature's graph for it if one was captured, else captures one t
 the same static inputs, so the capture takes the same way), up to :data:`MAX_PATHS` per signature.
 Every decision is made on the host each call, exactly as eager makes it; each outcome replays a graph
 of its own. Switching paths re-runs the graph up to the branch point (see
-:class:`~bcg_diffusion.graphs.BreakableGraph`).
+:class:`~bcg_diffusion.core.graphs.BreakableGraph`).
 
 **Outer state.** A callable may read and write state that is not in its arguments (diffusers' cache
 hooks keep residuals and step counters between calls). An :class:`OuterState` makes that safe: its
@@ -64,7 +64,7 @@ class OuterState(Protocol):
     """State that the runner's callable reads and writes besides its arguments (see the module docstring).
 
     The runner calls, in this order per call: ``key()`` (before the lookup; what of the state decides
-    the code path, hashable; raise :class:`~bcg_diffusion.tree.UnsupportedValue` with a reason to run
+    the code path, hashable; raise :class:`~bcg_diffusion.core.tree.UnsupportedValue` with a reason to run
     the call eagerly), then for a capture ``checkpoint()`` once and ``rewind(token)`` before every
     warm-up and before the capture, ``persist()`` at the end of every run it captures or warms up
     (inside the capture: it must only copy into buffers that a warm-up already allocated), and
@@ -116,16 +116,16 @@ class SignatureRecord:
     capture_seconds: float = 0.0
     replays: int = 0
     paths: int = 0  # graphs captured for this signature: one per way its breaks' decisions went
-    # Debug mode: what a capture of this signature would trip on (bcg_diffusion.hostile), found on its
+    # Debug mode: what a capture of this signature would trip on (bcg_diffusion.core.hostile), found on its
     # first replay (after the first run made every lazy initialisation, as warm-ups do before a capture).
     hostile_ops: list[str] | None = None
-    # The eager breaks the capture made by itself (bcg_diffusion.auto_breaks), each "op (kind) in
+    # The eager breaks the capture made by itself (bcg_diffusion.core.auto_breaks), each "op (kind) in
     # module at file:line"; in debug mode, the ones a capture would make.
     auto_breaks: list[str] = field(default_factory=list)
     # Tensors the forward builds on the GPU from Python data, which the graph holds as constants
-    # (bcg_diffusion.python_data): no break needed. Same format as auto_breaks.
+    # (bcg_diffusion.core.python_data): no break needed. Same format as auto_breaks.
     constants: list[str] = field(default_factory=list)
-    # Python values the capture read (module attributes, parameters, submodules: bcg_diffusion.python_state),
+    # Python values the capture read (module attributes, parameters, submodules: bcg_diffusion.core.python_state),
     # checked once per pipeline call; a change drops the signature.
     watched: int = 0
 
@@ -239,13 +239,13 @@ class GraphRunner:
             the signature, so each path gets its own graph.
         capture_new: capture a signature seen for the first time (lazy capture). When False (serving
             after a warm-up), such a call runs eagerly, is counted in ``misses`` and logged once.
-        budget: the pipeline's :class:`~bcg_diffusion.budget.SignatureBudget` (``max_signatures``),
+        budget: the pipeline's :class:`~bcg_diffusion.core.budget.SignatureBudget` (``max_signatures``),
             shared by its runners; None: no limit.
-        consensus: a :class:`~bcg_diffusion.parallel.CaptureConsensus` when the ranks of a
+        consensus: a :class:`~bcg_diffusion.features.context_parallel.CaptureConsensus` when the ranks of a
             context-parallel model must keep or abandon each capture together; None otherwise.
         module: the module ``fn`` runs (names modules in the records; automatic module breaks);
             default: ``fn.__self__`` when that is a module.
-        auto_breaks: let captures make eager breaks by themselves (:mod:`bcg_diffusion.auto_breaks`),
+        auto_breaks: let captures make eager breaks by themselves (:mod:`bcg_diffusion.core.auto_breaks`),
             and retry a failed capture once with what it taught. Off under a consensus: the ranks
             would have to learn the same breaks together.
 
@@ -712,7 +712,7 @@ class GraphRunner:
 
     def _check_state(self) -> None:
         """Once per pipeline call (every call outside one): drop the signatures whose captures read a
-        Python value that has changed since (see :mod:`bcg_diffusion.python_state`)."""
+        Python value that has changed since (see :mod:`bcg_diffusion.core.python_state`)."""
         scope = current_scope()
         number = scope[0] if scope is not None else None
         if number is not None and number == self._checked_scope:

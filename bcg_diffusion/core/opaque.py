@@ -1,19 +1,19 @@
 """Arguments a graph signature cannot hold, used through eager breaks instead of running the whole forward eagerly.
 
-:func:`~bcg_diffusion.tree.flatten` turns tensors, plain values, containers and objects made of those
+:func:`~bcg_diffusion.core.tree.flatten` turns tensors, plain values, containers and objects made of those
 into static buffers and a signature. An argument it cannot flatten (an object holding a function, a
 C type) is passed to the captured forward as an :class:`OpaqueArgument`: a stand-in that the runner
 points at the call's real object before every run and replay. Each use of it is an eager break
-(:func:`~bcg_diffusion.graphs.eager_break`) on the real object of that call:
+(:func:`~bcg_diffusion.core.graphs.eager_break`) on the real object of that call:
 
 * reading an attribute returns what the real object holds now: tensors through the break's bridges,
   Python values frozen into the segments after the break and checked at every replay (another value
-  takes another captured path, see :mod:`bcg_diffusion.runner`);
+  takes another captured path, see :mod:`bcg_diffusion.core.runner`);
 * calling a method calls it on the real object, with the same rules for its result;
 * an attribute that is itself not flattenable is another stand-in, resolved from its parent inside
   the breaks that use it; ``len()``, ``bool()``, indexing and calling the object are breaks too.
 
-Only instances of classes written in Python are set aside this way (:func:`~bcg_diffusion.tree.pure_python`):
+Only instances of classes written in Python are set aside this way (:func:`~bcg_diffusion.core.tree.pure_python`):
 a stand-in for a C type (``torch.Generator``) would pass ``isinstance`` checks in C code that then reads
 it as that type's struct, so such an argument keeps its whole forward eager, with a warning.
 
@@ -39,7 +39,7 @@ class OpaqueArgument:
     """Stands for one argument the signature cannot hold (see the module docstring).
 
     ``point_at(obj)`` sets the real object for the next run or replay. ``stands_for`` is its class,
-    which :func:`~bcg_diffusion.tree.flatten` puts in the signature in its place.
+    which :func:`~bcg_diffusion.core.tree.flatten` puts in the signature in its place.
     """
 
     __slots__ = ("_bcg_target", "_bcg_parent", "_bcg_name", "stands_for")

@@ -18,7 +18,7 @@ model can change it, and is held with the graph.
 
 A value that is not the same in every warm-up and in the capture (a call counter, a clock) is no
 constant: the call runs as written, the capture fails, and the runner's retry makes the enclosing
-module an eager break (:mod:`bcg_diffusion.auto_breaks`). It is listed in ``unstable``.
+module an eager break (:mod:`bcg_diffusion.core.auto_breaks`). It is listed in ``unstable``.
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ class PythonDataConstants(TorchFunctionMode):
     then :meth:`serving` around each capture attempt.
 
     ``names`` maps ``id(module)`` to its path, for the sites in ``served`` and ``unstable``
-    (:class:`~bcg_diffusion.hostile.HostileOp`, listed once each). ``kept`` holds the warm-up tensors
+    (:class:`~bcg_diffusion.core.hostile.HostileOp`, listed once each). ``kept`` holds the warm-up tensors
     a captured graph copies from: keep it as long as the graph.
 
     Example (``model`` builds ``torch.tensor(shapes, device="cuda")`` in its forward)::

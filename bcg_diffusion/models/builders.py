@@ -40,7 +40,7 @@ from transformers import (
     Qwen3Model,
 )
 
-from ._offline_tokenizer import build_offline_tokenizer
+from .tokenizer import build_offline_tokenizer
 
 __all__ = ["DEFAULT_PROMPTS", "PIPELINE_NAMES", "RANDOM_WEIGHTS", "build_pipeline"]
 

@@ -7,7 +7,7 @@ objects between calls. A replay runs no Python, so three things are made explici
 
 * **Decisions on device data** (FirstBlockCache's ``.item()`` of a residual difference) become eager
   breaks (:data:`DECISIONS`) whose Python result picks which captured path continues: the runner's
-  branches (:mod:`bcg_diffusion.runner`). Each outcome replays a graph of its own.
+  branches (:mod:`bcg_diffusion.core.runner`). Each outcome replays a graph of its own.
 * **Decisions on host state** (a step counter, MagCache's accumulated error) are fixed for a given
   state, so the Python part of the state before the call joins the signature (:meth:`CacheState.key`):
   each distinct state replays its own graph, and after a replay the Python state is set to what the
@@ -24,9 +24,6 @@ their graphs and buffers are apart.
 
 Supported: the hooks of :data:`SUPPORTED_HOOKS`. Any other stateful hook (FasterCache,
 PyramidAttentionBroadcast...) makes the call run eagerly with the reason (see :meth:`CacheState.key`).
-
-Z-Image's transformer has no ``enable_cache`` in diffusers 0.42.1: :func:`enable_cache` gives it
-diffusers' own (``CacheMixin``), so the same hooks and block registry apply to it.
 """
 
 from __future__ import annotations
@@ -37,10 +34,19 @@ from typing import Any
 
 import torch
 
-from .graphs import eager_break
-from .tree import UnsupportedValue, flatten, unflatten
+from ...core.graphs import eager_break
+from ...core.tree import UnsupportedValue, flatten, unflatten
 
-__all__ = ["DECISIONS", "SUPPORTED_HOOKS", "CacheState", "SkipCounter", "cache_hooks", "disable_cache", "enable_cache"]
+__all__ = [
+    "CACHE_DIT_REASON",
+    "DECISIONS",
+    "DEFAULT_CONTEXT",
+    "SUPPORTED_HOOKS",
+    "CacheState",
+    "cache_dit_enabled",
+    "cache_hooks",
+    "has_cache_hooks",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -73,7 +79,7 @@ def cache_dit_enabled(module: torch.nn.Module) -> bool:
     return bool(vars(module).get("_is_cached", False))
 
 
-def _registries(module: torch.nn.Module, fresh: bool = False) -> list[Any]:
+def hook_registries(module: torch.nn.Module, fresh: bool = False) -> list[Any]:
     """``module``'s diffusers hook registry and its children's, from diffusers' cached list (what its
     ``cache_context`` walks every call; a module with no registry of its own has none: enable_cache
     makes one); ``fresh``: walk the modules again. Creates nothing."""
@@ -89,14 +95,16 @@ def _registries(module: torch.nn.Module, fresh: bool = False) -> list[Any]:
 def has_cache_hooks(module: torch.nn.Module) -> bool:
     """Whether a stateful diffusers hook (a cache's) is on ``module``'s tree; cheap enough for every call."""
     return any(
-        getattr(hook, "_is_stateful", False) for registry in _registries(module) for hook in registry.hooks.values()
+        getattr(hook, "_is_stateful", False)
+        for registry in hook_registries(module)
+        for hook in registry.hooks.values()
     )
 
 
 def cache_hooks(module: torch.nn.Module) -> list[str]:
     """Names of the stateful diffusers hooks on ``module``'s tree (a cache's), sorted."""
     names = set()
-    for registry in _registries(module):
+    for registry in hook_registries(module):
         names.update(name for name, hook in registry.hooks.items() if getattr(hook, "_is_stateful", False))
     return sorted(names)
 
@@ -151,14 +159,14 @@ def _layout(tensor: torch.Tensor) -> Hashable:
 
 class CacheState:
     """The cache hooks' state on one module, carried through its graphs (a runner's
-    :class:`~bcg_diffusion.runner.OuterState`; see the module docstring for the contract).
+    :class:`~bcg_diffusion.core.runner.OuterState`; see the module docstring for the contract).
 
     Needs the hooks' state to be plain data: tensors, Python scalars, dtypes, devices, and lists,
     tuples and dicts of those, and the hooks to *rebind* what they keep (``state.residual = r``), never
     to write a kept tensor in place before their last decision: a replay that switches paths runs the
     graph up to the decision again (every supported hook rebinds). Buffers stay while their hooks are
     on, one set per resolution: the memory the cache itself keeps in eager. Raises
-    :class:`~bcg_diffusion.tree.UnsupportedValue` from :meth:`key` otherwise, and for unsupported hooks,
+    :class:`~bcg_diffusion.core.tree.UnsupportedValue` from :meth:`key` otherwise, and for unsupported hooks,
     which the runner turns into an eager call with the reason.
 
     Tensors a hook keeps on the CPU while the model is on a GPU (MagCache's accumulators become 0-d CPU
@@ -192,7 +200,7 @@ class CacheState:
             if same and seen[2:] == last[2:]:
                 return list(self._holders.values())
         live: dict[int, _Holder] = {}
-        for registry in _registries(self.module, fresh):
+        for registry in hook_registries(self.module, fresh):
             for name in registry._hook_order:
                 hook = registry.hooks[name]
                 if not getattr(hook, "_is_stateful", False):
@@ -402,157 +410,3 @@ def _swap(flat: tuple[list[torch.Tensor], Hashable]) -> tuple[Hashable, list[tor
 def _copy(attrs: dict[str, Any]) -> dict[str, Any]:
     """A copy of a state's attributes with containers of their own and the same tensors."""
     return {attr: unflatten(*_swap(flatten(value))) for attr, value in attrs.items()}
-
-
-# ------------------------------------------------------------------------------- Z-Image support
-_MIXED_ATTR = "_bcg_cache_mixin"  # on a class we derived with diffusers' CacheMixin: the original class
-
-
-def enable_cache(pipe_or_module: Any, config: Any) -> None:
-    """Enable one of diffusers' caches (``FirstBlockCacheConfig(...)``...) on a pipeline's transformer.
-
-    The same as ``pipe.transformer.enable_cache(config)`` where the transformer has it (Qwen-Image).
-    Z-Image's transformer has no ``enable_cache`` in diffusers 0.42.1: its instance gets a subclass of
-    its own class (same name) with diffusers' ``CacheMixin``, so ``enable_cache``, ``disable_cache``,
-    ``cache_context`` and diffusers' hooks and block registry apply to it unchanged, and its calls run
-    in the cache context :data:`DEFAULT_CONTEXT` when the pipeline sets none (Z-Image's sets none).
-    Works before or after :func:`~bcg_diffusion.accelerate`, eager or accelerated.
-
-    Raises:
-        TypeError: ``pipe_or_module`` is neither a pipeline with a transformer nor a module.
-        ValueError: from diffusers, for a cache already enabled or a config it does not know.
-
-    >>> enable_cache(pipe, FirstBlockCacheConfig(threshold=0.2))      # doctest: +SKIP
-    """
-    module = getattr(pipe_or_module, "transformer", pipe_or_module)
-    if not isinstance(module, torch.nn.Module):
-        raise TypeError(f"enable_cache needs a pipeline with a transformer or a module, got {type(module).__name__}")
-    if not callable(getattr(module, "enable_cache", None)):
-        _add_cache_mixin(module)
-    if vars(type(module)).get(_MIXED_ATTR) is not None:
-        config = _zimage_defaults(module, config)
-    module.enable_cache(config)
-
-
-def disable_cache(pipe_or_module: Any) -> None:
-    """Undo :func:`enable_cache`: ``transformer.disable_cache()``, and on Z-Image what it added."""
-    module = getattr(pipe_or_module, "transformer", pipe_or_module)
-    module.disable_cache()
-    original = type(module).__dict__.get(_MIXED_ATTR)
-    if original is not None:
-        object.__setattr__(module, "__class__", original)
-        vars(module).pop("_cache_config", None)
-
-
-def _add_cache_mixin(module: torch.nn.Module) -> None:
-    from diffusers.models.cache_utils import CacheMixin
-
-    if type(module).__name__ == "ZImageTransformer2DModel":
-        _register_zimage_block()
-    original = type(module)
-    namespace = {
-        "__module__": original.__module__,
-        "__qualname__": original.__qualname__,
-        "__call__": _call_in_default_context,
-        _MIXED_ATTR: original,
-    }
-    object.__setattr__(module, "__class__", type(original.__name__, (original, CacheMixin), namespace))
-    object.__setattr__(module, "_cache_config", None)
-
-
-def _register_zimage_block() -> None:
-    """diffusers' block registry names Z-Image's block input ``hidden_states`` (its default); the forward
-    calls it ``x``, and FirstBlockCache asks for ``hidden_states`` by that name. Registered again with
-    both names (process-wide: before, any FirstBlockCache on Z-Image failed in diffusers itself)."""
-    import inspect
-
-    from diffusers.hooks._helpers import TransformerBlockMetadata, TransformerBlockRegistry
-    from diffusers.models.transformers.transformer_z_image import ZImageTransformerBlock
-
-    parameters = list(inspect.signature(ZImageTransformerBlock.forward).parameters)[1:]
-    indices = {name: index for index, name in enumerate(parameters)}
-    indices["hidden_states"] = indices["x"]
-    metadata = TransformerBlockMetadata(
-        return_hidden_states_index=0, return_encoder_hidden_states_index=None, hidden_states_argument_name="x"
-    )
-    metadata._cached_parameter_indices = indices
-    TransformerBlockRegistry.register(ZImageTransformerBlock, metadata)
-
-
-# TaylorSeer's default patterns name Qwen-Image's and FLUX's attention modules, none of Z-Image's.
-ZIMAGE_TAYLORSEER_IDENTIFIERS = [r"^layers\.\d+\.attention$"]
-
-
-def _zimage_defaults(module: torch.nn.Module, config: Any) -> Any:
-    import dataclasses
-
-    if type(config).__name__ == "TaylorSeerCacheConfig" and not (
-        config.cache_identifiers or config.skip_predict_identifiers or config.use_lite_mode
-    ):
-        return dataclasses.replace(config, cache_identifiers=list(ZIMAGE_TAYLORSEER_IDENTIFIERS))
-    return config
-
-
-def _call_in_default_context(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
-    if needs_default_context(self):
-        with self.cache_context(DEFAULT_CONTEXT):
-            return torch.nn.Module.__call__(self, *args, **kwargs)
-    return torch.nn.Module.__call__(self, *args, **kwargs)
-
-
-def needs_default_context(module: torch.nn.Module) -> bool:
-    """Whether ``module`` got its cache methods from :func:`enable_cache` (Z-Image) and a cache hook on it
-    has no context set: the call must then run in :data:`DEFAULT_CONTEXT`."""
-    if _MIXED_ATTR not in type(module).__dict__:
-        return False
-    for registry in _registries(module):
-        for hook in registry.hooks.values():
-            if getattr(hook, "_is_stateful", False):
-                for value in vars(hook).values():
-                    if type(value).__name__ == "StateManager":
-                        return value._context is None
-    return False
-
-
-class SkipCounter:
-    """Counts the transformer calls a cache skipped (the benchmark's and tests' "fraction skipped").
-
-    A forward hook on the transformer reads, after each call, whether the call computed its blocks:
-    FirstBlockCache's and MagCache's ``should_compute``, TaylorSeer's "updated at this step". It reads
-    the state the hooks (eager) or the graphs' records (accelerated) left, so it counts both alike.
-    ``remove()`` takes the hook off.
-
-    >>> counter = SkipCounter(pipe.transformer); pipe(prompt); counter.fraction   # doctest: +SKIP
-    """
-
-    def __init__(self, module: torch.nn.Module) -> None:
-        self.module = module
-        self.calls = 0
-        self.skipped = 0
-        self._handle = module.register_forward_hook(self._count)
-
-    @property
-    def fraction(self) -> float:
-        return self.skipped / self.calls if self.calls else 0.0
-
-    def remove(self) -> None:
-        self._handle.remove()
-
-    def _count(self, module: torch.nn.Module, args: Any, output: Any) -> None:
-        computed = None
-        for registry in _registries(self.module):
-            for hook in registry.hooks.values():
-                manager = getattr(hook, "state_manager", None)
-                if manager is None or not manager._state_cache:
-                    continue
-                context = manager._context.name if manager._context is not None else DEFAULT_CONTEXT
-                state = manager._state_cache.get(context)
-                if state is None:
-                    continue
-                if hasattr(state, "should_compute"):
-                    computed = bool(state.should_compute)
-                elif hasattr(state, "last_update_step"):
-                    computed = computed or state.last_update_step == state.current_step
-        if computed is not None:
-            self.calls += 1
-            self.skipped += not computed

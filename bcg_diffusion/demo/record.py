@@ -21,7 +21,7 @@ from typing import Any
 import PIL.Image
 import torch
 
-from .demo import (
+from .session import (
     DEFAULT_ACCELERATION,
     DEFAULT_PROMPT,
     DemoBackend,

@@ -1,4 +1,4 @@
-"""CFG across GPUs (``cfg_parallel=True`` under ``torchrun``): the work is :mod:`bcg_diffusion.cfg_parallel`.
+"""CFG across GPUs (``cfg_parallel=True`` under ``torchrun``): the work is :mod:`.split` (with :mod:`.fingerprint`).
 
 This feature decides where it applies (a true-CFG pipeline, two ranks, across the context-parallel
 groups if there are any, a scheduler that reports its step), wraps the transformer's ``cache_context`` so each call knows
@@ -16,12 +16,13 @@ import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from ..cfg_parallel import CfgSplit, check_across
-from ..hooks import MethodPatches
-from ..runner import BCGWarning
-from .base import Feature, Setup, Target
+from ...core.hooks import MethodPatches
+from ...core.runner import BCGWarning
+from ..base import Feature, Setup, Target
+from .fingerprint import CfgMismatchError
+from .split import CfgSplit, check_across
 
-__all__ = ["CfgParallel"]
+__all__ = ["CfgMismatchError", "CfgParallel", "CfgSplit", "check_across"]
 
 
 def _refuse(reason: str) -> None:
