@@ -14,13 +14,21 @@ from typing import Any, TypeVar
 import torch
 
 from . import features
-from .config import _KNOWN_COMPONENTS, AccelerateConfig
+from .config import _KNOWN_COMPONENTS, AccelerateConfig, describe_changes
 from .core.hooks import diffusers_hooks, serialise_calls, unserialise_calls
 from .core.runner import BCGWarning
 from .features.step_caching import CACHE_DIT_REASON, cache_dit_enabled
 from .group import GraphGroup, held_by, pipeline_names
 from .pipelines import PipelineAdapter, adapter_for
-from .state import STATE_ATTR, PipelineState, accelerated_state, check_pipeline
+from .state import (
+    RESTORED_ATTR,
+    STATE_ATTR,
+    PipelineState,
+    accelerated_state,
+    attach_state,
+    check_pipeline,
+    mark_restored,
+)
 from .warmup import warm_up
 
 __all__ = ["accelerate", "eager", "invalidate", "restore", "stats"]
@@ -92,6 +100,22 @@ def _eager_reason(pipe: Any, config: AccelerateConfig, device: torch.device) -> 
     return None
 
 
+def _unapplied_quantization(config: AccelerateConfig) -> str:
+    """What a pipeline left eager says of its ``quantize=`` ("" without one): quantization is applied only to a
+    transformer that accelerate takes, so it was not applied either."""
+    if config.quantize is None:
+        return ""
+    if config.quantize == "fp8":
+        return (
+            '; quantize="fp8" was not applied either: FP8 needs the transformer on a CUDA GPU with compute '
+            "capability 8.9 or more (Ada, Hopper, Blackwell), and is applied only to a pipeline accelerate takes"
+        )
+    return (
+        f"; quantize={type(config.quantize).__name__}(...) was not applied either: it is applied only to a "
+        "pipeline accelerate takes"
+    )
+
+
 def accelerate(pipe: P, config: AccelerateConfig | None = None, **options: Any) -> P:
     """Run the pipeline's transformer, VAE decode and (Z-Image) text encoder as replayed breakable
     CUDA graphs.
@@ -119,7 +143,8 @@ def accelerate(pipe: P, config: AccelerateConfig | None = None, **options: Any) 
     pipeline sharing components with pipelines accelerated with other options, or with two groups of
     pipelines accelerated apart (ValueError). A second call with the same options returns the pipeline
     unchanged. A pipeline on CPU (without ``debug=True``) or with offload hooks is left eager with one
-    warning.
+    warning, which also says that a ``quantize=`` was not applied. The ValueError for other options names
+    only the options that differ, old → new (``mode: 'exact' → 'fast'``).
 
     >>> pipe = accelerate(pipe)                  # doctest: +SKIP
     >>> image = pipe("a red fox", height=512, width=512).images[0]   # doctest: +SKIP
@@ -135,15 +160,16 @@ def accelerate(pipe: P, config: AccelerateConfig | None = None, **options: Any) 
             logger.info("accelerate(): pipeline already accelerated with these options; nothing to do")
             return pipe
         raise ValueError(
-            "this pipeline is already accelerated with different options "
-            f"({existing.config} vs {config}); call bcg_diffusion.restore(pipe) first"
+            f"this pipeline is already accelerated with other options ({describe_changes(existing.config, config)}); "
+            "call bcg_diffusion.restore(pipe) first"
         )
     device = _execution_device(pipe)
     reason = _eager_reason(pipe, config, device)
     state = PipelineState(weakref.ref(pipe), config=config, adapter=adapter, active=reason is None, reason=reason)
     if reason is not None:
-        warnings.warn(f"bcg-diffusion: leaving {type(pipe).__name__} eager: {reason}", BCGWarning, stacklevel=2)
-        object.__setattr__(pipe, STATE_ATTR, state)
+        message = f"bcg-diffusion: leaving {type(pipe).__name__} eager: {reason}{_unapplied_quantization(config)}"
+        warnings.warn(message, BCGWarning, stacklevel=2)
+        attach_state(pipe, state)
         return pipe
 
     modules = {
@@ -179,7 +205,7 @@ def accelerate(pipe: P, config: AccelerateConfig | None = None, **options: Any) 
             f"bcg-diffusion: {type(pipe).__name__} has none of {config.components}", BCGWarning, stacklevel=2
         )
     serialise_calls(pipe, group.lock)
-    object.__setattr__(pipe, STATE_ATTR, state)
+    attach_state(pipe, state)
     weakref.finalize(pipe, _release_collected, state).atexit = False
     if config.warmup:
         warm_up(pipe, config.warmup, cfg=config.warmup_cfg)
@@ -202,16 +228,20 @@ def restore(pipe: P) -> P:
 
     Returns the same pipeline, eager again. A module that another accelerated pipeline still holds
     (they were built from shared components) stays accelerated, for every pipeline that calls it,
-    ``pipe`` included: a warning names it; restoring the last holder undoes it. On a pipeline that was
-    never accelerated it warns and does nothing. If something else (an offload hook) wrapped a method
-    on top of ours since, that method is left wrapped but our runner inside it becomes a plain call,
-    with a warning.
+    ``pipe`` included: a warning names it; restoring the last holder undoes it. The pipeline keeps a
+    mark of the restore, so :func:`stats` reports it inactive with the reason. On a pipeline that is not
+    accelerated (never, or restored already) it warns and does nothing. If something else (an offload
+    hook) wrapped a method on top of ours since, that method is left wrapped but our runner inside it
+    becomes a plain call, with a warning.
     """
     check_pipeline(pipe, "restore")
     state: PipelineState | None = getattr(pipe, STATE_ATTR, None)
     if state is None:
+        done = " (restored already)" if RESTORED_ATTR in vars(pipe) else ""
         warnings.warn(
-            "bcg-diffusion: restore(): this pipeline was not accelerated; nothing to undo", BCGWarning, stacklevel=2
+            f"bcg-diffusion: restore(): this pipeline is not accelerated{done}; nothing to undo",
+            BCGWarning,
+            stacklevel=2,
         )
         return pipe
     group = state.group
@@ -223,11 +253,12 @@ def restore(pipe: P) -> P:
                 feature.close()
             unserialise_calls(pipe)
             kept = group.release(state)
-    object.__delattr__(pipe, STATE_ATTR)
+    reason = "restored: bcg_diffusion.restore(pipe) undid accelerate; accelerate it again to use graphs"
+    names = ", ".join(f"{record.component} (held by {', '.join(pipeline_names(record.holders))})" for record in kept)
     if kept:
-        names = ", ".join(
-            f"{record.component} (held by {', '.join(pipeline_names(record.holders))})" for record in kept
-        )
+        reason += f"; its shared modules {names} stay accelerated, for its calls too"
+    mark_restored(pipe, state, reason)
+    if kept:
         warnings.warn(
             f"bcg-diffusion: restore(): {type(pipe).__name__} shares modules that another accelerated pipeline "
             f"still holds, which stay accelerated, for its calls too: {names}; restore those pipelines as well "
@@ -317,10 +348,13 @@ def stats(pipe: Any) -> dict[str, Any]:
     accelerated pipelines that share this one's graphs; the counters of a shared module count their
     calls too). Optional features add their own keys (``bcg_diffusion.features``).
 
+    After :func:`restore` it reports the pipeline as it is: ``active`` False, a ``reason`` saying it was
+    restored, its former ``mode``, ``debug`` and ``adapter``, and zero counters.
+
     Raises:
         ValueError: the pipeline was never accelerated.
     """
-    state = accelerated_state(pipe, "stats")
+    state = accelerated_state(pipe, "stats", restored=True)
     group = state.group
     with group.lock if group is not None else contextlib.nullcontext():
         runners = state.runners

@@ -6,11 +6,13 @@ import os
 from dataclasses import dataclass, fields
 from typing import Any
 
-__all__ = ["AccelerateConfig", "validate_buckets"]
+__all__ = ["AccelerateConfig", "describe_changes", "validate_buckets"]
 
 _MODES = ("exact", "fast")
 _CAPTURE_ERROR_MODES = ("global", "thread_local", "relaxed")
 _KNOWN_COMPONENTS = ("transformer", "transformer_2", "vae", "text_encoder")
+RESOLUTION_MULTIPLE = 16  # Qwen-Image and Z-Image: the VAE's 8x down-sampling, then the transformer's 2x2 patches
+_MAX_VALUE_CHARS = 60  # of one value's repr in describe_changes: a torchao config or a function stays short
 
 
 @dataclass(frozen=True)
@@ -51,7 +53,8 @@ class AccelerateConfig:
             the shared pool. None: no limit.
         warmup: resolutions ``(width, height)`` to capture when :func:`~bcg_diffusion.accelerate`
             returns, by calling the pipeline once per resolution and CFG mode (see
-            :func:`~bcg_diffusion.warm_up`, which also warms up later).
+            :func:`~bcg_diffusion.warm_up`, which also warms up later). Both sides positive multiples of 16
+            (Qwen-Image and Z-Image: the VAE's 8x down-sampling, then 2x2 patches); ValueError otherwise.
         warmup_cfg: the CFG modes to warm up: ``False`` (no CFG) and/or ``True`` (CFG).
         lazy_capture: capture a signature the first time a call needs it (single-user use). Turn off
             for serving after a warm-up: a call of a signature never captured then runs eagerly (counted
@@ -187,8 +190,28 @@ def component_names(value: Any) -> tuple[str, ...]:
     return tuple(dict.fromkeys(value))
 
 
+def describe_changes(old: AccelerateConfig, new: AccelerateConfig) -> str:
+    """The options where ``new`` differs from ``old``, in field order, as ``"mode: 'exact' → 'fast', debug:
+    False → True"`` (each value's repr, shortened past 60 characters); ``"no option differs"`` when none does."""
+    changes = [
+        f"{f.name}: {_short_repr(getattr(old, f.name))} → {_short_repr(getattr(new, f.name))}"
+        for f in fields(AccelerateConfig)
+        if getattr(old, f.name) != getattr(new, f.name)
+    ]
+    return ", ".join(changes) or "no option differs"
+
+
+def _short_repr(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= _MAX_VALUE_CHARS else text[: _MAX_VALUE_CHARS - 3] + "..."
+
+
 def resolution_pairs(value: Any) -> tuple[tuple[int, int], ...]:
-    """``[(1024, 1024), (512, 768)]`` as a tuple of ``(width, height)`` pairs of positive ints."""
+    """``[(1024, 1024), (512, 768)]`` as a tuple of distinct ``(width, height)`` pairs of ints.
+
+    Raises TypeError for anything but pairs of ints, ValueError for a side that is not a positive multiple of
+    16: Qwen-Image's and Z-Image's pipelines need that (the VAE's 8x down-sampling, then 2x2 patches), and a
+    warm-up at another size would fail inside diffusers or capture a size no call uses."""
     if not isinstance(value, (tuple, list)):
         raise TypeError(f"warmup must be a list of (width, height) pairs, got {value!r}")
     pairs = []
@@ -199,9 +222,18 @@ def resolution_pairs(value: Any) -> tuple[tuple[int, int], ...]:
             or not all(isinstance(v, int) and not isinstance(v, bool) for v in item)
         ):
             raise TypeError(f"warmup entries must be (width, height) pairs of ints, got {item!r}")
-        if min(item) <= 0:
-            raise ValueError(f"warmup resolution {item!r} must be positive")
-        pairs.append((item[0], item[1]))
+        pair = (item[0], item[1])
+        if min(pair) <= 0:
+            raise ValueError(f"warmup resolution {pair!r} must be positive")
+        if pair[0] % RESOLUTION_MULTIPLE or pair[1] % RESOLUTION_MULTIPLE:
+            nearest = tuple(
+                max(RESOLUTION_MULTIPLE, round(side / RESOLUTION_MULTIPLE) * RESOLUTION_MULTIPLE) for side in pair
+            )
+            raise ValueError(
+                f"warmup resolution {pair!r}: width and height must be multiples of {RESOLUTION_MULTIPLE} (the VAE's "
+                f"8x down-sampling, then the transformer's 2x2 patches); try {nearest!r}"
+            )
+        pairs.append(pair)
     return tuple(dict.fromkeys(pairs))
 
 

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from . import features as feature_registry
-from .config import AccelerateConfig
+from .config import AccelerateConfig, describe_changes
 from .core.budget import SignatureBudget
 from .core.graphs import GraphPool
 from .core.hooks import MethodPatches, watch_component
@@ -103,7 +103,8 @@ class GraphGroup:
 
     # ------------------------------------------------------------------------------------- membership
     def check_joins(self, pipe: Any, config: AccelerateConfig, adapter: PipelineAdapter) -> None:
-        """Raise ValueError unless ``pipe`` may join: same adapter, same options (a warm-up aside)."""
+        """Raise ValueError unless ``pipe`` may join: same adapter, same options (a warm-up aside). The message
+        names the options that differ, the group's value first (``mode: 'exact' → 'fast'``)."""
         others = ", ".join(pipeline_names(self.members)) or "a pipeline since collected"
         if adapter.name != self.adapter.name:
             raise ValueError(
@@ -113,8 +114,8 @@ class GraphGroup:
         if _options(config) != _options(self.config):
             raise ValueError(
                 f"{type(pipe).__name__} shares components with {others}, accelerated with other options "
-                f"({_options(self.config)} vs {_options(config)}): pipelines that share components share their "
-                "graphs and must be accelerated with the same options (or restore the others first)"
+                f"({describe_changes(_options(self.config), _options(config))}): pipelines that share components "
+                "share their graphs and must be accelerated with the same options (or restore the others first)"
             )
 
     def take(self, state: Any, modules: dict[str, torch.nn.Module]) -> dict[str, HeldModule]:

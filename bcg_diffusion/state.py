@@ -13,9 +13,10 @@ from .features import Feature
 from .group import GraphGroup, HeldModule
 from .pipelines import PipelineAdapter
 
-__all__ = ["PipelineState", "accelerated_state", "check_pipeline"]
+__all__ = ["PipelineState", "accelerated_state", "attach_state", "check_pipeline", "mark_restored"]
 
 STATE_ATTR = "_bcg_state"
+RESTORED_ATTR = "_bcg_restored"  # what stats() reports of a pipeline after restore
 
 
 @dataclass(eq=False)
@@ -61,10 +62,43 @@ def check_pipeline(pipe: Any, caller: str) -> None:
         )
 
 
-def accelerated_state(pipe: Any, caller: str) -> PipelineState:
-    """``pipe``'s state; raises TypeError for a non-pipeline, ValueError for one never accelerated."""
+@dataclass(frozen=True)
+class _Restored:
+    """What :func:`mark_restored` leaves on a pipeline: the options and adapter it had, and why it is inactive."""
+
+    config: AccelerateConfig
+    adapter: PipelineAdapter
+    reason: str
+
+
+def attach_state(pipe: Any, state: PipelineState) -> None:
+    """Put ``state`` on ``pipe`` (bypassing diffusers' ``__setattr__``), replacing any mark of a restore."""
+    vars(pipe).pop(RESTORED_ATTR, None)
+    object.__setattr__(pipe, STATE_ATTR, state)
+
+
+def mark_restored(pipe: Any, state: PipelineState, reason: str) -> None:
+    """Take ``state`` off ``pipe`` and note that it was restored, so :func:`accelerated_state` with
+    ``restored=True`` can report it (its options, no graphs, ``reason``) instead of refusing it."""
+    object.__delattr__(pipe, STATE_ATTR)
+    object.__setattr__(pipe, RESTORED_ATTR, _Restored(state.config, state.adapter, reason))
+
+
+def accelerated_state(pipe: Any, caller: str, *, restored: bool = False) -> PipelineState:
+    """``pipe``'s state; raises TypeError for a non-pipeline, ValueError for one not accelerated now.
+
+    With ``restored=True`` a pipeline that :func:`~bcg_diffusion.restore` undid is not refused: it gets an
+    inactive state with its former options and adapter, holding nothing (what ``stats`` reports)."""
     check_pipeline(pipe, caller)
     state: PipelineState | None = getattr(pipe, STATE_ATTR, None)
-    if state is None:
+    if state is not None:
+        return state
+    mark: _Restored | None = vars(pipe).get(RESTORED_ATTR)
+    if mark is None:
         raise ValueError(f"{caller}(): this pipeline was not accelerated (call bcg_diffusion.accelerate(pipe) first)")
-    return state
+    if not restored:
+        raise ValueError(
+            f"{caller}(): this pipeline is not accelerated: it was restored (call bcg_diffusion.accelerate(pipe) "
+            "again first)"
+        )
+    return PipelineState(weakref.ref(pipe), config=mark.config, adapter=mark.adapter, active=False, reason=mark.reason)

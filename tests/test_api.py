@@ -48,11 +48,73 @@ def test_accelerate_twice(pipe):
         restore(pipe)
 
 
-def test_restore_and_stats_on_a_plain_pipeline(pipe):
+def test_restore_and_stats_on_a_plain_pipeline():
+    pipe = build_pipeline("z-image", "tiny", device="cpu")  # never accelerated (the module's pipe is restored)
     with pytest.warns(BCGWarning, match="not accelerated"):
         assert restore(pipe) is pipe
     with pytest.raises(ValueError, match="not accelerated"):
         stats(pipe)
+
+
+def test_changed_options_name_only_what_changed(pipe):
+    accelerate(pipe, debug=True)
+    try:
+        with pytest.raises(ValueError, match="restore") as info:
+            accelerate(pipe, debug=True, mode="fast")
+    finally:
+        restore(pipe)
+    message = str(info.value)
+    assert "(mode: 'exact' → 'fast')" in message, message
+    assert "AccelerateConfig(" not in message and len(message) < 200, message
+
+
+def test_a_relative_with_other_options_is_told_what_differs(pipe):
+    from diffusers import ZImageImg2ImgPipeline
+
+    relative = ZImageImg2ImgPipeline(**pipe.components)
+    accelerate(pipe, debug=True)
+    try:
+        with pytest.raises(ValueError, match="same options") as info:
+            accelerate(relative, debug=True, max_signatures=4, warmup=[(64, 64)])
+    finally:
+        restore(pipe)
+    message = str(info.value)
+    assert "(max_signatures: None → 4)" in message, message  # the warm-up is no option of the graphs
+    assert "AccelerateConfig(" not in message and "warmup" not in message, message
+
+
+def test_stats_after_restore_says_so_with_zero_counters(pipe):
+    from bcg_diffusion import invalidate
+
+    accelerate(pipe, debug=True)
+    pipe(prompt="a fox", height=32, width=32, num_inference_steps=1, output_type="pt")
+    assert stats(pipe)["captures"] > 0
+    restore(pipe)
+    report = stats(pipe)
+    assert report["active"] is False and "restored" in report["reason"], report["reason"]
+    assert report["captures"] == report["replays"] == report["graph_memory_bytes"] == 0
+    assert report["signatures"] == [] and report["components"] == {} and report["shared_with"] == []
+    assert (report["mode"], report["debug"], report["adapter"]) == ("exact", True, "z-image")
+    with pytest.raises(ValueError, match="not accelerated.*restored"):
+        invalidate(pipe)  # stats alone reports a restored pipeline; acting on its graphs needs accelerate
+    with pytest.warns(BCGWarning, match="not accelerated"):
+        restore(pipe)
+    accelerate(pipe, debug=True)
+    try:
+        assert stats(pipe)["active"] is True and stats(pipe)["reason"] is None
+    finally:
+        restore(pipe)
+
+
+def test_quantize_on_a_cpu_pipeline_says_it_was_not_applied(pipe):
+    with pytest.warns(BCGWarning, match="leaving .* eager") as warned:
+        accelerate(pipe, quantize="fp8")
+    try:
+        message = " ".join(str(w.message) for w in warned)
+        assert 'quantize="fp8" was not applied either' in message, message
+        assert "compute capability 8.9" in message, message
+    finally:
+        restore(pipe)
 
 
 def test_components_option_limits_what_is_patched(pipe):

@@ -24,6 +24,10 @@ def test_defaults():
         ({"warmup_runs": 2.0}, TypeError, "must be an int"),
         ({"warmup_runs": True}, TypeError, "must be an int"),
         ({"capture_error_mode": "loose"}, ValueError, "capture_error_mode"),
+        ({"warmup": [(0, 64)]}, ValueError, "must be positive"),
+        ({"warmup": [(512, 512), (63, 64)]}, ValueError, r"warmup resolution \(63, 64\).*multiples of 16.*\(64, 64\)"),
+        ({"warmup": [(64, 40)]}, ValueError, r"warmup resolution \(64, 40\).*multiples of 16"),
+        ({"warmup": [512]}, TypeError, "pairs of ints"),
     ],
 )
 def test_bad_values_are_refused(options, error, match):
@@ -39,3 +43,11 @@ def test_from_options_overrides_and_rejects_unknown_names():
         AccelerateConfig.from_options(None, {"max_graphs": 3})
     with pytest.raises(TypeError, match="must be an AccelerateConfig"):
         AccelerateConfig.from_options({"debug": True}, {})
+
+
+def test_describe_changes_names_only_the_fields_that_differ():
+    from bcg_diffusion.config import describe_changes
+
+    old, new = AccelerateConfig(debug=True), AccelerateConfig(debug=True, mode="fast", max_signatures=4)
+    assert describe_changes(old, new) == "mode: 'exact' → 'fast', max_signatures: None → 4"
+    assert describe_changes(old, old) == "no option differs"

@@ -100,6 +100,61 @@ def test_same_settings_again_replays_without_new_captures(backend):
     assert np.array_equal(pixels(first.accelerated_image), pixels(again.accelerated_image))
 
 
+def test_a_first_request_says_what_it_cost_and_shows_a_speed_up_only_when_warm(backend):
+    first = backend.generate(request(width=112, height=48, seed=5))  # a new signature: it captures
+    again = backend.generate(request(width=112, height=48, seed=5))
+    assert first.cost.captures > 0 and not first.warm and again.cost.captures == 0 and again.warm
+    report = first.report_markdown()
+    assert report.startswith("### First call at these settings: ") and "of one-off work (capture " in report
+    assert "Speed-up" not in report and "byte-identical: yes" in report.splitlines()[0]
+    assert "Generate again with the same settings for the speed-up" in report
+    assert again.report_markdown().startswith("### Speed-up ")
+    only = backend.generate(request(width=112, height=64, mode=ACCELERATED_ONLY))
+    assert only.report_markdown().startswith("### Accelerated: ") and "first call: capture " in only.report_markdown()
+
+
+def _fast_result(**changes) -> demo.GenerationResult:
+    """Fast mode's first request as issue 35 saw it on the GPU: the compile fell in the reference call."""
+    image = demo._to_pil(torch.zeros(1, 3, 16, 16))
+    values = {
+        "request": request(acceleration="fast"),
+        "device": "cuda:0",
+        "graphs": "cuda graphs",
+        "accelerated_image": image,
+        "accelerated_seconds": 0.116,
+        "accelerated_digest": "abc",
+        "cost": demo.GraphCost(4, 10, 0, 0.05, 2**20, 2**20, compiles=2, compile_seconds=3.5),
+        "eager_image": image,
+        "eager_seconds": 3.686,
+        "eager_digest": "abc",
+        "identical": True,
+        "max_difference": 0.0,
+        "reference_compiles": 2,
+        "reference_compile_seconds": 3.5,
+    }
+    return demo.GenerationResult(**{**values, **changes})
+
+
+def test_fast_mode_first_request_puts_the_compile_in_the_first_call_not_in_a_speed_up():
+    cold = _fast_result()
+    report = cold.report_markdown()
+    assert report.startswith(
+        "### First call at these settings: 3.550 s of one-off work (compile 3.500 s, capture 0.050 s) · "
+    ), report
+    assert "Speed-up" not in report and "31.7" not in report
+    assert "| latency | 3.686 s (incl. compile 3.500 s) | 0.116 s (incl. capture 0.050 s) |" in report
+    assert "compiled the transformer's blocks (2 compile(s), 3.500 s, in fast mode's reference" in report
+    warm = _fast_result(
+        cost=demo.GraphCost(0, 10, 0, 0.0, 2**20, 0),
+        eager_seconds=0.2,
+        reference_compiles=0,
+        reference_compile_seconds=0.0,
+    )
+    report = warm.report_markdown()
+    assert report.startswith("### Speed-up 1.72x over fast mode's reference · byte-identical: yes"), report
+    assert "| latency | 0.200 s | 0.116 s |" in report and "one-off" not in report
+
+
 def test_accelerated_only_runs_one_call(backend):
     steps_seen = []
     result = backend.generate(request(mode=ACCELERATED_ONLY, steps=3), lambda *args: steps_seen.append(args))
@@ -366,7 +421,7 @@ def test_fast_mode_is_compared_with_its_compiled_reference(make_backend):
     report = fast.report_markdown()
     assert fast.identical is True and fast.max_difference == 0.0 and fast.eager_digest == fast.accelerated_digest
     assert fast.cost.compiles > 0 and fast.cost.captures > 0 and fast.cost.eager_fallbacks == 0
-    assert "byte-identical: yes" in report and "over fast mode's reference" in report
+    assert "byte-identical: yes" in report and fast.reference_compiles > 0  # the reference ran the blocks first
     assert "; fast mode; " in report and "| | fast mode's reference | accelerated (fast) |" in report
     assert (
         "compared with its own reference, not with eager" in report and "compiled the transformer's blocks" in report
@@ -374,6 +429,7 @@ def test_fast_mode_is_compared_with_its_compiled_reference(make_backend):
     assert [text for _, _, text in steps_seen if "step 0" in text][0] == "fast mode's reference: step 0/2"
     again = backend.generate(request(acceleration="fast"))
     assert again.identical and again.cost.compiles == 0 and again.cost.captures == 0 and again.cost.replays > 0
+    assert "over fast mode's reference" in again.report_markdown()  # both sides warm: a speed-up
     assert np.array_equal(pixels(again.accelerated_image), pixels(fast.accelerated_image))
     report = stats(backend.pipeline("z-image", "fast"))
     assert report["mode"] == "fast" and report["compiled_blocks"] > 0 and report["compile_failure"] is None

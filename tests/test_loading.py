@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 
 import numpy as np
@@ -274,3 +275,11 @@ def test_random_full_builds_fast_on_gpu_and_stays_finite(name):
         assert torch.isfinite(image).all() and image.std() > 0.01
     del pipe
     torch.cuda.empty_cache()
+
+
+def test_the_build_log_gives_tiny_parameter_counts_in_a_readable_unit(caplog):
+    with caplog.at_level("INFO", logger="bcg_diffusion.models.builders"):
+        build_pipeline("z-image", "tiny")
+    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("built z-image"))
+    assert re.search(r": \d+(\.\d)?[KM] parameters in ", line), line
+    assert "0.00B" not in line

@@ -156,3 +156,12 @@ def test_a_new_signature_is_explained(caplog):
     assert len(lines) == 1
     assert "arg 0: float32[1x11] on cpu -> float32[1x20] on cpu" in lines[0]
     assert "keyword arguments: {} -> {mask: float32[1x20]}" in lines[0]
+
+
+def test_debug_mode_logs_a_debug_run_not_an_empty_capture(caplog):
+    runner = make_runner(lambda x: x * 2)
+    with torch.no_grad(), caplog.at_level("INFO", logger="bcg_diffusion.core.runner"):
+        runner(torch.zeros(3))
+    lines = [r.getMessage() for r in caplog.records if r.name == "bcg_diffusion.core.runner"]
+    assert any("toy: debug run of" in line and "(no graph: debug mode)" in line for line in lines), lines
+    assert not any("segments" in line or "MiB" in line for line in lines), lines

@@ -118,6 +118,17 @@ def test_first_block_cache_runs_on_z_image():
     assert type(pipe.transformer).__name__ == "ZImageTransformer2DModel"
 
 
+@pytest.mark.parametrize("name", ["qwen-image", "z-image"])
+def test_a_config_that_is_no_cache_names_the_ones_that_work(name):
+    pipe = _pipe(name)
+    original = type(pipe.transformer)
+    expected = "str 'bogus' is not a diffusers cache config; pass a FirstBlockCacheConfig, TaylorSeerCacheConfig or "
+    with pytest.raises(TypeError, match=expected + "MagCacheConfig"):
+        enable_cache(pipe, "bogus")
+    assert type(pipe.transformer) is original  # refused before anything changed: Z-Image got no cache methods
+    assert not getattr(pipe.transformer, "is_cache_enabled", False)
+
+
 def test_magcache_calibration_runs_eagerly_with_the_reason():
     pipe = _pipe("qwen-image")
     accelerate(pipe, debug=True)

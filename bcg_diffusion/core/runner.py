@@ -549,15 +549,23 @@ class GraphRunner:
             self.budget.admit(self, key)
         self.counters.captures += 1
         self.counters.capture_seconds += record.capture_seconds
-        logger.info(
-            "%s: captured %s in %.3f s (%d segments, %d breaks, %.1f MiB)",
-            self.name,
-            record.signature,
-            record.capture_seconds,
-            record.segments,
-            record.breaks,
-            record.memory_bytes / 2**20,
-        )
+        if self.debug:  # no graph was made: segments and memory would read 0
+            logger.info(
+                "%s: debug run of %s in %.3f s (no graph: debug mode)",
+                self.name,
+                record.signature,
+                record.capture_seconds,
+            )
+        else:
+            logger.info(
+                "%s: captured %s in %.3f s (%d segments, %d breaks, %.1f MiB)",
+                self.name,
+                record.signature,
+                record.capture_seconds,
+                record.segments,
+                record.breaks,
+                record.memory_bytes / 2**20,
+            )
         return self._cloned_outputs(path)
 
     def _log_miss(self, key: Hashable, spec: Hashable, captured: bool = True) -> None:

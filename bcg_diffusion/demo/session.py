@@ -6,7 +6,8 @@ of :data:`ACCELERATIONS`: exact or fast; ``debug=True`` off CUDA, where no graph
 with :meth:`DemoBackend.generate`: the reference runs inside :func:`bcg_diffusion.eager` on the same pipeline
 object (eager in exact mode; in fast mode its compiled blocks without graphs, fast mode's reference), then the
 accelerated call runs normally; both are timed, compared byte for byte and reported with what the graphs cost
-during the request.
+during the request. A speed-up is reported only when neither call did one-off work (a capture, a compile);
+otherwise the report says what that first call cost instead.
 
 Concurrency: a request holds its pipeline's lock from start to end. Diffusers pipelines keep per-call
 state on the object (scheduler timesteps, guidance settings), and the eager/accelerated comparison and the
@@ -287,8 +288,9 @@ def _finite(value: Any, name: str) -> float:
 class GraphCost:
     """What the graphs cost during one request (``stats`` after minus before), and the pool's size after it.
 
-    ``compiles`` and ``compile_seconds`` are fast mode's block compiles (0 in exact mode); side by side they
-    happen in the reference call, which runs the compiled blocks first.
+    ``compiles`` and ``compile_seconds`` are fast mode's block compiles (0 in exact mode). Side by side the
+    first compile at new settings happens in the reference call, which runs the compiled blocks first
+    (:attr:`GenerationResult.reference_compiles` counts those); captures happen in the accelerated call only.
     """
 
     captures: int
@@ -324,6 +326,12 @@ class GenerationResult:
     ``torch.equal`` of the two output tensors (before conversion to 8-bit images), ``max_difference`` their
     largest absolute difference (images in [0, 1]). ``graphs`` says what the accelerated call ran:
     ``"cuda graphs"``, ``"debug"`` (the runner path without graphs, off CUDA) or ``"inactive: <why>"``.
+    ``reference_compiles`` and ``reference_compile_seconds`` are the part of ``cost``'s compiles that ran in the
+    reference call (0 in accelerated-only mode); the rest of ``cost`` ran in the accelerated call.
+
+    A request is :attr:`warm` when neither call did one-off work (no capture, no compile): only then do the
+    two latencies compare like with like, and only then does the report show a speed-up. Otherwise its
+    headline is what the first call cost (:attr:`one_off_seconds`).
     """
 
     request: GenerationRequest
@@ -338,6 +346,8 @@ class GenerationResult:
     eager_digest: str | None = None
     identical: bool | None = None
     max_difference: float | None = None
+    reference_compiles: int = 0
+    reference_compile_seconds: float = 0.0
 
     @property
     def acceleration(self) -> Acceleration:
@@ -351,7 +361,19 @@ class GenerationResult:
         return self.graphs == "cuda graphs"
 
     @property
+    def warm(self) -> bool:
+        """Whether neither call captured or compiled, so the latencies compare like with like."""
+        return not (self.cost.captures or self.cost.compiles)
+
+    @property
+    def one_off_seconds(self) -> float:
+        """Time of the request's one-off work: its captures and block compiles (0.0 when :attr:`warm`)."""
+        return self.cost.capture_seconds + self.cost.compile_seconds
+
+    @property
     def speedup(self) -> float | None:
+        """Reference latency over accelerated latency, as measured (None without a reference). The report shows
+        it only when :attr:`warm`: otherwise one-off work is in one latency or the other."""
         if self.eager_seconds is None or self.accelerated_seconds <= 0:
             return None
         return self.eager_seconds / self.accelerated_seconds
@@ -361,23 +383,18 @@ class GenerationResult:
         return self.eager_image, self.accelerated_image, self.report_markdown()
 
     def report_markdown(self) -> str:
-        """Latencies, speed-up, identity and graph costs as Markdown, with the caveats that apply."""
+        """Latencies, speed-up (when :attr:`warm`) or what the first call cost, identity and graph costs as
+        Markdown, with the caveats that apply."""
         r, c, a = self.request, self.cost, self.acceleration
-        if self.speedup is not None:
-            over = "" if a.reference == "eager" else f" over {a.reference}"
-            caveat = "" if self.speed_meaningful else " (not meaningful)"
-            if a.identical:
-                comparison = f"byte-identical: {'yes' if self.identical else 'NO'}"
-            else:
-                comparison = f"largest difference from {a.reference}: {_difference(self.max_difference)}"
-            headline = f"### Speed-up {self.speedup:.2f}x{over}{caveat} · {comparison}"
-        else:
-            headline = f"### Accelerated: {_seconds(self.accelerated_seconds)}"
+        headline = self._headline()
         settings = (
             f"{r.pipeline}, {r.width}x{r.height}, {r.steps} steps, guidance {r.guidance:g}, seed {r.seed}; "
             f"{a.name} mode; `{self.device}`, {self.graphs}"
         )
-        eager_latency = _seconds(self.eager_seconds) if self.eager_seconds is not None else "not run"
+        eager_latency = "not run"
+        if self.eager_seconds is not None:
+            eager_latency = _seconds(self.eager_seconds) + _including(self._reference_work())
+        accelerated_latency = _seconds(self.accelerated_seconds) + _including(self._accelerated_work())
         eager_digest = f"`{self.eager_digest}`" if self.eager_digest else "–"
         memory = _bytes(c.graph_memory_bytes)
         if c.graph_memory_delta_bytes:
@@ -388,7 +405,7 @@ class GenerationResult:
             "",
             f"| | {a.reference} | accelerated ({a.name}) |",
             "|---|---:|---:|",
-            f"| latency | {eager_latency} | {_seconds(self.accelerated_seconds)} |",
+            f"| latency | {eager_latency} | {accelerated_latency} |",
             f"| image digest (sha256) | {eager_digest} | `{self.accelerated_digest}` |",
             "",
         ]
@@ -413,6 +430,39 @@ class GenerationResult:
         lines += [f"> {note}\n" for note in self._notes()]
         return "\n".join(lines).rstrip() + "\n"
 
+    def _headline(self) -> str:
+        """The report's first line: the speed-up of two warm calls, or what the first call cost."""
+        a = self.acceleration
+        one_off = ", ".join(self._reference_work() + self._accelerated_work())
+        if self.eager_seconds is None:
+            first = "" if self.warm else f" (first call: {one_off})"
+            return f"### Accelerated: {_seconds(self.accelerated_seconds)}{first}"
+        if a.identical:
+            comparison = f"byte-identical: {'yes' if self.identical else 'NO'}"
+        else:
+            comparison = f"largest difference from {a.reference}: {_difference(self.max_difference)}"
+        if not self.warm:
+            return (
+                f"### First call at these settings: {_seconds(self.one_off_seconds)} of one-off work ({one_off}) · "
+                f"{comparison}"
+            )
+        over = "" if a.reference == "eager" else f" over {a.reference}"
+        caveat = "" if self.speed_meaningful else " (not meaningful)"
+        return f"### Speed-up {self.speedup:.2f}x{over}{caveat} · {comparison}"
+
+    def _reference_work(self) -> list[str]:
+        """The one-off work of the reference call, as ``["compile 3.500 s"]`` (empty when it did none)."""
+        return [f"compile {_seconds(self.reference_compile_seconds)}"] if self.reference_compiles else []
+
+    def _accelerated_work(self) -> list[str]:
+        """The one-off work of the accelerated call: the compiles the reference left to it, then its captures."""
+        c, work = self.cost, []
+        if c.compiles > self.reference_compiles:
+            work.append(f"compile {_seconds(c.compile_seconds - self.reference_compile_seconds)}")
+        if c.captures:
+            work.append(f"capture {_seconds(c.capture_seconds)}")
+        return work
+
     def _notes(self) -> list[str]:
         notes = []
         if self.identical is not None and self.acceleration.note:
@@ -425,19 +475,37 @@ class GenerationResult:
             )
         elif not self.speed_meaningful:
             notes.append(f"**Speed numbers are not meaningful:** graphs are {self.graphs}; both calls ran eagerly.")
-        if self.cost.captures and self.graphs == "cuda graphs":
-            notes.append(
-                f"This request captured {self.cost.captures} new graph(s) ({_seconds(self.cost.capture_seconds)}): "
-                "the accelerated latency includes the capture. Generate again with the same settings to see the "
-                "replay speed."
-            )
-        if self.cost.compiles:
-            first = self.acceleration.reference if self.identical is not None else "accelerated"
-            notes.append(
-                f"This request compiled the transformer's blocks ({self.cost.compiles} compile(s), "
-                f"{_seconds(self.cost.compile_seconds)}): the first call that ran them ({first}) includes that time."
-            )
+        if not self.warm:
+            notes.append(self._one_off_note())
         return notes
+
+    def _one_off_note(self) -> str:
+        """What one-off work this request did, in which call, and why it shows no speed-up."""
+        c, a = self.cost, self.acceleration
+        done = []
+        if c.compiles:
+            where = (
+                f"{a.reference}, the first call that ran them" if self.reference_compiles else "the accelerated call"
+            )
+            if 0 < self.reference_compiles < c.compiles:
+                where = f"{a.reference} and the accelerated call"
+            compiled = f"{c.compiles} compile(s), {_seconds(c.compile_seconds)}"
+            done.append(f"compiled the transformer's blocks ({compiled}, in {where})")
+        if c.captures:
+            what = "graph(s)" if self.graphs == "cuda graphs" else "signature(s) (debug mode: no graph)"
+            done.append(f"captured {c.captures} new {what} ({_seconds(c.capture_seconds)}, in the accelerated call)")
+        if self.eager_seconds is None:
+            outcome = "The latency above includes it. Generate again with the same settings for the warm latency."
+        else:
+            outcome = (
+                "The latencies above include it, so they compare nothing and no speed-up is shown. Generate again "
+                "with the same settings for the speed-up of two warm calls."
+            )
+        return f"This request did one-off work: it {' and '.join(done)}. {outcome}"
+
+
+def _including(work: list[str]) -> str:
+    return f" (incl. {', '.join(work)})" if work else ""
 
 
 def _difference(value: float | None) -> str:
@@ -751,17 +819,19 @@ class DemoBackend:
                 on_progress(0, total, f"loading {request.pipeline} ({self.weights}, {chosen.name} mode)")
             pipe = self._ensure_built(entry, request.pipeline, request.acceleration)
             eager_images = eager_seconds = None
-            before = stats(pipe)
+            before = middle = stats(pipe)
             if side_by_side:
                 with eager(pipe):  # exact mode: eager; fast mode: its compiled blocks without graphs
                     reporter = _StepReporter(on_progress, 0, total, chosen.reference, request.steps)
                     eager_seconds, eager_images = self._timed_call(pipe, request, reporter)
+                middle = stats(pipe)  # what the reference did (fast mode: the first compile) stays apart
             offset = request.steps if side_by_side else 0
             reporter = _StepReporter(on_progress, offset, total, "accelerated", request.steps)
             accelerated_seconds, accelerated_images = self._timed_call(pipe, request, reporter)
             after = stats(pipe)
         finally:
             entry.lock.release()
+        reference = GraphCost.between(before, middle)
         if not after["active"]:
             graphs = f"inactive: {after['reason']}"
         else:
@@ -781,6 +851,8 @@ class DemoBackend:
             max_difference=(
                 (eager_images - accelerated_images).abs().max().item() if eager_images is not None else None
             ),
+            reference_compiles=reference.compiles,
+            reference_compile_seconds=reference.compile_seconds,
         )
 
     def _timed_call(

@@ -166,15 +166,23 @@ def build_pipeline(
     if device.type == "cuda":
         torch.cuda.synchronize(device)  # the initialisation kernels are queued: time them too
     logger.info(
-        "built %s (%s weights) on %s in %s: %.2fB parameters in %.1f s",
+        "built %s (%s weights) on %s in %s: %s parameters in %.1f s",
         pipeline,
         weights,
         device,
         dtype,
-        sum(p.numel() for m in models.values() for p in m.parameters()) / 1e9,
+        _count(sum(p.numel() for m in models.values() for p in m.parameters())),
         time.perf_counter() - start,
     )
     return pipe
+
+
+def _count(number: int) -> str:
+    """``number`` in the largest unit it reaches, for a log line: ``"20.43B"``, ``"1.2M"``, ``"850.3K"``, ``"12"``."""
+    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if number >= size:
+            return f"{number / size:.2f}{unit}" if unit == "B" else f"{number / size:.1f}{unit}"
+    return str(number)
 
 
 def _qwen_image_recipe(full: bool, tokenizer: PreTrainedTokenizerBase, num_layers: int | None) -> _RandomRecipe:

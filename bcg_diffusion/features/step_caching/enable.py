@@ -6,15 +6,27 @@ diffusers' own (``CacheMixin``), so the same hooks and block registry apply to i
 
 from __future__ import annotations
 
+import reprlib
 from typing import Any
 
 import torch
 
 from .state import DEFAULT_CONTEXT, hook_registries
 
-__all__ = ["SkipCounter", "disable_cache", "enable_cache", "needs_default_context"]
+__all__ = [
+    "GRAPH_CACHE_CONFIGS",
+    "SkipCounter",
+    "check_cache_config",
+    "disable_cache",
+    "enable_cache",
+    "needs_default_context",
+]
 
 _MIXED_ATTR = "_bcg_cache_mixin"  # on a class we derived with diffusers' CacheMixin: the original class
+GRAPH_CACHE_CONFIGS = ("FirstBlockCacheConfig", "TaylorSeerCacheConfig", "MagCacheConfig")
+"""diffusers' cache configs whose hooks run inside the graphs (``docs/caching.md``)."""
+EAGER_CACHE_CONFIGS = ("FasterCacheConfig", "PyramidAttentionBroadcastConfig", "SeaCacheConfig", "TextKVCacheConfig")
+"""diffusers' other cache configs: enabled as diffusers enables them, the transformer then runs eagerly."""
 
 
 def enable_cache(pipe_or_module: Any, config: Any) -> None:
@@ -28,19 +40,41 @@ def enable_cache(pipe_or_module: Any, config: Any) -> None:
     Works before or after :func:`~bcg_diffusion.accelerate`, eager or accelerated.
 
     Raises:
-        TypeError: ``pipe_or_module`` is neither a pipeline with a transformer nor a module.
-        ValueError: from diffusers, for a cache already enabled or a config it does not know.
+        TypeError: ``pipe_or_module`` is neither a pipeline with a transformer nor a module, or ``config`` is
+            not one of diffusers' cache configs (the message names those that run inside the graphs:
+            :data:`GRAPH_CACHE_CONFIGS`); nothing is changed then.
+        ValueError: from diffusers, for a cache already enabled.
 
     >>> enable_cache(pipe, FirstBlockCacheConfig(threshold=0.2))      # doctest: +SKIP
     """
     module = getattr(pipe_or_module, "transformer", pipe_or_module)
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"enable_cache needs a pipeline with a transformer or a module, got {type(module).__name__}")
+    check_cache_config(config)
     if not callable(getattr(module, "enable_cache", None)):
         _add_cache_mixin(module)
     if vars(type(module)).get(_MIXED_ATTR) is not None:
         config = _zimage_defaults(module, config)
     module.enable_cache(config)
+
+
+def check_cache_config(config: Any) -> None:
+    """Raise TypeError unless ``config`` is one of diffusers' cache configs, naming those that run inside the
+    graphs and those that run eagerly (a config this diffusers lacks is left out of both)."""
+    import diffusers.hooks
+
+    def present(names: tuple[str, ...]) -> list[type]:
+        return [cls for name in names if isinstance(cls := getattr(diffusers.hooks, name, None), type)]
+
+    eager = present(EAGER_CACHE_CONFIGS)
+    if isinstance(config, tuple(present(GRAPH_CACHE_CONFIGS) + eager)):
+        return
+    raise TypeError(
+        f"enable_cache(): {type(config).__name__} {reprlib.repr(config)} is not a diffusers cache config; pass a "
+        f"{', '.join(GRAPH_CACHE_CONFIGS[:-1])} or {GRAPH_CACHE_CONFIGS[-1]} (`from diffusers import "
+        f"FirstBlockCacheConfig`), whose hooks run inside the graphs ({', '.join(c.__name__ for c in eager)} are "
+        "accepted too, but their transformer runs eagerly)"
+    )
 
 
 def disable_cache(pipe_or_module: Any) -> None:
