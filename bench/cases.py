@@ -1,18 +1,33 @@
-"""What the benchmark runs: cases (one pipeline call each) and named presets."""
+"""What the benchmark runs: cases (one pipeline call each) and named presets.
+
+Importable without torch or diffusers (``python -m bench --help`` lists the presets): the prompts are read from
+``bcg_diffusion.models`` on first use.
+"""
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
-from bcg_diffusion.models import DEFAULT_PROMPTS
-
-SHORT_PROMPTS = tuple(p for p in DEFAULT_PROMPTS if len(p.split()) <= 20)
-LONG_PROMPTS = tuple(p for p in DEFAULT_PROMPTS if len(p.split()) > 20)
-PROMPT_SETS = {"short": SHORT_PROMPTS, "long": LONG_PROMPTS, "mixed": (SHORT_PROMPTS[0], LONG_PROMPTS[0])}
+PROMPT_SET_NAMES = ("short", "long", "mixed")
 NEGATIVE_PROMPT = "blurry, low quality"
+
+
+@functools.cache
+def prompt_sets() -> dict[str, tuple[str, ...]]:
+    """The built-in prompts by set: ``short`` (20 words at most), ``long``, and ``mixed`` (one of each)."""
+    from bcg_diffusion.models import DEFAULT_PROMPTS
+
+    short = tuple(p for p in DEFAULT_PROMPTS if len(p.split()) <= 20)
+    long = tuple(p for p in DEFAULT_PROMPTS if len(p.split()) > 20)
+    return {"short": short, "long": long, "mixed": (short[0], long[0])}
+
+
+def check_size(width: int, height: int) -> None:
+    """Raise ValueError unless both pipelines can make a ``width`` x ``height`` image (multiples of 16)."""
+    if height % 16 or width % 16 or min(height, width) < 16:
+        raise ValueError(f"resolution {width}x{height}: both sides must be multiples of 16")
 
 
 @dataclass(frozen=True)
@@ -34,12 +49,11 @@ class Case:
     profile: bool = True  # also profile the denoising loop (wall time against GPU kernel time)
 
     def __post_init__(self) -> None:
-        if self.prompts not in PROMPT_SETS:
-            raise ValueError(f"prompts must be one of {sorted(PROMPT_SETS)}, got {self.prompts!r}")
-        if self.height % 16 or self.width % 16 or min(self.height, self.width) < 16:
-            raise ValueError(f"resolution {self.width}x{self.height}: both sides must be multiples of 16")
+        if self.prompts not in PROMPT_SET_NAMES:
+            raise ValueError(f"prompts must be one of {', '.join(PROMPT_SET_NAMES)}, got {self.prompts!r}")
+        check_size(self.width, self.height)
         if self.steps < 2 or self.batch < 1:
-            raise ValueError("steps must be >= 2 and batch >= 1")
+            raise ValueError(f"steps must be >= 2 and batch >= 1, got steps {self.steps} and batch {self.batch}")
 
     @property
     def uses_cfg(self) -> bool:
@@ -52,11 +66,13 @@ class Case:
         return f"{self.pipeline} {self.width}x{self.height}, {self.steps} steps, {cfg}{batch}"
 
     def prompt_list(self) -> list[str]:
-        pool = PROMPT_SETS[self.prompts]
+        pool = prompt_sets()[self.prompts]
         return [pool[i % len(pool)] for i in range(self.batch)]
 
     def kwargs(self, output_type: str = "pt", seed: int = 0) -> dict[str, Any]:
         """Keyword arguments of one call; fresh lists every time (Z-Image edits its prompt list in place)."""
+        import torch
+
         prompts = self.prompt_list()
         kwargs: dict[str, Any] = {
             "prompt": prompts if len(prompts) > 1 else prompts[0],
@@ -74,20 +90,24 @@ class Case:
 
 
 PRESETS: dict[str, list[Case]] = {
-    # The acceptance cases of issue 2 (eager against bcg).
-    "issue2": [
+    # Both pipelines at 512x512 and 1024x1024, every mode (issue 3, as measured on the H200: run one pipeline
+    # per command there; each fits a 10-minute call, except compile-max on Qwen-Image).
+    "two-sizes": [
+        Case("z-image", 512, 512, 8, 0.0),
+        Case("z-image", 1024, 1024, 8, 0.0),
+        Case("qwen-image", 512, 512, 10, 4.0),
+        Case("qwen-image", 1024, 1024, 10, 4.0),
+    ],
+    # Qwen-Image with true CFG at 50 steps, a batch of two prompts of different lengths (the masked path) and
+    # 1024x1024 at 10 steps; Z-Image at both sizes (issue 2's acceptance cases, eager against bcg).
+    "cfg-steps-batch": [
         Case("qwen-image", 512, 512, 50, 4.0),
         Case("qwen-image", 512, 512, 50, 4.0, batch=2, prompts="mixed", profile=False),
         Case("qwen-image", 1024, 1024, 10, 4.0),
         Case("z-image", 512, 512, 8, 0.0),
         Case("z-image", 1024, 1024, 8, 0.0),
     ],
-    # Issue 3: both pipelines at 512² and 1024² for every mode, as measured on the H200 (run one
-    # pipeline per command there: each fits a 10-minute call, except compile-max on Qwen-Image).
-    "issue3": [
-        Case("z-image", 512, 512, 8, 0.0),
-        Case("z-image", 1024, 1024, 8, 0.0),
-        Case("qwen-image", 512, 512, 10, 4.0),
-        Case("qwen-image", 1024, 1024, 10, 4.0),
-    ],
 }
+# Old names that recorded commands still use (docs/results.md and run 6 in bench/results/2026-11-29-h200/):
+# accepted by --preset, not listed by --help.
+PRESET_ALIASES = {"issue2": "cfg-steps-batch"}

@@ -1,13 +1,13 @@
 """``python -m bench``: end-to-end latency of bcg-diffusion against eager and its peers, side by side.
 
-Every mode runs on its own weight-sharing copy of one pipeline, in one process, on one device; the
-timed runs are interleaved A/B/B/A across modes so clock or thermal drift favours none. No profiler is
-attached while timing (CUPTI, once attached, slows later eager launches): the optional denoising-loop
-profile runs afterwards.
-
     python -m bench --pipeline z-image --weights random-full --resolutions 512x512,1024x1024 --steps 8
-    python -m bench --preset issue3 --pipeline qwen-image --weights random-full --out bench/results/qwen
+    python -m bench --preset two-sizes --pipeline qwen-image --weights random-full --out bench/results/qwen
     python -m bench --pipeline z-image --weights tiny   # the CPU smoke run (tiny random models)
+
+This module is the command line: it imports neither torch nor diffusers until the arguments are parsed, so
+``--help`` and a mistake in the arguments answer at once. A mistake, including one found after parsing (a
+``--device`` this machine lacks, weights that cannot be loaded), is argparse's usage and one line, exit status
+2; a crash in the middle of a run keeps its traceback. :mod:`bench.timing` does the timing.
 
 Results go to ``--out``, by default ``bench-runs/<pipeline>-<UTC timestamp>/`` under the current directory
 (ignored by git: a run never writes into the checkout unless told to). Weights other than ``tiny`` need a
@@ -17,99 +17,212 @@ CUDA GPU: without one the run stops before building anything, says so and exits 
 from __future__ import annotations
 
 import argparse
-import gc
+import contextlib
 import logging
 import shlex
-import statistics
+import shutil
 import sys
-import time
-from collections.abc import Callable
-from dataclasses import asdict
+import textwrap
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from bcg_diffusion.features.step_caching import SkipCounter
-from bcg_diffusion.models import PIPELINE_NAMES, build_pipeline
-
-from . import measure, report, runs
-from .caching import CACHES, cache_config
-from .caching import describe as describe_cache
-from .cases import PRESETS, PROMPT_SETS, Case
-from .modes import (
+from . import runs
+from .caching import CACHES
+from .cases import PRESET_ALIASES, PRESETS, PROMPT_SET_NAMES, Case
+from .catalog import (
     ABLATIONS,
     CACHED,
+    CPU_DEFAULT_MODES,
     DEFAULT_MODES,
     DESCRIPTIONS,
     EXACT,
+    FP8_MODES,
     MODES,
     OURS,
     SEPARATE,
-    PreparedMode,
     baseline,
-    prepare,
 )
 
 logger = logging.getLogger("bench")
 
-
-def _resolutions(text: str) -> list[tuple[int, int]]:
-    pairs = []
-    for item in text.split(","):
-        try:
-            width, height = (int(v) for v in item.lower().split("x"))
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"resolution {item!r} is not WIDTHxHEIGHT") from None
-        pairs.append((width, height))
-    return pairs
+DESCRIPTION = (
+    "End-to-end latency of bcg-diffusion's modes against eager diffusers and its peers, side by side, on one "
+    "device: per mode and case, latency, time per stage, first call, memory, and whether the images are the same."
+)
+EXAMPLES = [
+    ("python -m bench --pipeline z-image --weights tiny", "the CPU smoke run: timings not meaningful"),
+    ("python -m bench --pipeline z-image --weights random-full", "every default mode on a GPU, no download"),
+    ("python -m bench --preset two-sizes --pipeline qwen-image --weights random-full", ""),
+    ("python -m bench --pipeline qwen-image --weights Qwen/Qwen-Image --modes eager,fast", "real weights"),
+]
 
 
 def _modes(text: str) -> list[str]:
     names = [m.strip() for m in text.split(",") if m.strip()]
+    if not names:
+        raise argparse.ArgumentTypeError(f"no mode given; choose from {', '.join(MODES)}")
     unknown = [m for m in names if m not in MODES]
-    if unknown or not names:
-        raise argparse.ArgumentTypeError(f"unknown mode(s) {unknown}; choose from {', '.join(MODES)}")
+    if unknown:
+        listed = ", ".join(unknown)
+        raise argparse.ArgumentTypeError(f"unknown mode {listed}; choose from {', '.join(MODES)} (see --help)")
     return list(dict.fromkeys(names))
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--preset", choices=sorted(PRESETS), help="named cases (filtered by --pipeline if given)")
-    parser.add_argument("--pipeline", choices=PIPELINE_NAMES, action="append", help="repeatable; default z-image")
-    parser.add_argument("--weights", default=runs.DEFAULT_WEIGHTS, help="tiny | random-full | hub id | local path")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--resolutions", type=_resolutions, default=[(512, 512)], help="e.g. 512x512,1024x1024")
-    parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--guidance", type=float, default=0.0, help="Qwen true_cfg_scale / Z-Image guidance_scale")
-    parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--prompts", choices=sorted(PROMPT_SETS), default="short")
+def _preset(text: str) -> str:
+    name = PRESET_ALIASES.get(text, text)
+    if name not in PRESETS:
+        raise argparse.ArgumentTypeError(f"unknown preset {text!r}; choose from {', '.join(PRESETS)} (see --help)")
+    return name
+
+
+def _width() -> int:
+    """The help's line width: argparse's own (the terminal's, or ``$COLUMNS``, less 2), at least 60."""
+    return max(60, shutil.get_terminal_size().columns - 2)
+
+
+def _listing(title: str, rows: list[tuple[str, str]], width: int) -> list[str]:
+    """``title:`` then one entry per row: its name, and its text wrapped under a hanging indent."""
+    lines = [f"{title}:"]
+    for name, text in rows:
+        first = f"  {name:<16} " if len(name) <= 16 else f"  {name} "
+        wrapped = textwrap.wrap(text, width, initial_indent=first, subsequent_indent=" " * 19, break_on_hyphens=False)
+        lines += wrapped or [first.rstrip()]
+    return lines + [""]
+
+
+def _epilog() -> str:
+    """The modes, grouped as the defaults group them, the presets with their cases, and examples: all taken from
+    :mod:`bench.catalog` and :mod:`bench.cases`, so the help lists every mode and preset there is."""
+    width = _width()
+    groups = [
+        ("modes (--modes), those a GPU run compares by default", DEFAULT_MODES),
+        ("modes that leave out one thing our defaults add (ablations)", ABLATIONS),
+        ("modes with a step cache (--cache), compared with eager+cache", CACHED),
+        ("modes with the transformer's linears in FP8, compared with eager-fp8", FP8_MODES),
+    ]
+    listed = {name for _, names in groups for name in names}
+    groups.append(("other modes", tuple(m for m in MODES if m not in listed)))
+    lines: list[str] = []
+    for title, names in groups:
+        if names:
+            lines += _listing(title, [(name, DESCRIPTIONS[name]) for name in names], width)
+    presets = [(name, "; ".join(case.label for case in cases)) for name, cases in PRESETS.items()]
+    lines += _listing("presets (--preset)", presets, width)
+    lines += ["examples:"] + [f"  {command}" + (f"   # {note}" if note else "") for command, note in EXAMPLES]
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """``python -m bench``'s parser; building it imports neither torch nor diffusers."""
+    parser = argparse.ArgumentParser(
+        prog="python -m bench",
+        usage="%(prog)s [-h] [options]",
+        description=textwrap.fill(DESCRIPTION, _width()),
+        epilog=_epilog(),
+        formatter_class=runs.HelpFormatter,
+    )
+    parser.add_argument(
+        "--preset",
+        type=_preset,
+        metavar="NAME",
+        help="run a preset's cases (listed below) instead of one per --pipeline and --resolutions; it sets the "
+        "steps, guidance, batch and prompts; with --pipeline, only that pipeline's cases (default: none)",
+    )
+    parser.add_argument(
+        "--pipeline",
+        choices=runs.PIPELINES,
+        action="append",
+        help=f"repeatable (default: the preset's pipelines, else {runs.DEFAULT_PIPELINE})",
+    )
+    parser.add_argument(
+        "--weights",
+        default=runs.DEFAULT_WEIGHTS,
+        help=f"{runs.SMOKE_WEIGHTS} (small random models, fine on a CPU), random-full (the real architectures "
+        "with random weights, built on the GPU, no download), a hub id or a local path",
+    )
+    parser.add_argument(
+        "--device",
+        type=runs.device_name,
+        help="cpu, cuda or cuda:N (default: cuda if torch sees a CUDA GPU, else cpu)",
+    )
+    parser.add_argument(
+        "--resolutions",
+        type=runs.resolutions,
+        default="512x512",
+        metavar="WxH[,WxH...]",
+        help="image sizes, multiples of 16",
+    )
+    parser.add_argument("--steps", type=runs.at_least(2), default=8, help="denoising steps")
+    parser.add_argument(
+        "--guidance",
+        type=float,
+        default=0.0,
+        help="Qwen-Image's true_cfg_scale (CFG above 1) / Z-Image's guidance_scale (CFG above 0)",
+    )
+    parser.add_argument("--batch", type=runs.at_least(1), default=1, help="prompts per call")
+    parser.add_argument(
+        "--prompts",
+        choices=PROMPT_SET_NAMES,
+        default="short",
+        help="built-in prompts; mixed: two of different lengths (Qwen-Image's masked path)",
+    )
     parser.add_argument(
         "--modes",
         type=_modes,
-        help=f"comma-separated from {', '.join(MODES)} (default on GPU: all but the ablations {', '.join(ABLATIONS)})",
+        metavar="MODE[,MODE...]",
+        help="comma-separated, from the modes listed below (default on a GPU: "
+        f"{','.join(DEFAULT_MODES)}; on a CPU: {','.join(CPU_DEFAULT_MODES)})",
     )
     parser.add_argument("--cache", choices=CACHES, default="magcache", help="the step cache of the +cache modes")
     parser.add_argument("--cache-threshold", type=float, default=0.2, help="FirstBlockCache's threshold")
     parser.add_argument(
         "--cache-max-skip",
-        type=int,
+        type=runs.at_least(0),
         default=2,
-        help="MagCache: skips in a row; TaylorSeer: steps between computes - 1",
+        help="MagCache: steps skipped in a row; TaylorSeer: steps between computes - 1",
     )
-    parser.add_argument("--runs", type=int, default=5, help="timed runs per mode (median, min, max reported)")
-    parser.add_argument("--warmup", type=int, default=1, help="untimed runs per mode after the first call")
-    parser.add_argument("--profile", action="store_true", help="also profile the denoising loop (kernel time on GPU)")
     parser.add_argument(
-        "--out", type=Path, default=None, help="output folder (default: bench-runs/<pipeline>-<UTC timestamp>/)"
+        "--runs", type=runs.at_least(1), default=5, help="timed runs per mode (median, min, max reported)"
     )
-    parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument(
+        "--warmup", type=runs.at_least(0), default=1, help="untimed runs per mode after the first call"
+    )
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="also profile the denoising loop, after the timed runs (kernel time on a GPU)",
+    )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        metavar="FOLDER",
+        help="where results.json, results.md and results.png go (default: bench-runs/<pipeline>-<UTC timestamp>/)",
+    )
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return parser
+
+
+def parse_args(argv: list[str] | None = None, parser: argparse.ArgumentParser | None = None) -> argparse.Namespace:
+    """The arguments, checked: cases (``args.cases``), a device this machine has (``args.device``, a
+    ``torch.device``; torch is imported once parsing is done), the modes and the output folder. A mistake ends
+    the process through ``parser.error``: usage, one line, exit status 2."""
+    parser = parser or build_parser()
     args = parser.parse_args(argv)
-    if args.runs < 1 or args.warmup < 0:
-        parser.error("--runs must be >= 1 and --warmup >= 0")
+    try:
+        args.cases = _cases(args)
+    except ValueError as exc:
+        parser.error(str(exc))
+    if not args.cases:
+        parser.error(f"--preset {args.preset} has no case for --pipeline {' or '.join(args.pipeline)}")
+    args.device = args.device or runs.default_device()
+    if (problem := runs.device_problem(args.device)) is not None:
+        parser.error(problem)
+    import torch
+
     args.device = torch.device(args.device)
     if args.modes is None:
-        args.modes = list(DEFAULT_MODES) if args.device.type == "cuda" else ["eager", "bcg"]
+        args.modes = list(DEFAULT_MODES if args.device.type == "cuda" else CPU_DEFAULT_MODES)
     if args.out is None:
         args.out = runs.default_out("+".join(_pipeline_names(args)))
     return args
@@ -141,202 +254,32 @@ def _progress(total: int, disable: bool) -> Any:
     return tqdm(total=total, desc="bench", unit="call", disable=disable, file=sys.stderr)
 
 
-def run_case(
-    base: Any,
-    case: Case,
-    args: argparse.Namespace,
-    progress: Any,
-    result: dict[str, Any] | None = None,
-    checkpoint: Callable[[], None] | None = None,
-) -> dict[str, Any]:
-    """Time every mode on ``case``; a mode that fails is recorded with its error, the others go on.
+@contextlib.contextmanager
+def _logs_above(progress: Any) -> Iterator[None]:
+    """Log lines, and warnings (through logging), print above the progress bar: tqdm's handler takes the place
+    of the console handlers while the bar is on, clearing the bar, printing the line and drawing the bar again."""
+    from tqdm.contrib.logging import logging_redirect_tqdm
 
-    Modes run interleaved in one group, except those in ``modes.SEPARATE`` (peers with CUDA graphs
-    of their own), which run afterwards, interleaved with a fresh eager, once our graphs are freed:
-    their speed-up is over that eager, measured side by side with them. Fills and returns ``result``
-    (a new dict if None) group by group and calls ``checkpoint`` after each, so a cut-short run
-    keeps every group that finished.
-    """
-    result = {} if result is None else result
-    result.update(label=case.label, case=asdict(case), modes={})
-    together = [name for name in args.modes if name not in SEPARATE]
-    for group in [together] + [["eager", name] for name in args.modes if name in SEPARATE]:
-        entries = _time_group(base, case, group, args, progress)
-        for name, entry in entries.items():
-            if name in result["modes"]:  # the second eager of a separate peer's group
-                continue
-            if name in SEPARATE and "eager" in entries:
-                entry["eager_same_group_s"] = entries["eager"].get("latency_s")
-            result["modes"][name] = entry
-        if checkpoint is not None:
-            checkpoint()
-    return result
-
-
-def _time_group(
-    base: Any, case: Case, names: list[str], args: argparse.Namespace, progress: Any
-) -> dict[str, dict[str, Any]]:
-    """Prepare, first-call and warm up every mode, then time them interleaved.
-
-    The image every timed run is compared with is eager's first call (untimed, same inputs and seed):
-    so eager's own timed runs are compared with an independent eager call, not with themselves, and a
-    mode is ``identical`` only if every one of its timed runs is byte-equal to it.
-    """
-    device = args.device
-    entries: dict[str, dict[str, Any]] = {}
-    prepared, calls, images = {}, {}, {}
-    baselines: dict[str, torch.Tensor] = {}  # eager's and eager+cache's first calls
-    counters: dict[str, Any] = {}  # per +cache mode: the calls its cache skipped
-
-    def cache() -> Any:
-        return cache_config(args.cache, case.steps, threshold=args.cache_threshold, max_skip=args.cache_max_skip)
-
-    checked: dict[str, float | None] = {}  # per mode: the state checks' time before the timed runs
-    comparisons: dict[str, list[dict[str, Any]]] = {}  # per mode, per timed run: against the reference
-    run_images: dict[str, list[torch.Tensor]] = {}  # per timed run, for modes with a reference of their own
-    for name in names:
-        progress.set_postfix_str(f"{case.label}: {name} first call")
-        entry: dict[str, Any] = {"description": DESCRIPTIONS[name]}
-        entries[name] = entry
-        try:
-            mode = prepare(name, base, device, cache=cache)
-            prepared[name] = mode
-            entry["note"] = mode.note
-            if name in CACHED:
-                entry["cache"] = describe_cache(
-                    args.cache, case.steps, threshold=args.cache_threshold, max_skip=args.cache_max_skip
-                )
-            measure.reset_peak(device)
-            logger.info("%s: %s first call", case.label, name)
-            first = measure.timed_call(mode.pipe, case, device)
-            entry["first_call_s"] = first.total_s
-            if name in ("eager", "eager+cache", "eager-fp8"):
-                baselines[name] = first.images
-            logger.info("%s: %s first call took %.2f s", case.label, name, first.total_s)
-            for _ in range(args.warmup):
-                measure.timed_call(mode.pipe, case, device)
-            progress.update(1 + args.warmup)
-            calls[name] = []
-            checked[name] = mode.state_check_seconds()
-            if name in CACHED:
-                counters[name] = SkipCounter(mode.pipe.transformer)
-        except Exception as exc:  # a peer that cannot run this case is a result, not a crash
-            logger.exception("mode %s failed on %s", name, case.label)
-            entry["error"] = f"{type(exc).__name__}: {exc}"
-            prepared.pop(name, None)
-    order = list(calls)
-    for run in range(args.runs):
-        for name in order if run % 2 == 0 else order[::-1]:
-            if name not in calls:
-                continue
-            progress.set_postfix_str(f"{case.label}: {name} run {run + 1}")
-            try:
-                measure.reset_peak(device)
-                timing = measure.timed_call(prepared[name].pipe, case, device)
-            except Exception as exc:
-                logger.exception("mode %s failed on %s", name, case.label)
-                entries[name]["error"] = f"{type(exc).__name__}: {exc}"
-                del calls[name]
-                continue
-            calls[name].append((timing, measure.peak_allocated(device)))
-            images.setdefault(name, timing.images)
-            if baseline(name) in baselines:
-                comparisons.setdefault(name, []).append(_compare(timing.images, baselines[baseline(name)]))
-            if prepared[name].reference is not None:
-                run_images.setdefault(name, []).append(timing.images)
-            progress.update(1)
-    eager_median = statistics.median(t.total_s for t, _ in calls["eager"]) if "eager" in calls else None
-    cached_median = statistics.median(t.total_s for t, _ in calls["eager+cache"]) if "eager+cache" in calls else None
-    for name, timings in calls.items():
-        entry = entries[name]
-        latencies = [t.total_s for t, _ in timings]
-        entry["runs_s"] = latencies
-        entry["latency_s"] = measure.summary(latencies)
-        entry["stages_s"] = {
-            stage: statistics.median(getattr(t, f"{stage}_s") for t, _ in timings)
-            for stage in ("encode", "denoise", "decode")
-        }
-        entry["peak_memory_bytes"] = max(peak for _, peak in timings)
-        if checked.get(name) is not None:  # the per-call check of the Python state the graphs read
-            per_call = (prepared[name].state_check_seconds() - checked[name]) / len(timings)
-            entry["state_check_s_per_call"] = per_call
-            entry["state_check_share"] = per_call / entry["latency_s"]["median"]
-        entry["speedup"] = eager_median / entry["latency_s"]["median"] if eager_median else None
-        if name in CACHED:
-            entry["speedup_vs_eager_cache"] = cached_median / entry["latency_s"]["median"] if cached_median else None
-            counter = counters.pop(name)
-            counter.remove()
-            entry["cache_skipped"] = {"calls": counter.calls, "skipped": counter.skipped, "fraction": counter.fraction}
-        entry["md5"] = measure.image_md5(images[name])
-        entry["exact_mode"] = EXACT[name]
-        entry["baseline"] = baseline(name)
-        if baseline(name) != "eager" and "eager" in baselines:  # what the cache or FP8 costs in quality
-            versus = _compare(images[name], baselines["eager"])
-            entry["psnr_vs_eager_db"], entry["max_abs_vs_eager"] = versus["psnr_db"], versus["max_abs"]
-        if comparisons.get(name):
-            runs = comparisons[name]
-            # every timed run against its baseline's first call; PSNR and max difference: the worst run
-            entry["runs_identical"] = [run["identical"] for run in runs]
-            entry["identical"] = all(entry["runs_identical"])
-            entry["psnr_db"] = min(run["psnr_db"] for run in runs)
-            entry["max_abs"] = max(run["max_abs"] for run in runs)
-        else:  # no baseline first call to compare with (not in the group, or it failed): not compared
-            entry.update(runs_identical=[], identical=None, psnr_db=float("nan"), max_abs=float("nan"))
-        entry["graphs"] = prepared[name].graph_stats()
-        _compare_with_reference(prepared[name], case, device, entry, run_images.get(name, []))
-    for mode in prepared.values():
-        mode.teardown()
-    return entries
-
-
-def _compare(images: torch.Tensor, reference: torch.Tensor) -> dict[str, Any]:
-    """One run's images against the reference: byte-equality, PSNR and largest difference."""
-    return {
-        "identical": torch.equal(images, reference),
-        "psnr_db": measure.psnr(images, reference),
-        "max_abs": (images.float() - reference.float()).abs().max().item(),
-    }
-
-
-def _compare_with_reference(
-    mode: PreparedMode, case: Case, device: torch.device, entry: dict[str, Any], runs: list[torch.Tensor]
-) -> None:
-    """For a mode that names a reference (fast: its compiled blocks without graphs), check that every
-    timed run (``runs``: their images) is byte-equal to one call of that reference."""
-    if mode.reference is None:
-        return
-    with mode.reference():
-        reference = measure.timed_call(mode.pipe, case, device).images
-    entry["reference"] = mode.reference_name
-    entry["runs_identical_to_reference"] = [torch.equal(images, reference) for images in runs]
-    entry["identical_to_reference"] = bool(runs) and all(entry["runs_identical_to_reference"])
-
-
-def _profile_case(base: Any, case: Case, args: argparse.Namespace, result: dict[str, Any]) -> None:
-    for name in ("eager", "bcg", "fast"):  # the profile's prompt embeddings are precomputed: no "-te" modes
-        if name not in args.modes or result["modes"].get(name, {}).get("error"):
-            continue
-        mode = prepare(name, base, args.device)
-        try:
-            result["modes"][name]["denoise_profile"] = measure.denoise_profile(mode.pipe, case, args.device)
-        finally:
-            mode.teardown()
+    logging.captureWarnings(True)
+    try:
+        with logging_redirect_tqdm(tqdm_class=type(progress)):
+            yield
+    finally:
+        logging.captureWarnings(False)
 
 
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logger.setLevel(logging.INFO)
-    args = parse_args(argv)
+    parser = build_parser()
+    args = parse_args(argv, parser)
     pipelines = _pipeline_names(args)
     if runs.refuse_without_gpu("bench", args.weights, pipelines, runs.smoke_command(pipelines)):
         return 2
-    cases = _cases(args)
-    if not cases:
-        print("bench: no case selected", file=sys.stderr)
-        return 2
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logger.setLevel(logging.INFO)
     if args.device.type == "cpu":
         print("bench: CPU run: bcg runs in debug mode (no graphs); timings are not meaningful", file=sys.stderr)
-    dtype = torch.bfloat16 if args.device.type == "cuda" else None
+    from . import measure, report, timing  # torch, diffusers and bcg_diffusion: seconds, once the arguments are good
+
     command = "python -m bench " + shlex.join(sys.argv[1:] if argv is None else argv)
     record: dict[str, Any] = {
         "command": command,
@@ -346,34 +289,13 @@ def main(argv: list[str] | None = None) -> int:
         "modes": {name: DESCRIPTIONS[name] for name in args.modes},
         "cases": [],
     }
-    by_pipeline: dict[str, list[Case]] = {}
-    for case in cases:
-        by_pipeline.setdefault(case.pipeline, []).append(case)
     calls_per_case = len(args.modes) + sum(1 for m in args.modes if m in SEPARATE)  # a fresh eager with each
-    total = len(cases) * calls_per_case * (1 + args.warmup + args.runs)
-    with _progress(total, args.no_progress) as progress:
-        for phase in ("time", "profile"):
-            if phase == "profile" and not args.profile:
-                break
-            for name, pipeline_cases in by_pipeline.items():
-                started = time.perf_counter()
-                base = build_pipeline(name, args.weights, device=args.device, dtype=dtype)
-                base.set_progress_bar_config(disable=True)
-                logger.info("built %s (%s) in %.1f s", name, args.weights, time.perf_counter() - started)
-                for case in pipeline_cases:
-                    if phase == "time":
-                        record["cases"].append({})
-                        run_case(
-                            base, case, args, progress, record["cases"][-1], lambda: report.write(record, args.out)
-                        )
-                    elif case.profile:
-                        result = next(r for r in record["cases"] if r["label"] == case.label)
-                        _profile_case(base, case, args, result)
-                    report.write(record, args.out)  # after every case: a cut-short run keeps what it measured
-                del base
-                gc.collect()
-                if args.device.type == "cuda":
-                    torch.cuda.empty_cache()
+    total = len(args.cases) * calls_per_case * (1 + args.warmup + args.runs)
+    try:
+        with _progress(total, args.no_progress) as progress, _logs_above(progress):
+            timing.run(args, record, progress)
+    except timing.BuildError as exc:  # after the bar is closed: the message starts a line of its own
+        parser.error(str(exc))
     paths = report.write(record, args.out)
     print(report.markdown(record))
     print(f"\nwrote {', '.join(str(p) for p in paths.values())}")

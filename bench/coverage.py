@@ -35,7 +35,7 @@ from bcg_diffusion import BCGWarning, accelerate, eager, restore, stats
 
 from .coverage_models import FULL, TINY, Size
 from .measure import environment, synchronize
-from .runs import default_out
+from .runs import HelpFormatter, at_least, default_out, device_name
 
 logger = logging.getLogger(__name__)
 
@@ -394,17 +394,33 @@ def _write(out: Path, record: dict[str, Any], table: str) -> None:
     (out / "coverage.md").write_text(table + "\n")
 
 
+def _device(text: str) -> str:
+    return text if text == "meta" else device_name(text)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m bench.coverage", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.coverage", description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter
+    )
     parser.add_argument("--pipelines", default=",".join(TINY), help="comma-separated, from " + ", ".join(TINY))
     parser.add_argument("--size", choices=("tiny", "full"), default="tiny", help="tiny configs or published ones")
     parser.add_argument(
-        "--device", default="cpu", help="cpu (tiny: the debug-mode table), cuda (timings) or meta (published sizes)"
+        "--device",
+        type=_device,
+        default="cpu",
+        help="cpu (tiny: the debug-mode table), cuda or cuda:N (timings) or meta (published sizes)",
     )
-    parser.add_argument("--steps", type=int, default=None, help="denoising steps per call (default 2 tiny, 4 full)")
-    parser.add_argument("--runs", type=int, default=3, help="timed calls per mode, after a first one")
+    parser.add_argument(
+        "--steps", type=at_least(1), default=None, help="denoising steps per call (default: 2 tiny, 4 full)"
+    )
+    parser.add_argument("--runs", type=at_least(1), default=3, help="timed calls per mode, after a first one")
     parser.add_argument("--modes", default="exact,fast", help="comma-separated, from exact, fast (eager always runs)")
-    parser.add_argument("--out", type=Path, default=None, help="folder for coverage.json and coverage.md")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        help="folder for coverage.json and coverage.md (default: none for the tiny CPU table and --device meta, "
+        "which only print; else bench-runs/coverage-<size>-<UTC timestamp>/)",
+    )
     args = parser.parse_args(argv)
     args.pipelines = args.pipelines.split(",")
     args.modes = tuple(args.modes.split(",")) if args.modes else ()

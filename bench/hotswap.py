@@ -112,22 +112,30 @@ def measure(
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--pipeline", choices=PIPELINE_NAMES, default="z-image")
-    parser.add_argument("--weights", default="random-full")
-    parser.add_argument("--resolution", default="512x512")
-    parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--rank", type=int, default=32)
-    parser.add_argument("--swaps", type=int, default=3)
-    parser.add_argument("--modes", default="exact,fast")
-    parser.add_argument("--out", type=Path, default=None)
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.hotswap", description=__doc__.splitlines()[0], formatter_class=runs.HelpFormatter
+    )
+    parser.add_argument("--pipeline", choices=PIPELINE_NAMES, default="z-image", help="the pipeline to build")
+    parser.add_argument("--weights", default="random-full", help="tiny | random-full | hub id | local path")
+    parser.add_argument("--resolution", default="512x512", help="WxH")
+    parser.add_argument("--steps", type=runs.at_least(2), default=8, help="denoising steps per call")
+    parser.add_argument("--rank", type=runs.at_least(1), default=32, help="of every random LoRA")
+    parser.add_argument("--swaps", type=runs.at_least(1), default=3, help="hot swaps timed per mode")
+    parser.add_argument("--modes", default="exact,fast", help="comma-separated, from exact, fast")
+    parser.add_argument("--out", type=Path, help="folder for hotswap.json (default: print only)")
     args = parser.parse_args(argv)
+    try:  # checked here, kept as written: the record gives the arguments as strings
+        width, height = runs.resolution(args.resolution)
+    except argparse.ArgumentTypeError as exc:
+        parser.error(f"argument --resolution: {exc}")
+    modes = list(dict.fromkeys(m.strip() for m in args.modes.split(",") if m.strip()))
+    if not modes or any(m not in ("exact", "fast") for m in modes):
+        parser.error(f"argument --modes: expected exact, fast or exact,fast, got {args.modes!r}")
     smoke = (
         f"python -m bench.hotswap --pipeline {args.pipeline} --weights tiny --resolution 64x64 --steps 2 --modes exact"
     )
     if runs.refuse_without_gpu("bench.hotswap", args.weights, [args.pipeline], smoke):
         return 2
-    width, height = (int(v) for v in args.resolution.split("x"))
     device = "cuda" if torch.cuda.is_available() else "cpu"  # on CPU: debug mode, timings meaningless
     pipe = build_pipeline(
         args.pipeline, args.weights, device=device, dtype=torch.bfloat16 if device == "cuda" else None
@@ -139,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     gpu = torch.cuda.get_device_name() if device == "cuda" else "none (debug mode, timings meaningless)"
     results: dict[str, Any] = {"args": {k: str(v) for k, v in vars(args).items()}, "gpu": gpu}
     ok = True
-    for mode in args.modes.split(","):
+    for mode in modes:
         results[mode] = measure(pipe, loras, args.rank, call_kwargs, mode)
         kept, dropped = results[mode]["kept"], results[mode]["dropped"]
         ok &= all(r["identical"] for how in (kept, dropped) for r in how["runs"])

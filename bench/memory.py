@@ -29,7 +29,6 @@ from bcg_diffusion.patches.zimage import CAPTION_MULTIPLE
 from bcg_diffusion.pipelines import adapter_for
 
 from . import runs
-from .cli import _resolutions
 from .measure import peak_allocated, reset_peak, synchronize
 from .modes import pipeline_copy
 
@@ -86,15 +85,22 @@ def measure(pipe: Any, resolutions: list[tuple[int, int]], device: torch.device)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.memory", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--pipeline", choices=PIPELINE_NAMES, default="z-image")
-    parser.add_argument("--weights", default="random-full")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.memory", description=__doc__.split("\n\n")[0], formatter_class=runs.HelpFormatter
+    )
+    parser.add_argument("--pipeline", choices=PIPELINE_NAMES, default="z-image", help="the pipeline to build")
+    parser.add_argument("--weights", default="random-full", help="tiny | random-full | hub id | local path")
     parser.add_argument(
-        "--resolutions", type=_resolutions, default=[(512, 512), (768, 768), (1024, 1024), (768, 1344)]
+        "--device", type=runs.device_name, help="cpu, cuda or cuda:N (default: cuda if torch sees one, else cpu)"
+    )
+    parser.add_argument(
+        "--resolutions", type=runs.resolutions, default="512x512,768x768,1024x1024,768x1344", help="WxH,..."
     )
     parser.add_argument("--out", type=Path, help="folder for memory.json (default: print only)")
     args = parser.parse_args(argv)
+    args.device = args.device or runs.default_device()
+    if (problem := runs.device_problem(args.device)) is not None:
+        parser.error(problem)
     smoke = f"python -m bench.memory --pipeline {args.pipeline} --weights tiny --resolutions 64x64,48x96"
     if runs.refuse_without_gpu("bench.memory", args.weights, [args.pipeline], smoke):
         return 2

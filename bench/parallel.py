@@ -48,7 +48,6 @@ from bcg_diffusion import accelerate, restore, stats
 from bcg_diffusion.models import build_pipeline
 
 from . import measure, runs
-from .cli import _resolutions
 from .modes import pipeline_copy
 
 logger = logging.getLogger("bench.parallel")
@@ -57,23 +56,35 @@ MODES = ("eager", "bcg", "fast")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="torchrun --nproc_per_node=N -m bench.parallel", description=__doc__)
+    """The arguments, checked against the number of processes torchrun started (``WORLD_SIZE``), before any
+    process group exists: ``--help`` and a mistake (usage, one line, exit status 2) need no rendezvous."""
+    parser = argparse.ArgumentParser(
+        prog="torchrun --nproc_per_node=N -m bench.parallel",
+        description=__doc__,
+        formatter_class=runs.HelpFormatter,
+    )
     parser.add_argument("--weights", default="random-full", help="tiny | random-full | hub id | local path")
     parser.add_argument("--parallel", default=None, help="ulysses=N, ring=N or cfg (default: ulysses=WORLD_SIZE)")
-    parser.add_argument("--resolutions", type=_resolutions, default=[(512, 512), (1024, 1024)], help="WxH,...")
-    parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--resolutions", type=runs.resolutions, default="512x512,1024x1024", help="WxH,...")
+    parser.add_argument("--steps", type=runs.at_least(2), default=50, help="denoising steps")
     parser.add_argument("--guidance", type=float, default=4.0, help="true_cfg_scale (> 1: two forwards per step)")
     parser.add_argument("--prompt", default="a red fox", help="8 tokens with the offline tokenizer")
     parser.add_argument("--negative-prompt", default="blurry, low quality", help="20 tokens, likewise")
-    parser.add_argument("--runs", type=int, default=3, help="timed pipeline calls per mode after the first")
-    parser.add_argument("--forward-runs", type=int, default=20, help="timed transformer forwards per mode")
+    parser.add_argument(
+        "--runs", type=runs.at_least(1), default=3, help="timed pipeline calls per mode after the first"
+    )
+    parser.add_argument(
+        "--forward-runs", type=runs.at_least(1), default=20, help="timed transformer forwards per mode"
+    )
     parser.add_argument("--single-modes", default="eager,bcg", help="modes measured on one GPU ('' for none)")
     parser.add_argument("--cfg-modes", default="bcg,fast", help="with --parallel cfg: the modes split across GPUs")
     parser.add_argument(
         "--out", type=Path, default=None, help="rank 0's output folder (default: bench-runs/parallel-<UTC timestamp>/)"
     )
     args = parser.parse_args(argv)
-    world = dist.get_world_size()
+    if "WORLD_SIZE" not in os.environ:
+        parser.error("start it with torchrun, e.g. torchrun --nproc_per_node=2 -m bench.parallel --weights tiny")
+    world = int(os.environ["WORLD_SIZE"])
     kind, _, degree = (args.parallel or f"ulysses={world}").partition("=")
     if kind == "cfg":
         if world != 2 or degree:
@@ -279,6 +290,7 @@ def markdown(record: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logger.setLevel(logging.INFO)
     # Rank 0 measures one GPU alone for minutes while the others wait in a barrier.
@@ -292,7 +304,6 @@ def main(argv: list[str] | None = None) -> int:
         dist.init_process_group("gloo", timeout=timeout)
         torch.accelerator.device_count = lambda: 1  # diffusers divides by it to pick a device per rank
     try:
-        args = parse_args(argv)
         rank = dist.get_rank()
         smoke = "torchrun --nproc_per_node=2 -m bench.parallel --weights tiny --resolutions 64x64 --steps 2"
         if runs.no_gpu_message("bench.parallel", args.weights, ["qwen-image"], smoke) is not None:

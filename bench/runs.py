@@ -1,5 +1,6 @@
-"""What every benchmark entry point shares before it builds anything: where a run writes by default, and
-the refusal to build a full-size model on a machine without a GPU.
+"""What every benchmark entry point shares before it builds anything: where a run writes by default, the refusal
+to build a full-size model on a machine without a GPU, and the command-line pieces (help layout, resolutions,
+devices) whose mistakes argparse reports in one line with exit status 2. Importable without torch.
 
 A run never writes into the checkout by default: its folder is ``bench-runs/<name>-<UTC timestamp>/``
 under the current directory (``/bench-runs/`` is in ``.gitignore``), and recorded results are copied to
@@ -10,8 +11,10 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import re
 import sys
-from collections.abc import Sequence
+import textwrap
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 RUNS_DIR = Path("bench-runs")
@@ -60,26 +63,80 @@ def smoke_command(pipelines: Sequence[str]) -> str:
     return "python -m bench " + " ".join(f"--pipeline {name}" for name in pipelines) + f" --weights {SMOKE_WEIGHTS}"
 
 
-class _Quiet(argparse.ArgumentParser):
-    def error(self, message: str):  # leave every message about the arguments to the real parser
-        raise ValueError(message)
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Every option's default after its help (unless the help gives it), the description and epilog as written,
+    and no line broken inside a name (``fast-no-auto``, ``bench-runs/<pipeline>-<UTC timestamp>/``)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.help and "(default" in action.help:
+            return action.help
+        return super()._get_help_string(action)
+
+    def _split_lines(self, text: str, width: int) -> list[str]:
+        return textwrap.wrap(" ".join(text.split()), width, break_long_words=False, break_on_hyphens=False)
 
 
-def refuse_early(argv: Sequence[str]) -> bool:
-    """``python -m bench``'s first step, before the pipelines' libraries are imported (seconds): True, with
-    :func:`refuse_without_gpu`'s message printed, if ``argv`` asks for weights this machine cannot run.
-    Anything it cannot tell (help, a preset's pipelines, arguments in error) is left to ``bench.cli``, which
-    checks again."""
-    parser = _Quiet(add_help=False)
-    parser.add_argument("-h", "--help", action="store_true")
-    parser.add_argument("--weights", default=DEFAULT_WEIGHTS)
-    parser.add_argument("--pipeline", action="append")
-    parser.add_argument("--preset")
+def resolution(text: str) -> tuple[int, int]:
+    """An argparse type: ``WIDTHxHEIGHT``, both multiples of 16 (what both pipelines take)."""
+    from .cases import check_size
+
     try:
-        known, _ = parser.parse_known_args(list(argv))
+        width, height = (int(v) for v in text.strip().lower().split("x"))
     except ValueError:
-        return False
-    if known.help or known.preset or not set(known.pipeline or ()) <= set(PIPELINES):
-        return False
-    pipelines = list(dict.fromkeys(known.pipeline or [DEFAULT_PIPELINE]))
-    return refuse_without_gpu("bench", known.weights, pipelines, smoke_command(pipelines))
+        raise argparse.ArgumentTypeError(f"resolution {text!r} is not WIDTHxHEIGHT, e.g. 512x512") from None
+    try:
+        check_size(width, height)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return width, height
+
+
+def resolutions(text: str) -> list[tuple[int, int]]:
+    """An argparse type: comma-separated :func:`resolution` values, e.g. ``512x512,1024x1024``."""
+    return [resolution(item) for item in text.split(",")]
+
+
+def at_least(minimum: int) -> Callable[[str], int]:
+    """An argparse type: an integer no smaller than ``minimum``."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
+        return value
+
+    parse.__name__ = f"integer >= {minimum}"  # argparse names the type in some messages
+    return parse
+
+
+def device_name(text: str) -> str:
+    """An argparse type: ``cpu``, ``cuda`` or ``cuda:N`` (checked against the machine by :func:`device_problem`)."""
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", text):
+        raise argparse.ArgumentTypeError(f"expected cpu, cuda or cuda:N, got {text!r}")
+    return text
+
+
+def default_device() -> str:
+    """``cuda`` if torch sees a CUDA GPU, else ``cpu``."""
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def device_problem(name: str) -> str | None:
+    """Why ``--device name`` (a :func:`device_name`) cannot run on this machine, in one line; None if it can."""
+    import torch
+
+    if not name.startswith("cuda"):
+        return None
+    if not torch.cuda.is_available():
+        build = "a CPU build of torch" if torch.version.cuda is None else f"torch built for CUDA {torch.version.cuda}"
+        return f"--device {name}: no CUDA GPU here ({build}, torch.cuda.is_available() is False); use --device cpu"
+    index, count = torch.device(name).index, torch.cuda.device_count()
+    if index is not None and index >= count:
+        gpus = f"{count} CUDA GPU{'s' if count > 1 else ''}"
+        return f"--device {name}: this machine has {gpus} (cuda:0 to cuda:{count - 1})"
+    return None

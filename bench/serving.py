@@ -37,7 +37,6 @@ from bcg_diffusion.models import DEFAULT_PROMPTS, PIPELINE_NAMES, build_pipeline
 from bcg_diffusion.pipelines import adapter_for
 
 from . import measure, runs
-from .cli import _resolutions
 
 QWEN_BUCKETS = (64, 128, 256, 512)
 VOCABULARY = sorted({word.strip(",.").lower() for prompt in DEFAULT_PROMPTS for word in prompt.split()})
@@ -49,21 +48,26 @@ def random_prompt(rng: random.Random) -> str:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m bench.serving", description=__doc__.splitlines()[0])
-    parser.add_argument("--pipeline", choices=PIPELINE_NAMES, default="qwen-image")
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.serving", description=__doc__.splitlines()[0], formatter_class=runs.HelpFormatter
+    )
+    parser.add_argument("--pipeline", choices=PIPELINE_NAMES, default="qwen-image", help="the pipeline to build")
     parser.add_argument("--weights", default="random-full", help="tiny | random-full | hub id | local path")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--resolutions", type=_resolutions, default=[(512, 512), (1024, 1024)])
-    parser.add_argument("--requests", type=int, default=50)
-    parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--check", type=int, default=5, help="requests compared with eager")
+    parser.add_argument(
+        "--device", type=runs.device_name, help="cpu, cuda or cuda:N (default: cuda if torch sees one, else cpu)"
+    )
+    parser.add_argument("--resolutions", type=runs.resolutions, default="512x512,1024x1024", help="WxH,...")
+    parser.add_argument("--requests", type=runs.at_least(1), default=50, help="requests after the warm-up")
+    parser.add_argument("--steps", type=runs.at_least(2), default=8, help="denoising steps per request")
+    parser.add_argument("--check", type=runs.at_least(0), default=5, help="requests compared with eager")
     parser.add_argument("--no-buckets", action="store_true", help="Qwen-Image: exact mode, no text buckets")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", type=Path, default=None, help="folder for serving.json / serving.md")
+    parser.add_argument("--seed", type=int, default=0, help="of the random requests")
+    parser.add_argument("--out", type=Path, help="folder for serving.json / serving.md (default: print only)")
     args = parser.parse_args(argv)
+    args.device = args.device or runs.default_device()
+    if (problem := runs.device_problem(args.device)) is not None:
+        parser.error(problem)
     args.device = torch.device(args.device)
-    if args.requests < 1 or args.steps < 2 or args.check < 0:
-        parser.error("--requests must be >= 1, --steps >= 2, --check >= 0")
     return args
 
 

@@ -144,14 +144,22 @@ def _run_child(args: argparse.Namespace, cache_dir: Path, label: str) -> dict[st
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.warm_start", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--pipeline", default="z-image", choices=("z-image", "qwen-image"))
-    parser.add_argument("--weights", default="random-full")
-    parser.add_argument("--device", default="cuda")
-    parser.add_argument("--size", type=int, default=512)
-    parser.add_argument("--steps", type=int, default=8)
+    from . import runs
+
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.warm_start", description=__doc__.split("\n\n")[0], formatter_class=runs.HelpFormatter
+    )
+    parser.add_argument(
+        "--pipeline", default="z-image", choices=("z-image", "qwen-image"), help="the pipeline to build"
+    )
+    parser.add_argument("--weights", default="random-full", help="tiny | random-full | hub id | local path")
+    parser.add_argument("--device", type=runs.device_name, default="cuda", help="cpu, cuda or cuda:N")
+    parser.add_argument("--size", type=runs.at_least(16), default=512, help="width and height, a multiple of 16")
+    parser.add_argument("--steps", type=runs.at_least(2), default=8, help="denoising steps")
     parser.add_argument("--out", type=Path, help="folder for warm-start.json (default: print only)")
-    parser.add_argument("--quantize", choices=("fp8",), help='accelerate(..., quantize="fp8") in every child')
+    parser.add_argument(
+        "--quantize", choices=("fp8",), help='accelerate(..., quantize="fp8") in every child (default: none)'
+    )
     parser.add_argument(
         "--profile",
         action="store_true",
@@ -162,14 +170,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--cache-dir", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.size % 16:
+        parser.error(f"argument --size: {args.size} is not a multiple of 16")
     if args.child:
         _child(args)
         return 0
-    from . import runs
-
     smoke = f"python -m bench.warm_start --pipeline {args.pipeline} --weights tiny --device cpu"
     if runs.refuse_without_gpu("bench.warm_start", args.weights, [args.pipeline], smoke):
         return 2
+    if (problem := runs.device_problem(args.device)) is not None:  # before the children: each would fail alike
+        parser.error(problem)
     if args.profile and args.out is None:  # the profiles need a folder: never the current directory
         args.out = runs.default_out(f"warm-start-{args.pipeline}")
     from bcg_diffusion.features.compiled_blocks import ARTIFACTS_FILE

@@ -45,7 +45,7 @@
 #   bench-qwen       Qwen-Image 512² and 1024², 10 steps, true CFG 4: every mode
 #   bench-qwen-512   Qwen-Image 512², 50 steps, true CFG 4: every mode
 #   bench-qwen-1024  Qwen-Image 1024², 20 steps, true CFG 4: every mode
-#   issue2           python -m bench --preset issue2 --modes eager,bcg --profile
+#   issue2           python -m bench --preset cfg-steps-batch --modes eager,bcg --profile
 #   tests-z          Z-Image caption buckets on the GPU (tiny): serving with random prompts, pipeline equality
 #   profile-qwen     Qwen-Image 512², 10 steps, true CFG: eager, bcg and fast with the per-step loop profile
 #   profile-z        Z-Image-Turbo 512², 8 steps: eager, bcg and fast with the loop profile (kernel time by kind)
@@ -289,7 +289,7 @@ case "$phase" in
       | tee "$out/bench-qwen-image-$size.log" | tail -40
     ;;
   issue2)
-    timeout 570 python3 -m bench --preset issue2 --weights random-full --modes eager,bcg --runs 3 --profile \
+    timeout 570 python3 -m bench --preset cfg-steps-batch --weights random-full --modes eager,bcg --runs 3 --profile \
       --no-progress --out "$out/bench-issue2" 2>&1 | tee "$out/bench-issue2.log" | tail -40
     ;;
   parallel)

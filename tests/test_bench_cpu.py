@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
 
 from bench import cli, report
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
@@ -61,15 +67,13 @@ def _refused(capsys, main, argv) -> str:
 def no_gpu(monkeypatch, tmp_path):
     """No CUDA GPU, whatever this machine has; building a pipeline or starting a child process fails the test;
     the current directory is an empty folder (nothing may be written to it)."""
-    import subprocess
-
-    from bench import hotswap, memory, serving
+    from bench import hotswap, memory, serving, timing
 
     def forbidden(*args, **kwargs):
         raise AssertionError("a pipeline was built (or a child started) on a machine without a GPU")
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    for module in (cli, hotswap, memory, serving):
+    for module in (timing, hotswap, memory, serving):
         monkeypatch.setattr(module, "build_pipeline", forbidden)
     monkeypatch.setattr(subprocess, "run", forbidden)
     monkeypatch.chdir(tmp_path)
@@ -90,26 +94,14 @@ def test_without_a_gpu_full_size_weights_stop_at_once_and_offer_the_smoke_run(no
     assert "python -m bench --pipeline qwen-image --pipeline z-image --weights tiny" in err
 
 
-def test_python_m_bench_refuses_before_importing_the_pipelines(no_gpu, capsys, monkeypatch):
-    """``python -m bench`` checks before it imports diffusers (seconds, not the ten or so of the imports), and
-    leaves what it cannot tell to ``bench.cli``."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
+def test_python_m_bench_refuses_before_importing_the_pipelines(no_gpu, monkeypatch):
+    """``python -m bench`` checks before it imports diffusers (seconds, not the ten or so of the imports)."""
+    from bcg_diffusion.models import PIPELINE_NAMES
     from bench import runs
 
-    assert runs.refuse_early([]) and "--pipeline z-image --weights tiny" in capsys.readouterr().err
-    for argv in (["--help"], ["--preset", "issue2"], ["--weights", "tiny"], ["--pipeline"], ["--pipeline", "flux"]):
-        assert not runs.refuse_early(argv), argv
-    from bcg_diffusion.models import PIPELINE_NAMES
-
-    assert runs.PIPELINES == PIPELINE_NAMES
-    assert capsys.readouterr().err == ""
+    assert runs.PIPELINES == PIPELINE_NAMES  # what the command line offers without importing diffusers
     monkeypatch.undo()  # the real subprocess.run, a process without a GPU
-    root = Path(__file__).resolve().parent.parent
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(root)}
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(ROOT)}
     code = "import runpy, sys\ntry:\n    runpy.run_module('bench', run_name='__main__')\nfinally:\n"
     code += "    print('diffusers imported:', 'diffusers' in sys.modules)\n"
     done = subprocess.run([sys.executable, "-c", code], cwd=no_gpu, env=env, capture_output=True, text=True)
@@ -335,3 +327,162 @@ def test_a_pipeline_copy_keeps_the_pipeline_settings_and_copies_a_second_expert(
     assert clone.transformer_2 is not pipe.transformer_2
     first = next(pipe.transformer_2.parameters())
     assert next(clone.transformer_2.parameters()).data_ptr() == first.data_ptr()  # weights shared
+
+
+def _python_m_bench(argv: list[str], cwd: Path, *, module: str = "bench", columns: int = 250, timeout: int = 300):
+    """``python -m <module> argv`` in a fresh process without a GPU, from ``cwd``."""
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "COLUMNS": str(columns)}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    command = [sys.executable, "-m", module, *argv]
+    return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def _one_line_error(err: str, prog: str = "python -m bench") -> str:
+    """The single ``prog: error: ...`` line that ends ``err`` (argparse's convention: usage, then one line)."""
+    assert "Traceback" not in err, err[-3000:]
+    lines = err.strip().splitlines()
+    assert [line for line in lines if "error:" in line] == lines[-1:], err[-3000:]
+    assert lines[-1].startswith(f"{prog}: error: "), err[-3000:]
+    return lines[-1]
+
+
+CLI_ERRORS = [
+    pytest.param(["--resolutions", "500x500"], "500x500: both sides must be multiples of 16", id="resolution"),
+    pytest.param(["--modes", "eager,turbo"], "turbo", id="unknown-mode"),
+    pytest.param(["--modes", ","], "no mode", id="no-mode"),
+    pytest.param(["--steps", "1"], "--steps", id="steps"),
+    pytest.param(["--preset", "fastest"], "fastest", id="unknown-preset"),
+    pytest.param(["--device", "gpu"], "--device", id="bad-device"),
+    pytest.param(
+        ["--device", "cuda"],
+        "no CUDA",
+        id="cuda-on-a-cpu-build",
+        marks=pytest.mark.skipif(torch.cuda.is_available(), reason="this torch sees a CUDA GPU"),
+    ),
+]
+
+
+@pytest.mark.parametrize("argv, expected", CLI_ERRORS)
+def test_a_command_line_error_is_one_line_and_exit_status_2(tmp_path, argv, expected):
+    """Every mistake on ``python -m bench``'s command line, including those found after parsing (a resolution the
+    pipelines cannot take, ``--device cuda`` on a CPU build), is argparse's usage plus one line, status 2."""
+    done = _python_m_bench(["--weights", "tiny", *argv], tmp_path)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert done.stdout == ""
+    assert expected in _one_line_error(done.stderr)
+    assert not any(tmp_path.iterdir())  # nothing was built or written
+
+
+def test_a_pipeline_that_cannot_be_built_is_a_one_line_error(tmp_path, capsys, monkeypatch):
+    from bench import timing
+
+    def unavailable(name, weights, **kwargs):
+        raise OSError(f"{weights} is not a local folder\nand not a model id on the hub")
+
+    monkeypatch.setattr(timing, "build_pipeline", unavailable)
+    argv = ["--weights", "tiny", "--device", "cpu", "--runs", "1", "--no-progress", "--out", str(tmp_path / "out")]
+    with pytest.raises(SystemExit) as stopped:
+        cli.main(argv)
+    assert stopped.value.code == 2
+    line = _one_line_error(capsys.readouterr().err)
+    assert "cannot build z-image (tiny) on cpu: tiny is not a local folder and not a model id" in line
+
+
+def test_help_is_quick_shows_every_default_the_presets_and_every_mode(tmp_path):
+    """``python -m bench --help`` imports neither torch nor diffusers (it took 6.5 s when it did); it gives every
+    option's default, names presets by what they run and lists every mode, the GPU and the CPU default."""
+    from bench.modes import DEFAULT_MODES, MODES
+
+    code = (
+        "import runpy, sys\nsys.argv = ['bench', '--help']\ntry:\n    runpy.run_module('bench', run_name='__main__')\n"
+    )
+    code += "finally:\n    print('IMPORTED', sorted({'torch', 'diffusers', 'bcg_diffusion'} & set(sys.modules)))\n"
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "COLUMNS": "100", "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.endswith("IMPORTED []\n"), done.stdout[-500:]
+    text = " ".join(done.stdout.split())  # argparse wraps lines
+    for name in MODES:
+        assert f" {name} " in text, name
+    assert f"default on a GPU: {','.join(DEFAULT_MODES)}; on a CPU: eager,bcg" in text
+    assert "two-sizes" in text and "cfg-steps-batch" in text and "issue2" not in text and "issue3" not in text
+    for default in ("(default: 5)", "(default: 512x512)", "(default: random-full)", "(default: magcache)"):
+        assert default in text, default
+    assert "Traceback" not in done.stderr
+
+
+def test_every_option_shows_its_default():
+    parser = cli.build_parser()
+    formatter = parser.formatter_class(prog=parser.prog)
+    for action in parser._actions:
+        if action.option_strings and action.dest != "help":
+            assert "default" in formatter._get_help_string(action), action.option_strings
+
+
+def test_old_preset_names_that_records_cite_still_run_their_cases():
+    """``--preset issue2`` is what ``docs/results.md`` and run 6's record cite: a hidden alias of the new name."""
+    from bench.cases import PRESETS
+
+    assert cli.parse_args(["--preset", "issue2", "--weights", "tiny"]).preset == "cfg-steps-batch"
+    assert set(PRESETS) == {"two-sizes", "cfg-steps-batch"}
+    assert "issue2" not in cli.build_parser().format_help()
+
+
+def test_log_lines_print_above_the_progress_bar(tmp_path):
+    """With the progress bar on, every log line starts a line of its own: none is written after the bar's text
+    (tqdm's logging redirect clears the bar, prints the line, and draws the bar again)."""
+    import re
+
+    argv = ["--pipeline", "z-image", "--weights", "tiny", "--device", "cpu", "--resolutions", "32x32"]
+    argv += ["--steps", "2", "--runs", "1", "--warmup", "0", "--modes", "eager,bcg", "--out", str(tmp_path / "out")]
+    done = _python_m_bench(argv, tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    pieces = re.split(r"[\r\n]", done.stderr)
+    assert any(re.match(r"bench: +\d+%\|", piece) for piece in pieces), done.stderr[-3000:]  # the bar was drawn
+    logged = [piece for piece in pieces if " INFO bench: " in piece]
+    assert any("built z-image" in piece for piece in logged), done.stderr[-3000:]
+    for piece in logged:
+        assert re.match(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} INFO bench: ", piece), piece
+
+
+NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="this torch sees a CUDA GPU")
+ENTRY_POINT_ERRORS = [
+    pytest.param("serving", ["--resolutions", "500x500", "--requests", "1", "--steps", "2"], "multiples of 16"),
+    pytest.param("serving", ["--device", "cuda"], "no CUDA", marks=NO_CUDA),
+    pytest.param("memory", ["--resolutions", "64x60"], "64x60: both sides must be multiples of 16"),
+    pytest.param("memory", ["--device", "cuda"], "no CUDA", marks=NO_CUDA),
+    pytest.param("hotswap", ["--resolution", "512"], "--resolution"),
+    pytest.param("hotswap", ["--modes", "exact,turbo"], "--modes"),
+    pytest.param("hotswap", ["--swaps", "0"], "--swaps"),
+    pytest.param("warm_start", ["--size", "500"], "--size"),
+    pytest.param("warm_start", ["--device", "cuda"], "no CUDA", marks=NO_CUDA),
+    pytest.param("coverage", ["--device", "gpu"], "--device"),
+    pytest.param("parallel", [], "torchrun"),
+]
+
+
+@pytest.mark.parametrize("name, argv, expected", ENTRY_POINT_ERRORS)
+def test_every_entry_point_reports_a_mistake_in_one_line(name, argv, expected, capsys, monkeypatch, tmp_path):
+    """The companions follow ``python -m bench``: a mistake in the arguments, found while parsing or after, is
+    usage and one line with exit status 2, before anything is built (``bench.parallel`` checks before torchrun's
+    rendezvous, so it says to use torchrun rather than failing to find one)."""
+    import importlib
+
+    module = importlib.import_module(f"bench.{name}")
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as stopped:
+        module.main(["--weights", "tiny", *argv] if name != "coverage" else argv)
+    assert stopped.value.code == 2
+    prog = "torchrun --nproc_per_node=N -m bench.parallel" if name == "parallel" else f"python -m bench.{name}"
+    assert expected in _one_line_error(capsys.readouterr().err, prog)
+    assert not any(tmp_path.iterdir())
+
+
+def test_a_gpu_index_this_machine_lacks_is_a_mistake(monkeypatch):
+    from bench import runs
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert runs.device_problem("cuda:1") == "--device cuda:1: this machine has 1 CUDA GPU (cuda:0 to cuda:0)"
+    assert runs.device_problem("cuda:0") is runs.device_problem("cuda") is runs.device_problem("cpu") is None

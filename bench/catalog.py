@@ -1,0 +1,84 @@
+"""What the benchmark compares, by name: its modes, what each runs, and what each must equal.
+
+Names only, importable without torch or diffusers (``python -m bench --help`` lists them in a fraction of a
+second); :mod:`bench.modes` prepares each mode on a pipeline.
+"""
+
+from __future__ import annotations
+
+MODES: tuple[str, ...] = (
+    "eager",
+    "bcg",
+    "bcg-no-te",
+    "bcg-no-auto",
+    "fast",
+    "fast-no-te",
+    "fast-no-auto",
+    "fast-unbatched",
+    "compile",
+    "compile-max",
+    "eager+cache",
+    "bcg+cache",
+    "fast+cache",
+    "compile+cache",
+    "eager-fp8",
+    "bcg-fp8",
+    "fast-fp8",
+)
+# The modes with a step cache (``--cache``): they compare with eager+cache as the others with eager.
+CACHED: tuple[str, ...] = ("eager+cache", "bcg+cache", "fast+cache", "compile+cache")
+# The modes with the transformer quantized to row-wise FP8 (bcg_diffusion.features.quantization): they compare with
+# eager-fp8 (the same quantization by hand, eager) as the others with eager.
+FP8_MODES: tuple[str, ...] = ("eager-fp8", "bcg-fp8", "fast-fp8")
+# Ablations of what our defaults add: the text encoder's graphs, automatic breaks and fast mode's CFG batching.
+ABLATIONS: tuple[str, ...] = ("bcg-no-te", "bcg-no-auto", "fast-no-te", "fast-no-auto", "fast-unbatched")
+# What a run without --modes compares on a GPU: ours as a user gets them, and the peers.
+DEFAULT_MODES: tuple[str, ...] = tuple(
+    m for m in MODES if m not in ABLATIONS and m not in CACHED and m not in FP8_MODES
+)
+# What a run without --modes compares on a CPU, where every mode of ours runs in debug mode (no graphs).
+CPU_DEFAULT_MODES: tuple[str, ...] = ("eager", "bcg")
+DESCRIPTIONS = {
+    "eager": "diffusers as is",
+    "bcg": "bcg-diffusion accelerate(pipe), exact mode (debug mode on CPU: no graphs, timings not meaningful)",
+    "bcg-no-te": "bcg without the text encoder's graphs (components transformer, vae; Z-Image has them by default)",
+    "bcg-no-auto": "bcg with auto_breaks=False: only the marked breaks and hand patches (what automatic breaks cost)",
+    "fast": 'bcg-diffusion accelerate(pipe, mode="fast"): compiled repeated blocks inside breakable graphs',
+    "fast-no-te": "fast without the text encoder's graphs (components transformer, vae)",
+    "fast-no-auto": "fast with auto_breaks=False",
+    "fast-unbatched": "fast with batch_cfg=False: true CFG's cond and uncond calls one by one (what batching adds)",
+    "compile": "diffusers regional compile: transformer.compile_repeated_blocks(fullgraph=True)",
+    "compile-max": 'torch.compile(transformer, mode="reduce-overhead") (inductor with its own CUDA graphs)',
+    "eager+cache": "diffusers as is with the step cache (transformer.enable_cache; --cache)",
+    "bcg+cache": "bcg exact mode with the same step cache inside its graphs",
+    "fast+cache": "fast mode with the same step cache inside its graphs",
+    "eager-fp8": "diffusers with the transformer's block linears quantized to row-wise FP8 by hand (torchao, "
+    "bcg_diffusion.features.quantization's default filter)",
+    "bcg-fp8": 'accelerate(pipe, quantize="fp8"): the same FP8 model in exact graphs',
+    "fast-fp8": 'accelerate(pipe, mode="fast", quantize="fp8"): the same FP8 model, compiled blocks in graphs',
+    "compile+cache": "regional compile (compile_repeated_blocks, fullgraph=False: the cache's hooks break graphs) "
+    "with the same step cache",
+}
+EXACT = {"eager": True, "bcg": True, "bcg-no-te": True, "bcg-no-auto": True}
+EXACT.update({"fast": False, "fast-no-te": False, "fast-no-auto": False, "fast-unbatched": False})
+EXACT.update({"compile": False, "compile-max": False})
+EXACT.update({"eager+cache": True, "bcg+cache": True, "fast+cache": False, "compile+cache": False})
+EXACT.update({"eager-fp8": True, "bcg-fp8": True, "fast-fp8": False})
+OURS = ("bcg", "bcg-no-te", "bcg-no-auto", "fast", "fast-no-te", "fast-no-auto", "fast-unbatched")
+OURS += ("bcg+cache", "fast+cache", "bcg-fp8", "fast-fp8")
+FAST = ("fast", "fast-no-te", "fast-no-auto", "fast-unbatched", "fast+cache", "fast-fp8")
+
+
+def baseline(name: str) -> str:
+    """The mode whose first call an exact mode's images must equal: eager, with the cache if ``name`` has one."""
+    if name in FP8_MODES:
+        return "eager-fp8"
+    return "eager+cache" if name in CACHED else "eager"
+
+
+# Peers that record CUDA graphs of their own (inductor's cudagraph trees) run in a group of their own,
+# after ours are freed. That began as the way around a crash (our replay used a cuBLAS workspace that
+# reduce-overhead's recording had freed), fixed since in bcg_diffusion.core.graphs (runs 50 and 52); it stays
+# so that each side's graph memory and first call are measured without the other's graphs alive, as in
+# every record before.
+SEPARATE = ("compile-max",)
