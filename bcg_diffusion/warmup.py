@@ -55,7 +55,8 @@ def warm_up(
     does not cover what it captured.
 
     Raises:
-        ValueError: the pipeline was never accelerated, or a resolution is not positive.
+        ValueError: the pipeline was never accelerated (or was restored), or a resolution is not a pair of
+            positive multiples of 16.
         TypeError: a resolution is not a ``(width, height)`` pair of ints.
 
     >>> pipe = accelerate(pipe, lazy_capture=False)               # doctest: +SKIP

@@ -3,12 +3,14 @@ mode): at the first step of every call both ranks exchange a fingerprint of it (
 the transformer's inputs), and on a mismatch both raise one error naming what differs, instead of combining
 one rank's cond prediction with the other's uncond prediction or waiting forever for an exchange. The next
 call after a raise works as usual. Each pipeline sharing the transformer finds its first step from its own
-scheduler."""
+scheduler.
+
+The checks of every test run in one pair of processes (:func:`reports`): each pair pays its imports and pipeline
+builds, a few seconds on a small machine. A rank that raises ends the pair, and every test shows its error."""
 
 from __future__ import annotations
 
 import copy
-from pathlib import Path
 from typing import Any
 
 import _parallel
@@ -120,37 +122,6 @@ def _check_named(reports: list[dict[str, Any]], expected: dict[str, tuple[str, .
         assert all(report["recovered"][name] for report in reports), (name, reports)
 
 
-@pytest.mark.heavy  # two processes, each importing torch and building the pipeline
-def test_ranks_with_other_seeds_prompts_or_guidance_both_raise_naming_it(tmp_path: Path) -> None:
-    reports = _parallel.gloo_reports(_values_checks, WORLD, tmp_path, timeout=TIMEOUT)
-    _check_named(
-        reports,
-        {
-            "seed": ("latents checksum (rank 0: ",),
-            "prompt": ("prompt embeddings",),
-            "true_cfg_scale": ("true_cfg_scale (rank 0: 4.0, rank 1: 5.0)",),
-        },
-    )
-    # only what differs is named (the advice after it names everything)
-    assert "latents" not in _named(reports[0]["errors"]["true_cfg_scale"]), reports[0]
-    assert "prompt" not in _named(reports[0]["errors"]["seed"]), reports[0]
-
-
-@pytest.mark.heavy
-def test_ranks_with_other_steps_or_cfg_on_one_rank_both_raise_instead_of_hanging(tmp_path: Path) -> None:
-    reports = _parallel.gloo_reports(_hang_checks, WORLD, tmp_path, timeout=TIMEOUT)
-    _check_named(
-        reports,
-        {
-            "steps": (f"steps (rank 0: {STEPS}, rank 1: {STEPS + 1})",),
-            "cfg_on_one_rank": ("true CFG (rank 0: yes, rank 1: no)",),
-            "unaccelerated_cfg_on_one_rank": ("whether this call does true CFG",),
-        },
-    )
-    # the agreeing call of the pipeline that is not accelerated was split as usual
-    assert all(report["unaccelerated_exchanges"] == STEPS - 1 for report in reports), reports
-
-
 def _own_scheduler_checks(rank: int) -> dict[str, Any]:
     """Two accelerated pipelines share the transformer, each with its own scheduler."""
     from diffusers import QwenImagePipeline
@@ -171,9 +142,51 @@ def _own_scheduler_checks(rank: int) -> dict[str, Any]:
     return report
 
 
+def _all_checks(rank: int) -> dict[str, Any]:
+    return {"values": _values_checks(rank), "hang": _hang_checks(rank), "own_scheduler": _own_scheduler_checks(rank)}
+
+
+@pytest.fixture(scope="module")
+def reports(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
+    """Each check's report per rank, in rank order, from one pair of processes."""
+    ranks = _parallel.gloo_reports(_all_checks, WORLD, tmp_path_factory.mktemp("agreement"), timeout=TIMEOUT)
+    return {name: [rank[name] for rank in ranks] for name in ranks[0]}
+
+
+@pytest.mark.heavy  # two processes, each importing torch and building the pipeline
+def test_ranks_with_other_seeds_prompts_or_guidance_both_raise_naming_it(reports) -> None:
+    values = reports["values"]
+    _check_named(
+        values,
+        {
+            "seed": ("latents checksum (rank 0: ",),
+            "prompt": ("prompt embeddings",),
+            "true_cfg_scale": ("true_cfg_scale (rank 0: 4.0, rank 1: 5.0)",),
+        },
+    )
+    # only what differs is named (the advice after it names everything)
+    assert "latents" not in _named(values[0]["errors"]["true_cfg_scale"]), values[0]
+    assert "prompt" not in _named(values[0]["errors"]["seed"]), values[0]
+
+
 @pytest.mark.heavy
-def test_each_pipeline_sharing_the_transformer_finds_its_first_step_in_its_own_scheduler(tmp_path: Path) -> None:
-    for report in _parallel.gloo_reports(_own_scheduler_checks, WORLD, tmp_path, timeout=TIMEOUT):
+def test_ranks_with_other_steps_or_cfg_on_one_rank_both_raise_instead_of_hanging(reports) -> None:
+    hang = reports["hang"]
+    _check_named(
+        hang,
+        {
+            "steps": (f"steps (rank 0: {STEPS}, rank 1: {STEPS + 1})",),
+            "cfg_on_one_rank": ("true CFG (rank 0: yes, rank 1: no)",),
+            "unaccelerated_cfg_on_one_rank": ("whether this call does true CFG",),
+        },
+    )
+    # the agreeing call of the pipeline that is not accelerated was split as usual
+    assert all(report["unaccelerated_exchanges"] == STEPS - 1 for report in hang), hang
+
+
+@pytest.mark.heavy
+def test_each_pipeline_sharing_the_transformer_finds_its_first_step_in_its_own_scheduler(reports) -> None:
+    for report in reports["own_scheduler"]:
         assert all(report["equal"]), report
         # the first step of every call runs whole on both ranks; each later step is split once
         assert report["counted"] == [{"cfg_split_calls": STEPS - 1, "cfg_exchanges": STEPS - 1}] * 4, report
