@@ -1,54 +1,8 @@
 """The Gradio demo's logic (``app.py`` lays out the page): :mod:`.session` runs requests, the reference and
-the accelerated image side by side; :mod:`.record` saves one request for a replay without a GPU."""
+the accelerated image side by side; :mod:`.record` saves one request for a replay without a GPU. The names
+of :mod:`.session`'s ``__all__`` are importable from here."""
 
-from .session import (
-    ACCELERATED_ONLY,
-    ACCELERATIONS,
-    DEFAULT_ACCELERATION,
-    DEFAULT_PROMPT,
-    MAX_GUIDANCE,
-    MAX_STEPS,
-    MODES,
-    SIDE_BY_SIDE,
-    Acceleration,
-    DemoBackend,
-    DemoDefaults,
-    DemoError,
-    GenerationRequest,
-    GenerationResult,
-    GraphCost,
-    WarmupStatus,
-    WarmupStep,
-    defaults_for,
-    format_resolution,
-    gradio_handler,
-    parse_resolution,
-    request_from_ui,
-    warm_up_in_background,
-)
+from . import session
+from .session import *  # noqa: F403 - the package's names are the session's, listed once in its __all__
 
-__all__ = [
-    "ACCELERATED_ONLY",
-    "ACCELERATIONS",
-    "DEFAULT_ACCELERATION",
-    "DEFAULT_PROMPT",
-    "MAX_GUIDANCE",
-    "MAX_STEPS",
-    "MODES",
-    "SIDE_BY_SIDE",
-    "Acceleration",
-    "DemoBackend",
-    "DemoDefaults",
-    "DemoError",
-    "GenerationRequest",
-    "GenerationResult",
-    "GraphCost",
-    "WarmupStatus",
-    "WarmupStep",
-    "defaults_for",
-    "format_resolution",
-    "gradio_handler",
-    "parse_resolution",
-    "request_from_ui",
-    "warm_up_in_background",
-]
+__all__ = list(session.__all__)

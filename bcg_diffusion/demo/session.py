@@ -45,6 +45,8 @@ __all__ = [
     "ACCELERATIONS",
     "DEFAULT_ACCELERATION",
     "DEFAULT_PROMPT",
+    "MAX_GUIDANCE",
+    "MAX_STEPS",
     "MODES",
     "SIDE_BY_SIDE",
     "Acceleration",
