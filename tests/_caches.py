@@ -33,17 +33,27 @@ def cache_config(kind: str, steps: int, threshold: float = 1.0) -> Any:
 def mixed_threshold(pipe: Any, pipeline: str, case: str, *, steps: int, height: int, width: int) -> float:
     """The first FirstBlockCache threshold of :data:`FBC_THRESHOLDS` under which eager both skips and
     computes some calls of this case."""
+    return _first_mixed_threshold(
+        pipe,
+        lambda: run_case(pipe, pipeline, case, height=height, width=width, steps=steps),
+        f"{pipeline}/{case}",
+    )
+
+
+def _first_mixed_threshold(pipe: Any, run: Any, label: str) -> float:
+    """The first threshold of :data:`FBC_THRESHOLDS` under which eager FirstBlockCache both skips and computes
+    some of the transformer calls ``run()`` makes."""
     for threshold in FBC_THRESHOLDS:
         enable_cache(pipe, FirstBlockCacheConfig(threshold=threshold))
         counter = SkipCounter(pipe.transformer)
         try:
-            run_case(pipe, pipeline, case, height=height, width=width, steps=steps)
+            run()
         finally:
             counter.remove()
             disable_cache(pipe)
         if 0 < counter.skipped < counter.calls:
             return threshold
-    raise AssertionError(f"no threshold in {FBC_THRESHOLDS} gives both decisions on {pipeline}/{case}")
+    raise AssertionError(f"no threshold in {FBC_THRESHOLDS} gives both decisions on {label}")
 
 
 # ------------------------------------------------------------------------------ interleaved calls
@@ -211,15 +221,9 @@ def check_interleaved_calls(
 def _threshold_for_calls(pipe: Any, pipeline: str, sizes: tuple[tuple[int, int], ...]) -> float:
     """The first threshold of :data:`FBC_THRESHOLDS` under which eager FirstBlockCache both skips and computes
     some transformer calls over :data:`MIXED_CALLS`."""
-    for threshold in FBC_THRESHOLDS:
-        enable_cache(pipe, FirstBlockCacheConfig(threshold=threshold))
-        counter = SkipCounter(pipe.transformer)
-        try:
-            for call in MIXED_CALLS:
-                mixed_call(pipe, pipeline, call, sizes)
-        finally:
-            counter.remove()
-            disable_cache(pipe)
-        if 0 < counter.skipped < counter.calls:
-            return threshold
-    raise AssertionError(f"no threshold in {FBC_THRESHOLDS} gives both decisions on {pipeline}'s mixed calls")
+
+    def run() -> None:
+        for call in MIXED_CALLS:
+            mixed_call(pipe, pipeline, call, sizes)
+
+    return _first_mixed_threshold(pipe, run, f"{pipeline}'s mixed calls")
