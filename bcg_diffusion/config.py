@@ -10,6 +10,7 @@ __all__ = ["AccelerateConfig", "describe_changes", "validate_buckets"]
 
 _MODES = ("exact", "fast")
 _CAPTURE_ERROR_MODES = ("global", "thread_local", "relaxed")
+_ATTENTION_KERNELS = ("fp8",)
 _KNOWN_COMPONENTS = ("transformer", "transformer_2", "vae", "text_encoder")
 RESOLUTION_MULTIPLE = 16  # Qwen-Image and Z-Image: the VAE's 8x down-sampling, then the transformer's 2x2 patches
 _MAX_VALUE_CHARS = 60  # of one value's repr in describe_changes: a torchao config or a function stays short
@@ -72,6 +73,12 @@ class AccelerateConfig:
             user quantized with torchao beforehand is captured as it is).
         quantize_filter: which linears ``quantize`` quantizes, as torchao's ``filter_fn(module, name)``;
             None: :func:`bcg_diffusion.features.quantization.default_filter`.
+        attention: ``mode="fast"`` only. ``"fp8"``: the transformer's attention runs in FP8 (query, key,
+            value and probabilities in float8 e4m3, our Triton kernel; needs a CUDA GPU of compute
+            capability 8.9 or newer and Triton), an opt-in that changes the image more than FP8
+            linears do (see ``docs/quantization.md``). None (default): PyTorch's attention in the
+            model's dtype (cuDNN's kernel on Hopper), with or without ``quantize``. See
+            :mod:`bcg_diffusion.features.fp8_attention`.
         auto_breaks: make every operation a capture cannot hold (host syncs, data-dependent shapes,
             copies from pageable host memory) an eager break of its own, checked on replay like a
             marked one, and retry a failed capture once with what it taught
@@ -101,6 +108,7 @@ class AccelerateConfig:
     batch_cfg: bool | None = None
     quantize: Any = None
     quantize_filter: Any = None
+    attention: str | None = None
     auto_breaks: bool = True
     cfg_parallel: Any = False
 
@@ -150,6 +158,13 @@ class AccelerateConfig:
             if not callable(self.quantize_filter):
                 raise TypeError(
                     f"quantize_filter must be callable (module, name) -> bool, got {self.quantize_filter!r}"
+                )
+        if self.attention is not None:
+            if self.attention not in _ATTENTION_KERNELS:
+                raise ValueError(f"attention must be one of {_ATTENTION_KERNELS} or None, got {self.attention!r}")
+            if self.mode != "fast":
+                raise ValueError(
+                    f"attention={self.attention!r} applies to mode='fast' only (it changes rounding; exact mode is exact)"
                 )
         if self.capture_error_mode not in _CAPTURE_ERROR_MODES:
             raise ValueError(

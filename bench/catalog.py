@@ -24,12 +24,22 @@ MODES: tuple[str, ...] = (
     "eager-fp8",
     "bcg-fp8",
     "fast-fp8",
+    "fast-fp8-attn",
+    "eager-fp8+cache",
+    "fast-fp8+cache",
 )
 # The modes with a step cache (``--cache``): they compare with eager+cache as the others with eager.
-CACHED: tuple[str, ...] = ("eager+cache", "bcg+cache", "fast+cache", "compile+cache")
+CACHED: tuple[str, ...] = (
+    "eager+cache",
+    "bcg+cache",
+    "fast+cache",
+    "compile+cache",
+    "eager-fp8+cache",
+    "fast-fp8+cache",
+)
 # The modes with the transformer quantized to row-wise FP8 (bcg_diffusion.features.quantization): they compare with
 # eager-fp8 (the same quantization by hand, eager) as the others with eager.
-FP8_MODES: tuple[str, ...] = ("eager-fp8", "bcg-fp8", "fast-fp8")
+FP8_MODES: tuple[str, ...] = ("eager-fp8", "bcg-fp8", "fast-fp8", "fast-fp8-attn", "eager-fp8+cache", "fast-fp8+cache")
 # Ablations of what our defaults add: the text encoder's graphs, automatic breaks and fast mode's CFG batching.
 ABLATIONS: tuple[str, ...] = ("bcg-no-te", "bcg-no-auto", "fast-no-te", "fast-no-auto", "fast-unbatched")
 # What a run without --modes compares on a GPU: ours as a user gets them, and the peers.
@@ -56,6 +66,9 @@ DESCRIPTIONS = {
     "bcg_diffusion.features.quantization's default filter)",
     "bcg-fp8": 'accelerate(pipe, quantize="fp8"): the same FP8 model in exact graphs',
     "fast-fp8": 'accelerate(pipe, mode="fast", quantize="fp8"): the same FP8 model, compiled blocks in graphs',
+    "fast-fp8-attn": 'fast-fp8 with attention="fp8": the attention in FP8 too (our Triton kernel)',
+    "eager-fp8+cache": "eager-fp8 with the step cache (--cache)",
+    "fast-fp8+cache": "fast-fp8 with the same step cache inside its graphs",
     "compile+cache": "regional compile (compile_repeated_blocks, fullgraph=False: the cache's hooks break graphs) "
     "with the same step cache",
 }
@@ -63,16 +76,18 @@ EXACT = {"eager": True, "bcg": True, "bcg-no-te": True, "bcg-no-auto": True}
 EXACT.update({"fast": False, "fast-no-te": False, "fast-no-auto": False, "fast-unbatched": False})
 EXACT.update({"compile": False, "compile-max": False})
 EXACT.update({"eager+cache": True, "bcg+cache": True, "fast+cache": False, "compile+cache": False})
-EXACT.update({"eager-fp8": True, "bcg-fp8": True, "fast-fp8": False})
+EXACT.update({"eager-fp8": True, "bcg-fp8": True, "fast-fp8": False, "fast-fp8-attn": False})
+EXACT.update({"eager-fp8+cache": True, "fast-fp8+cache": False})
 OURS = ("bcg", "bcg-no-te", "bcg-no-auto", "fast", "fast-no-te", "fast-no-auto", "fast-unbatched")
-OURS += ("bcg+cache", "fast+cache", "bcg-fp8", "fast-fp8")
-FAST = ("fast", "fast-no-te", "fast-no-auto", "fast-unbatched", "fast+cache", "fast-fp8")
+OURS += ("bcg+cache", "fast+cache", "bcg-fp8", "fast-fp8", "fast-fp8-attn", "fast-fp8+cache")
+FAST = ("fast", "fast-no-te", "fast-no-auto", "fast-unbatched", "fast+cache", "fast-fp8", "fast-fp8-attn")
+FAST += ("fast-fp8+cache",)
 
 
 def baseline(name: str) -> str:
     """The mode whose first call an exact mode's images must equal: eager, with the cache if ``name`` has one."""
     if name in FP8_MODES:
-        return "eager-fp8"
+        return "eager-fp8+cache" if name in CACHED else "eager-fp8"
     return "eager+cache" if name in CACHED else "eager"
 
 

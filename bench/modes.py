@@ -115,6 +115,7 @@ class PreparedMode:
         keys += ("compiles", "compile_seconds", "compiled_blocks", "cfg_batched") if self.name in FAST else ()
         keys += ("cache_states", "cache_branches", "cache_branch_switches") if self.name in CACHED else ()
         keys += ("quantized", "quantized_linears") if self.name in FP8_MODES else ()
+        keys += ("attention",) if self.name.endswith("-attn") else ()
         return {key: report[key] for key in keys}
 
 
@@ -125,27 +126,31 @@ def prepare(name: str, base: Any, device: torch.device, cache: Callable[[], Any]
     if name not in MODES:
         raise ValueError(f"unknown mode {name!r}; choose from {MODES}")
     pipe = pipeline_copy(base)
-    if name in FP8_MODES:
-        base_name = name.removesuffix("-fp8")
-        if base_name == "eager":
-            quantize_transformer(pipe.transformer, FP8)
-            return PreparedMode(name, pipe, lambda: None)
-        mode = _prepare(base_name, pipe, device, quantize=FP8)
-        mode.name = name
-        return mode
+    base_name = name
     if name in CACHED:
         if cache is None:
             raise ValueError(f"mode {name} needs a cache config")
-        enable_cache(pipe, cache())
-        name = name.removesuffix("+cache")
-        mode = _prepare(name, pipe, device, fullgraph=False)
-        mode.name = f"{name}+cache"
-        return mode
-    return _prepare(name, pipe, device)
+        enable_cache(pipe, cache())  # before quantizing or accelerating, as a user would
+        base_name = base_name.removesuffix("+cache")
+    attention = "fp8" if base_name.endswith("-attn") else None
+    base_name = base_name.removesuffix("-attn")
+    quantize = FP8 if base_name.endswith("-fp8") else None
+    base_name = base_name.removesuffix("-fp8")
+    if base_name == "eager" and quantize is not None:
+        quantize_transformer(pipe.transformer, FP8)
+        quantize = None
+    mode = _prepare(base_name, pipe, device, fullgraph=name not in CACHED, quantize=quantize, attention=attention)
+    mode.name = name
+    return mode
 
 
 def _prepare(
-    name: str, pipe: Any, device: torch.device, fullgraph: bool = True, quantize: str | None = None
+    name: str,
+    pipe: Any,
+    device: torch.device,
+    fullgraph: bool = True,
+    quantize: Any = None,
+    attention: str | None = None,
 ) -> PreparedMode:
     if name == "eager":
         return PreparedMode(name, pipe, lambda: None)
@@ -165,6 +170,7 @@ def _prepare(
             debug=debug,
             batch_cfg=batch_cfg,
             quantize=quantize,
+            attention=attention,
             auto_breaks=auto_breaks,
         )
 

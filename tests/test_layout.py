@@ -24,6 +24,7 @@ LAYERS = (
                "bcg_diffusion.group", "bcg_diffusion.warmup")),
     ("features and adapters", ("bcg_diffusion.features", "bcg_diffusion.pipelines")),
     ("patches", ("bcg_diffusion.patches",)),
+    ("kernels", ("bcg_diffusion.kernels",)),
     ("core", ("bcg_diffusion.core",)),
     ("models", ("bcg_diffusion.models",)),
 )  # fmt: skip

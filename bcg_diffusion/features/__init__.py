@@ -3,7 +3,8 @@
 :func:`~bcg_diffusion.accelerate` walks :data:`FEATURES` in order; that order is the order of their
 hooks (context parallelism decides about the collectives before fast mode decides whether to compile,
 step caching takes a cache's hooks off the blocks before they compile, quantization replaces
-the weights before they compile,
+the weights before they compile (and before the GELU epilogue looks for plain projections), FP8
+attention marks the attention modules before they compile,
 compiled blocks patch the attention processors before CFG batching asks what they accept; CFG across
 GPUs wraps the transformer's call last, outside everything else).
 """
@@ -15,6 +16,8 @@ from .cfg_batching import CfgBatching
 from .cfg_parallel import CfgParallel
 from .compiled_blocks import CompiledBlocks
 from .context_parallel import ContextParallel
+from .fp8_attention import Fp8Attention
+from .gelu_epilogue import GeluEpilogue
 from .quantization import Quantization
 from .step_caching import StepCaching
 from .text_buckets import TextBuckets
@@ -27,6 +30,8 @@ FEATURES: list[type[Feature]] = [
     ContextParallel,
     StepCaching,
     Quantization,
+    GeluEpilogue,
+    Fp8Attention,
     CompiledBlocks,
     CfgBatching,
     CfgParallel,

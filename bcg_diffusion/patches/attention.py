@@ -8,16 +8,22 @@ valid, so the batch can instead attend per prompt over its own valid tokens, wit
 side-by-side run (H200, run 33, Qwen-Image 512², 10 steps, CFG 4) the denoising loop took 0.689 s
 against 0.708 s masked.
 
-Without a mask PyTorch picks its flash kernel. For Z-Image (30 heads of 128, about 1,060 tokens at
-512²) diffusers' cuDNN backend (``_native_cudnn``) is faster: in side-by-side runs the loop took
-0.191 against 0.198 s (run 30) and 0.192 against 0.197 s (run 32, attention 20 against 27 ms). For Qwen-Image it was not: its
-unbatched calls got 1.4% slower, and the per-prompt batch no faster (run 33), as the copies into
-cuDNN's layout cost what its kernel saves; Qwen-Image keeps diffusers' dispatch.
+Which kernel: PyTorch 2.11's SDPA already takes cuDNN's kernel for these unmasked calls on Hopper
+(612–619 TFLOP/s at Qwen-Image's 1024² shapes, flash 352–362; run 83). Diffusers' ``_native_cudnn``
+backend first copies the tensors into cuDNN's layout, which the kernel does not need: on the
+``[B, S, H, D]`` views as they are it runs as fast (612 against 610 TFLOP/s), so fast mode's Z-Image
+processor calls SDPA's cuDNN kernel on them directly (:func:`_cudnn_attention`): one compiled block
+714.7 against 759.8 µs at 512², 3026 against 3068 µs at 1024² (run 83). Qwen-Image's processors keep
+diffusers' dispatch, which PyTorch sends to the same kernel.
 
-Both change rounding only (another kernel, no padded keys to skip), which is why they are fast
-mode's, scoped to the accelerated model (:mod:`bcg_diffusion.patches.scoped`). The cuDNN dispatch is
-applied on compute capability 9.0 and newer only (where it was measured), with cuDNN attention enabled
-in PyTorch (``torch.backends.cuda.enable_cudnn_sdp``).
+The kernel of each attention module can be chosen (:data:`KERNEL_ATTRIBUTE`, :func:`attend`): our FP8
+kernel (:mod:`bcg_diffusion.kernels.attention`) is the opt-in of
+:mod:`bcg_diffusion.features.fp8_attention`.
+
+All of this changes rounding only (another kernel, no padded keys to skip), which is why it is fast
+mode's, scoped to the accelerated model (:mod:`bcg_diffusion.patches.scoped`). cuDNN is used on
+compute capability 9.0 and newer only (where it was measured), with cuDNN attention enabled in
+PyTorch (``torch.backends.cuda.enable_cudnn_sdp``).
 
 Z-Image's processor is ours in fast mode, with or without cuDNN (:func:`_zimage_attention_call`):
 diffusers' computation, except that its RoPE no longer enters a no-op ``autocast`` context, which
@@ -34,6 +40,7 @@ import torch.nn.functional as F
 from diffusers.models.attention_dispatch import AttentionBackendName, _AttentionBackendRegistry
 from diffusers.models.attention_dispatch import dispatch_attention_fn as _diffusers_dispatch
 
+from ..kernels import attention as kernels
 from .rope import rotate_pairs
 from .scoped import ProcessorPatch
 
@@ -141,6 +148,49 @@ def _default_backend_active() -> bool:
     return _AttentionBackendRegistry.get_active_backend()[0] == AttentionBackendName.NATIVE
 
 
+# The attribute on an attention module (diffusers' ``Attention``) naming the kernel fast mode's processors
+# use for it (see :func:`attend`), set by :mod:`bcg_diffusion.features.attention_kernels`. A module
+# attribute, so that the check of the Python state a graph read sees it change.
+KERNEL_ATTRIBUTE = "_bcg_attention_kernel"
+# "dispatch": diffusers' dispatch (PyTorch's SDPA picks its kernel); "cudnn": SDPA's cuDNN kernel on
+# the [B, S, H, D] tensors as they are; "triton": our Triton kernel; "fp8": our FP8 kernel.
+KERNELS = ("dispatch", "cudnn", "triton", "fp8")
+
+
+def attend(
+    attn: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    dispatch: Callable[..., torch.Tensor],
+    default: str = "dispatch",
+    **dispatch_kwargs: Any,
+) -> torch.Tensor:
+    """Attention without a mask of ``[B, S, H, D]`` tensors through the kernel ``attn`` names in
+    :data:`KERNEL_ATTRIBUTE`, else ``default`` (one of :data:`KERNELS`); ``[B, S, H, D]`` out. Through
+    ``dispatch(query, key, value, **dispatch_kwargs)`` when that kernel is ``"dispatch"``, the user chose
+    an attention backend of diffusers' or a parallel config, or the kernel does not take these tensors
+    (dtype, head size, device)."""
+    kernel = getattr(attn, KERNEL_ATTRIBUTE, default)
+    chosen_elsewhere = any(dispatch_kwargs.get(name) is not None for name in ("backend", "parallel_config"))
+    if kernel != "dispatch" and not chosen_elsewhere and _default_backend_active():
+        if kernel == "cudnn" and _cudnn_fits(query, key, value):
+            return _cudnn_attention(query, key, value)
+        if kernel in ("triton", "fp8") and kernels.unsupported(query, key, value) is None:
+            return (kernels.fp8_attention if kernel == "fp8" else kernels.attention)(query, key, value)
+    return dispatch(query, key, value, **dispatch_kwargs)
+
+
+def _cudnn_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """SDPA's cuDNN kernel on ``[B, S, H, D]`` views as ``[B, H, S, D]`` (no copies: cuDNN reads strided
+    tensors and writes its output in the query's layout, so the result transposes back for free)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        out = F.scaled_dot_product_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2))
+    return out.transpose(1, 2)
+
+
 def qwen_joint_projections(
     attn: torch.nn.Module, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -209,10 +259,14 @@ def qwen_joint_attention_per_group(
                 image_part = rotate_pairs(image_part, image_freqs)
             joint.append(torch.cat([text_part, image_part], dim=1))  # joint order as in diffusers: text, image
         query, key, value = joint
-        # diffusers' dispatch, not ours: run 33 measured flash and cuDNN equal here (cuDNN's copies
-        # into its layout cost what its kernel saves), and flash is what unbatched calls use.
-        out = _diffusers_dispatch(
-            query, key, value, backend=processor._attention_backend, parallel_config=processor._parallel_config
+        out = attend(
+            attn,
+            query,
+            key,
+            value,
+            _diffusers_dispatch,
+            backend=processor._attention_backend,
+            parallel_config=processor._parallel_config,
         )
         out = out.flatten(2, 3).to(query.dtype)
         text_outputs.append(F.pad(out[:, :length], (0, 0, 0, text_tokens - length)))
@@ -239,6 +293,11 @@ def _qwen_call_with_text_lengths(call: Callable[..., Any]) -> Callable[..., Any]
         image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
         bcg_text_lengths: tuple[int, ...] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        unpadded = encoder_hidden_states is not None and encoder_hidden_states_mask is None and attention_mask is None
+        if bcg_text_lengths is None and unpadded and getattr(attn, KERNEL_ATTRIBUTE, "dispatch") != "dispatch":
+            # One prompt, no padding: one group with every text token valid is the processor's own
+            # computation, through the chosen kernel.
+            bcg_text_lengths = (encoder_hidden_states.shape[1],)
         if bcg_text_lengths is None or encoder_hidden_states is None or attention_mask is not None:
             return call(
                 self,
@@ -285,7 +344,7 @@ def _complex_rotation(x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
     return torch.view_as_real(pairs * freqs_cis.unsqueeze(2)).flatten(3).type_as(x)
 
 
-def _zimage_attention_call(dispatch: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+def _zimage_attention_call(dispatch: Callable[..., torch.Tensor], default: str) -> Callable[..., torch.Tensor]:
     """A ``__call__`` for Z-Image's ``ZSingleStreamAttnProcessor``: diffusers' computation,
     with the RoPE of :func:`_rotate_complex` and attention through ``dispatch``."""
 
@@ -308,16 +367,11 @@ def _zimage_attention_call(dispatch: Callable[..., torch.Tensor]) -> Callable[..
             query, key = _rotate_complex(query, freqs_cis), _rotate_complex(key, freqs_cis)
         if attention_mask is not None and attention_mask.ndim == 2:
             attention_mask = attention_mask[:, None, None, :]  # [B, S] -> broadcast over heads and queries
-        out = dispatch(
-            query,
-            key,
-            value,
-            attn_mask=attention_mask,
-            dropout_p=0.0,
-            is_causal=False,
-            backend=self._attention_backend,
-            parallel_config=self._parallel_config,
-        )
+        options = {"backend": self._attention_backend, "parallel_config": self._parallel_config}
+        if attention_mask is None:
+            out = attend(attn, query, key, value, dispatch, default, **options)
+        else:
+            out = dispatch(query, key, value, attn_mask=attention_mask, dropout_p=0.0, is_causal=False, **options)
         output = attn.to_out[0](out.flatten(2, 3).to(query.dtype))
         if len(attn.to_out) > 1:
             output = attn.to_out[1](output)  # dropout
@@ -329,7 +383,7 @@ def _zimage_attention_call(dispatch: Callable[..., torch.Tensor]) -> Callable[..
 ZIMAGE_ATTENTION_PATCH = ProcessorPatch(
     name="zimage attention (cuDNN, RoPE outside autocast)",
     processor_class="ZSingleStreamAttnProcessor",
-    wrap_call=lambda call: _zimage_attention_call(dispatch_attention_fn),
+    wrap_call=lambda call: _zimage_attention_call(dispatch_attention_fn, default="cudnn"),
     condition=cudnn_attention_unsupported,
 )
 # Where cuDNN's attention is not used: the same processor with diffusers' dispatch (exactly one of the
@@ -337,6 +391,6 @@ ZIMAGE_ATTENTION_PATCH = ProcessorPatch(
 ZIMAGE_ROPE_PATCH = ProcessorPatch(
     name="zimage attention (RoPE outside autocast)",
     processor_class="ZSingleStreamAttnProcessor",
-    wrap_call=lambda call: _zimage_attention_call(_diffusers_dispatch),
+    wrap_call=lambda call: _zimage_attention_call(_diffusers_dispatch, default="dispatch"),
     condition=lambda model: None if cudnn_attention_unsupported(model) else "the cuDNN patch applies instead",
 )

@@ -1,0 +1,238 @@
+"""GPU probe: attention kernels and the glue of one fast-mode block at 1024² (issue 34).
+
+* ``kernels``: attention alone on the shapes of Qwen-Image at 1024² (fast mode's CFG batch attends per
+  prompt: batch 1, 24 heads of 128, 4,096 image and 64 text tokens; and batch 2, as one call) and Z-Image
+  (30 heads of 128, 1,088 and 4,160 tokens), inputs ``[B, S, H, D]`` as the processors hold them: PyTorch
+  SDPA with each backend on the transposed views (what diffusers' dispatch does), cuDNN on contiguous
+  ``[B, H, S, D]`` (its kernel alone), our Triton kernel in bf16 and FP8 (with and without its
+  quantization), each replayed from a CUDA graph: time, TFLOP/s (4·B·H·S²·D), relative error against
+  float32 attention. Then each Triton launch configuration, to fix the one the library uses.
+* ``qwen-block`` / ``z-block``: one block compiled as fast mode compiles it, with fast mode's processor
+  patches, for each attention kernel of ``patches.attention.KERNELS`` (and, for Qwen-Image, GELU in the
+  matrix product's epilogue): time per block and the kernel table by kind.
+
+    python -m bench.probes.probe_attention_kernels [--sections kernels,qwen-block,z-block]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from bcg_diffusion.core.hooks import MethodPatches
+from bcg_diffusion.features import compiled_blocks as fast
+from bcg_diffusion.kernels import attention as kernels
+from bcg_diffusion.patches import attention
+from bench.probes.probe_fast_floor import graph_replay_ms, kernel_table, random_block, section
+from bench.probes.probe_fp8_block import QWEN_DIM, QWEN_HEADS, Z_DIM, Z_HEADS, qwen_block_inputs
+
+SHAPES = {  # label: (batch, tokens, heads)
+    "qwen 1024² per prompt": (1, 4160, 24),
+    "qwen 1024² CFG batch": (2, 4160, 24),
+    "z 512²": (1, 1088, 30),
+    "z 1024²": (1, 4160, 30),
+}
+TRITON_CONFIGS = [
+    (reader, *tiles)
+    for reader in ("tma", "pointers")
+    for tiles in ((128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2), (128, 128, 8, 3), (128, 128, 8, 4), (64, 64, 4, 4))
+]
+
+
+def _sdpa(backend: Any) -> Callable[..., torch.Tensor]:
+    from torch.nn.attention import sdpa_kernel
+
+    def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        with contextlib.nullcontext() if backend is None else sdpa_kernel(backend):
+            out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        return out.transpose(1, 2).flatten(2, 3)  # what the output projection reads
+
+    return run
+
+
+def _cudnn_contiguous(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        return F.scaled_dot_product_attention(q, k, v)
+
+
+def candidates() -> dict[str, tuple[Callable[..., torch.Tensor], bool]]:
+    """label: (function of q, k, v, whether it takes contiguous [B, H, S, D])."""
+    from torch.nn.attention import SDPBackend
+
+    found = {
+        "sdpa default": (_sdpa(None), False),
+        "sdpa flash": (_sdpa(SDPBackend.FLASH_ATTENTION), False),
+        "sdpa cudnn": (_sdpa(SDPBackend.CUDNN_ATTENTION), False),
+        "sdpa efficient": (_sdpa(SDPBackend.EFFICIENT_ATTENTION), False),
+        "cudnn, [B,H,S,D] contiguous": (_cudnn_contiguous, True),
+        "triton bf16": (lambda q, k, v: kernels.attention(q, k, v).flatten(2, 3), False),
+        "triton fp8 (with quantization)": (lambda q, k, v: kernels.fp8_attention(q, k, v).flatten(2, 3), False),
+    }  # fmt: skip
+    return found
+
+
+def attention_kernels() -> None:
+    torch.manual_seed(0)
+    for label, (batch, tokens, heads) in SHAPES.items():
+        q, k, v = (torch.randn(batch, tokens, heads, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        flops = 4 * batch * heads * tokens * tokens * 128
+        reference = F.scaled_dot_product_attention(*(t.float().transpose(1, 2) for t in (q, k, v))).transpose(1, 2)
+        print(f"\n-- {label}: q {tuple(q.shape)}, {flops / 1e9:.0f} GFLOP", flush=True)
+        for name, (fn, contiguous) in candidates().items():
+            args = tuple(t.transpose(1, 2).contiguous() for t in (q, k, v)) if contiguous else (q, k, v)
+            try:
+                ms, out = graph_replay_ms(lambda fn=fn, args=args: [fn(*args) for _ in range(5)][-1])
+            except Exception as error:  # a backend refusing the shape is a result here
+                print(f"   {name:34s}: failed: {type(error).__name__}: {str(error)[:120]}")
+                continue
+            ms /= 5
+            out = out.transpose(1, 2) if contiguous else out.unflatten(-1, (heads, 128))
+            error = ((out.float() - reference).norm() / reference.norm()).item()
+            print(f"   {name:34s}: {ms * 1e3:8.1f} us  {flops / ms / 1e9:6.0f} TFLOP/s  rel. error {error:.4f}")
+        quantized = kernels.quantize_for_fp8_attention(q, k, v)
+        torch.cuda.synchronize()
+        ms, _ = graph_replay_ms(
+            lambda quantized=quantized, q=q: [
+                torch.ops.bcg_diffusion.fp8_attention(*quantized, 128**-0.5, q.dtype) for _ in range(5)
+            ][-1]
+        )
+        print(f"   {'triton fp8 kernel alone':34s}: {ms / 5 * 1e3:8.1f} us  {flops / ms * 5 / 1e9:6.0f} TFLOP/s")
+        if label in ("qwen 1024² per prompt", "z 1024²"):
+            for kind in ("bf16", "fp8"):
+                saved = kernels._CONFIGS[kind]
+                for config in TRITON_CONFIGS:
+                    kernels._CONFIGS[kind] = config
+                    fn = kernels.attention if kind == "bf16" else kernels.fp8_attention
+                    try:
+                        if kind == "fp8":  # the kernel alone, as inside a compiled block (quantization fused)
+                            ms, _ = graph_replay_ms(lambda quantized=quantized, q=q: [
+                                torch.ops.bcg_diffusion.fp8_attention(*quantized, 128**-0.5, q.dtype) for _ in range(5)
+                            ][-1])  # fmt: skip
+                        else:
+                            ms, _ = graph_replay_ms(lambda fn=fn, q=q, k=k, v=v: [fn(q, k, v) for _ in range(5)][-1])
+                        print(
+                            f"   config {kind} {config}: {ms / 5 * 1e3:8.1f} us  {flops / ms * 5 / 1e9:6.0f} TFLOP/s"
+                        )
+                    except Exception as error:
+                        print(f"   config {kind} {config}: failed: {type(error).__name__}: {str(error)[:120]}")
+                kernels._CONFIGS[kind] = saved
+
+
+def _gelu_in_epilogue(module: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+    """diffusers' ``GELU`` (tanh) forward as one cuBLASLt product with the GELU in its epilogue."""
+    proj = module.proj
+
+    def forward(hidden_states: torch.Tensor) -> torch.Tensor:
+        flat = hidden_states.flatten(0, -2)
+        out = torch._addmm_activation(proj.bias, flat, proj.weight.t(), use_gelu=True)
+        return out.unflatten(0, hidden_states.shape[:-1])
+
+    return forward
+
+
+def time_block(
+    base: torch.nn.Module, inputs: dict[str, tuple], patches_: tuple, variants: list[tuple[str, str, bool]]
+) -> None:
+    """For each (label, attention kernel, GELU in the epilogue): compile a copy of ``base`` as fast mode
+    does, time it per size, print its error against the first variant and the kernel table of the first size."""
+    references: dict[str, torch.Tensor] = {}
+    for label, kernel, gelu_epilogue in variants:
+        holder = torch.nn.Module()
+        holder.block = copy.deepcopy(base)
+        holder._repeated_blocks = [type(base).__name__]
+        patches, compile_patches = MethodPatches(), MethodPatches()
+        for patch in patches_:
+            patch.apply(holder.block, patches)
+        for module in holder.block.modules():
+            if hasattr(module, "processor"):
+                setattr(module, attention.KERNEL_ATTRIBUTE, kernel)
+            if gelu_epilogue and type(module).__name__ == "GELU" and getattr(module, "approximate", "") == "tanh":
+                module.forward = _gelu_in_epilogue(module)
+        torch._dynamo.reset()
+        fast.compile_repeated_blocks(holder, compile_patches)
+        try:
+            with torch.no_grad():
+                started = time.perf_counter()
+                for args in inputs.values():
+                    holder.block(*args)
+                torch.cuda.synchronize()
+                compile_s = time.perf_counter() - started
+                for index, (size, args) in enumerate(inputs.items()):
+                    ms, out = graph_replay_ms(
+                        lambda args=args, block=holder.block: [block(*args) for _ in range(10)][-1]
+                    )
+                    out = torch.cat([o.flatten() for o in out]) if isinstance(out, tuple) else out.flatten()
+                    out = out.float()
+                    references.setdefault(size, out)
+                    error = ((out - references[size]).norm() / references[size].norm()).item()
+                    print(f"{label:36s} {size:14s}: {ms / 10 * 1e3:7.1f} us per block, rel. error vs first {error:.4f} "
+                          f"(compile {compile_s:.1f} s)", flush=True)  # fmt: skip
+                    if index == 0:
+                        kernel_table(lambda args=args, block=holder.block: block(*args), f"{label}, {size}", top=16)
+        except Exception as error:
+            print(f"{label}: failed: {type(error).__name__}: {str(error)[:300]}")
+        finally:
+            compile_patches.undo()
+            patches.undo()
+        del holder
+        torch.cuda.empty_cache()
+
+
+def qwen_block() -> None:
+    from diffusers.models.transformers.transformer_qwenimage import QwenImageTransformerBlock
+
+    from bcg_diffusion.patches.rope import QWEN_REAL_ROPE_PATCH
+
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        base = random_block(QwenImageTransformerBlock(QWEN_DIM, QWEN_HEADS, QWEN_DIM // QWEN_HEADS))
+    args = qwen_block_inputs(4096, 64, batch=2)
+    # Fast mode's CFG batch: two prompts of 64 and 40 valid text tokens, attended per prompt.
+    inputs = {"1024² CFG": (*args, {attention.TEXT_LENGTHS_KWARG: (64, 40)})}
+    variants = [("dispatch", "dispatch", False), ("fp8", "fp8", False)]
+    variants += [("dispatch + GELU epilogue", "dispatch", True), ("fp8 + GELU epilogue", "fp8", True)]
+    time_block(base, inputs, (QWEN_REAL_ROPE_PATCH, attention.QWEN_ATTENTION_PATCH), variants)
+
+
+def z_block() -> None:
+    from diffusers.models.transformers.transformer_z_image import ZImageTransformerBlock
+
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        base = random_block(ZImageTransformerBlock(0, Z_DIM, Z_HEADS, Z_HEADS, 1e-5, qk_norm=True, modulation=True))
+    inputs = {}
+    for size, tokens in {"1024²": 4160, "512²": 1088}.items():
+        angles = torch.rand(1, tokens, Z_DIM // Z_HEADS // 2, device="cuda") * 6.28
+        inputs[size] = (
+            torch.randn(1, tokens, Z_DIM, device="cuda", dtype=torch.bfloat16),
+            None,
+            torch.polar(torch.ones_like(angles), angles),
+            torch.randn(1, 256, device="cuda", dtype=torch.bfloat16),
+        )
+    # The Z-Image patch's dispatch takes diffusers' cuDNN backend on Hopper (copies into its layout);
+    # "cudnn" is SDPA's cuDNN kernel on the tensors as they are.
+    variants = [(kernel, kernel, False) for kernel in ("dispatch", "cudnn", "fp8")]
+    time_block(base, inputs, (attention.ZIMAGE_ATTENTION_PATCH,), variants)
+
+
+SECTIONS = {
+    "kernels": ("attention kernels", attention_kernels),
+    "qwen-block": ("Qwen-Image block at 1024² CFG, per attention kernel", qwen_block),
+    "z-block": ("Z-Image block, per attention kernel", z_block),
+}
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated, of {', '.join(SECTIONS)}")
+    print("torch", torch.__version__, "cuDNN", torch.backends.cudnn.version(), flush=True)
+    for name in parser.parse_args().sections.split(","):
+        section(*SECTIONS[name])
