@@ -6,11 +6,15 @@ from typing import Any
 
 import torch
 from _cases import LONG, SHORT, run_case
-from _checks import assert_graphs_ran
+from _checks import assert_graphs_ran, assert_report_ran
 from diffusers import FirstBlockCacheConfig, MagCacheConfig, TaylorSeerCacheConfig
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from bcg_diffusion import accelerate, restore, stats
-from bcg_diffusion.features.step_caching import SkipCounter, disable_cache, enable_cache
+from bcg_diffusion.core import graphs
+from bcg_diffusion.core.tree import flatten
+from bcg_diffusion.features.step_caching import SkipCounter, disable_cache, enable_cache, kinds
 
 CACHES = ("first-block", "taylorseer", "magcache")
 # FirstBlockCache's threshold compares relative residual changes, near 1 with random weights: the
@@ -191,6 +195,7 @@ def check_interleaved_calls(
     enable_cache(pipe, _mixed_config(kind, threshold))
     accelerate(pipe, **accelerate_kwargs)
     log = SkipLog(pipe.transformer)
+    check = ReplayCheck(pipe) if accelerate_kwargs.get("debug") else None
     try:
         for i, call in enumerate(MIXED_SEQUENCE):
             start = len(log.decisions)
@@ -207,8 +212,12 @@ def check_interleaved_calls(
             elif i >= half:  # a repeat: replays alone, the transformer's own, no capture, no fallback
                 report = assert_graphs_ran(pipe, report, captures=False, components=("transformer",))
         assert report["cache_hooks"] and report["cache_states"] > 0, report
+        if check is not None:
+            assert check.compared > 0, "no run was compared with an earlier one of its key"
     finally:
         log.remove()
+        if check is not None:
+            check.remove()
         restore(pipe)
         disable_cache(pipe)
     return (
@@ -227,3 +236,289 @@ def _threshold_for_calls(pipe: Any, pipeline: str, sizes: tuple[tuple[int, int],
             mixed_call(pipe, pipeline, call, sizes)
 
     return _first_mixed_threshold(pipe, run, f"{pipeline}'s mixed calls")
+
+
+# ------------------------------------------------------------------------------ captures per call
+# A cache's decisions key the transformer's graphs, its step counters do not: per argument signature, one graph
+# computes and one skips, whatever the step (issue 36). Qwen-Image's true CFG calls the transformer with two
+# argument signatures per step (cond and uncond prompts of different lengths), Z-Image's batched CFG with one.
+COUNT_STEPS = 10
+SIGNATURES = {"qwen-image": 2, "z-image": 1}
+COUNT_CASE = {"qwen-image": "true_cfg", "z-image": "cfg"}
+# MagCache over 10 steps with ratios whose accumulated error decides (see MAG_RATIOS); with fewer configured
+# steps than the call runs, the state starts over mid-call (diffusers resets it after num_inference_steps).
+MAG_RATIOS_10 = (1.0, 0.99, 1.08, 0.97, 1.01, 1.12, 0.98, 1.0, 1.06, 0.95)
+
+
+def counting_config(kind: str, steps: int, threshold: float = 1.0) -> Any:
+    """Configs whose decisions vary over :data:`COUNT_STEPS` steps; TaylorSeer's with second-order factors,
+    so that its updates and predictions take several shapes (orders 1 to 3, offsets 1 and 2)."""
+    if kind == "magcache":
+        return MagCacheConfig(
+            mag_ratios=list(MAG_RATIOS_10[:steps]),
+            num_inference_steps=steps,
+            threshold=0.1,
+            max_skip_steps=COUNT_STEPS,
+            retention_ratio=0.1,
+        )
+    if kind == "taylorseer":
+        return TaylorSeerCacheConfig(
+            cache_interval=3, disable_cache_before_step=2, max_order=2, taylor_factors_dtype=torch.float32
+        )
+    return cache_config(kind, steps, threshold)
+
+
+def check_captures_per_call(
+    reference: Any,
+    pipe: Any,
+    pipeline: str,
+    kind: str,
+    sizes: tuple[tuple[int, int], ...],
+    *,
+    config_steps: int = COUNT_STEPS,
+    **accelerate_kwargs: Any,
+) -> str:
+    """Calls of :data:`COUNT_STEPS` steps with CFG on ``reference`` (eager) and ``pipe`` (accelerated with
+    ``accelerate_kwargs``), both with the same cache ``kind``, at ``sizes[0]``, ``[0]``, ``[1]``, ``[0]``,
+    ``[1]``; asserts:
+
+    - eager: the cache both skipped and computed;
+    - accelerated: every call byte-equal to eager's and run on the transformer's graphs; the first call at
+      each size captured at most two transformer graphs per argument signature (captures and branches:
+      at most 4 for Qwen-Image, 2 for Z-Image), the repeats none;
+    - in debug mode, :class:`ReplayCheck`: a graph captured at one step would be the one replayed at the
+      others, and a replay would leave eager's state.
+
+    Returns a line for the log.
+    """
+    case = COUNT_CASE[pipeline]
+
+    def call(target: Any, size: int) -> torch.Tensor:
+        height, width = sizes[size]
+        return run_case(target, pipeline, case, height=height, width=width, steps=COUNT_STEPS)
+
+    threshold = 1.0
+    if kind == "first-block":
+        threshold = _first_mixed_threshold(reference, lambda: [call(reference, i) for i in range(2)], pipeline)
+    enable_cache(reference, counting_config(kind, config_steps, threshold))
+    log = SkipLog(reference.transformer)
+    try:
+        expected = [call(reference, i) for i in range(2)]
+    finally:
+        log.remove()
+        disable_cache(reference)
+    assert 0 < log.skipped < log.calls, f"eager: skipped {log.skipped} of {log.calls} transformer calls"
+
+    enable_cache(pipe, counting_config(kind, config_steps, threshold))
+    accelerate(pipe, **accelerate_kwargs)
+    check = ReplayCheck(pipe) if accelerate_kwargs.get("debug") else None
+    limit = 2 * SIGNATURES[pipeline]
+    counts, seen = [], set()
+    try:
+        report = stats(pipe)
+        for index, size in enumerate((0, 0, 1, 0, 1)):
+            before = report
+            image = call(pipe, size)
+            assert torch.equal(image, expected[size]), f"call {index} at {sizes[size]}: not eager's bytes"
+            report = stats(pipe)
+            new, old = report["components"]["transformer"], before["components"]["transformer"]
+            captured = new["captures"] - old["captures"] + report["cache_branches"] - before["cache_branches"]
+            counts.append(captured)
+            if size in seen:
+                assert captured == 0, f"call {index} at {sizes[size]} captured {captured} graphs again"
+            else:
+                assert 0 < captured <= limit, (
+                    f"call {index} at {sizes[size]}: {captured} transformer graphs, more than {limit} "
+                    f"({SIGNATURES[pipeline]} argument signature(s), compute and skip each)"
+                )
+            assert_report_ran(report, before, captures=size not in seen, components=("transformer",))
+            seen.add(size)
+        if check is not None:
+            assert check.compared > 0, "no run was compared with an earlier one of its key"
+    finally:
+        if check is not None:
+            check.remove()
+        restore(pipe)
+        disable_cache(pipe)
+    compared = f", runs compared {check.compared} of {check.runs}" if check is not None else ""
+    return (
+        f"{pipeline}/{kind} (configured for {config_steps} steps): skipped {log.skipped}/{log.calls} in eager, "
+        f"transformer graphs per call {counts}, states {report['cache_states']}, branches {report['cache_branches']}"
+        f"{compared}"
+    )
+
+
+# ------------------------------------------------------------------------------ replay checks (CPU)
+# Debug mode runs the hooks' Python at every call, so by itself it cannot show that a graph captured at one
+# step is right at another, nor that a replay leaves the state eager leaves. ReplayCheck shows both on the CPU:
+#
+# - every run of the transformer (debug capture or replay) is traced, op by op, outside the eager breaks: the
+#   op, its Python arguments and, per tensor, where it comes from (an earlier op of the run, a break's result, or
+#   a tensor that lives across runs, by address: weights, static inputs, the cache's buffers) with its layout.
+#   Two runs with the same signature key and the same break results must give the same trace: what a graph
+#   captured at the first would replay at the second. Ops on host values (MagCache's accumulators, CPU tensors
+#   that a capture on a GPU does not record) are left out.
+# - after each run whose (key, break results) ran before, the Python state the hooks left is compared with what
+#   a replay gives: the state as the call found it, then ``CacheState.apply`` with the first run's record.
+#   TaylorSeer's state is left out: in a replay its breaks run diffusers' own code on the real state.
+
+
+def _storage(tensor: torch.Tensor) -> int:
+    return tensor.untyped_storage().data_ptr()
+
+
+class _Trace(TorchDispatchMode):
+    def __init__(self, host: set[int]) -> None:
+        super().__init__()
+        self.ops: list[Any] = []
+        self.labels: dict[int, str] = {}
+        self.host = set(host)
+
+    def _describe(self, value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            where = self.labels.get(_storage(value), f"lives@{_storage(value):#x}")
+            return (where, tuple(value.shape), value.stride(), value.storage_offset(), value.dtype)
+        if isinstance(value, (list, tuple)):
+            return type(value)(self._describe(v) for v in value)
+        if isinstance(value, dict):
+            return {k: self._describe(v) for k, v in value.items()}
+        return value
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 - torch's signature
+        kwargs = kwargs or {}
+        described = None if graphs._IN_BREAK.get() else self._describe((args, kwargs))
+        out = func(*args, **kwargs)
+        if described is None:  # inside an eager break: not in a graph; its results are labelled by ReplayCheck
+            return out
+        made = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        if inputs and all(_storage(t) in self.host for t in inputs):
+            self.host.update(_storage(t) for t in made)  # host arithmetic: not in a graph
+            return out
+        index = len(self.ops)
+        self.ops.append((str(func), described))
+        for j, tensor in enumerate(made):
+            self.labels[_storage(tensor)] = f"op {index}.{j}"
+            self.host.discard(_storage(tensor))
+        return out
+
+
+class ReplayCheck:
+    """Installs the checks above on an accelerated (debug mode) pipeline's transformer; ``remove()`` takes
+    them off. ``runs`` and ``compared`` count the runs traced and the runs compared with an earlier one."""
+
+    def __init__(self, pipe: Any) -> None:
+        feature = next(f for f in pipe._bcg_state.all_features() if f.name == "step caching")
+        self.runner, self.cache = feature.target.runner, feature.state
+        assert self.runner.debug, "ReplayCheck emulates replays in debug mode; a GPU replays for real"
+        # (key, argument spec, break results) -> (the reference trace, the first run's record, runs seen)
+        self.first: dict[Any, tuple[list[Any], Any, int]] = {}
+        self.runs = self.compared = 0
+        self._key, self._start, self._breaks, self._trace = None, None, [], None
+        self._taylor_step = self.cache.taylor_step
+        self.cache.key = self._keyed
+        self.runner._run = self._run
+        self.cache.taylor_step = self._noting(self._taylor_step)
+        self._fbc = kinds._fbc_decision
+        kinds._fbc_decision = self._noting(self._fbc)
+
+    def remove(self) -> None:
+        vars(self.cache).pop("key", None)
+        vars(self.runner).pop("_run", None)
+        self.cache.taylor_step = self._taylor_step
+        kinds._fbc_decision = self._fbc
+
+    def _noting(self, brk: Any) -> Any:
+        def noted(*args: Any) -> Any:
+            result = brk(*args)
+            leaves, spec = flatten(result)
+            if self._trace is not None:  # a graph reads a break's tensors from bridges: by the break's place
+                for j, tensor in enumerate(leaves):
+                    self._trace.labels[_storage(tensor)] = f"break {len(self._breaks)}.{j}"
+            self._breaks.append(spec)
+            return result
+
+        return noted
+
+    def _keyed(self) -> Any:
+        self._key = type(self.cache).key(self.cache)
+        self._start = self.cache.checkpoint()
+        return self._key
+
+    def _host(self) -> set[int]:
+        """The storages of host values: MagCache's ratios and the accumulators its states hold now."""
+        host = set()
+        for holder in self.cache._holders.values():
+            config = getattr(holder.hook, "config", None)
+            if isinstance(getattr(config, "mag_ratios", None), torch.Tensor):
+                host.add(_storage(config.mag_ratios))
+            planned = [getattr(holder.plan, "host", {})]  # MagCache's plan, checked against the state after a run
+            for values in [*(vars(state) for state in holder.manager._state_cache.values()), *planned]:
+                for name in ("accumulated_ratio", "accumulated_err"):
+                    if isinstance(values.get(name), torch.Tensor):
+                        host.add(_storage(values[name]))
+        return host
+
+    def _run(self, args: tuple, kwargs: dict) -> Any:
+        self._breaks = []
+        graphs._FINDERS[0] += 1  # breaks then say that they run (graphs._IN_BREAK)
+        try:
+            with _Trace(self._host()) as trace:
+                self._trace = trace
+                result = type(self.runner)._run(self.runner, args, kwargs)
+        finally:
+            graphs._FINDERS[0] -= 1
+            self._trace = None
+        self.runs += 1
+        key = (self._key, flatten((args, kwargs))[1], tuple(self._breaks))
+        first = self.first.get(key)
+        if first is None:
+            self.first[key] = (trace.ops, self.cache.record(), 1)
+            return result
+        ops, record, seen = first
+        if seen == 1 and trace.ops != ops:
+            # The first run of a key may initialise what later runs reuse (Qwen-Image's RoPE tables, in an
+            # lru_cache): on a GPU, warm-ups run before the capture. The second run is the reference then.
+            ops = trace.ops
+        assert trace.ops == ops, _first_difference(ops, trace.ops)
+        self.first[key] = (ops, record, seen + 1)
+        self._compare_with_apply(record)
+        self.compared += 1
+        return result
+
+    def _compare_with_apply(self, record: Any) -> None:
+        holders = [h for h in self.cache._holders.values() if h.kind.name != "TaylorSeer"]
+        left = {id(h): _state_items(h) for h in holders}
+        after = self.cache.checkpoint()
+        self.cache.rewind(self._start)
+        self.cache.apply(record)
+        replayed = {id(h): _state_items(h) for h in holders}
+        self.cache.rewind(after)
+        for holder in holders:
+            a, b = left[id(holder)], replayed[id(holder)]
+            assert a.keys() == b.keys(), (holder.kind.name, a.keys(), b.keys())
+            wrong = [name for name in a if not _same_value(a[name], b[name])]
+            assert not wrong, (
+                f"{holder.kind.name}: a replay would leave {[(n, b[n]) for n in wrong]}, eager {[(n, a[n]) for n in wrong]}"
+            )
+
+
+def _state_items(holder: Any) -> dict[str, Any]:
+    state = holder.state()
+    return {} if state is None else dict(vars(state))
+
+
+def _same_value(a: Any, b: Any) -> bool:
+    """Tensors kept by the cache must be the same objects (its buffers); host values equal in type and value."""
+    la, sa = flatten(a)
+    lb, sb = flatten(b)
+    if sa != sb or len(la) != len(lb):
+        return False
+    return all(x is y or (x.device.type == "cpu" and x.dim() == 0 and torch.equal(x, y)) for x, y in zip(la, lb))
+
+
+def _first_difference(old: list[Any], new: list[Any]) -> str:
+    for index, (a, b) in enumerate(zip(old, new)):
+        if a != b:
+            return f"op {index} differs from the first run with this key and path: {a} against {b}"
+    return f"{len(old)} ops in the first run with this key and path, {len(new)} now"

@@ -8,16 +8,29 @@ machinery itself (buffers, rewind, records) is tested here directly.
 
 from __future__ import annotations
 
+import hashlib
+import importlib
+import inspect
+
 import pytest
 import torch
-from _caches import CACHES, cache_config, check_interleaved_calls, mixed_threshold
+from _caches import (
+    CACHES,
+    cache_config,
+    check_captures_per_call,
+    check_interleaved_calls,
+    counting_config,
+    mixed_threshold,
+)
 from _cases import run_case
 from _checks import assert_graphs_ran, needs_compiler
 from diffusers import FirstBlockCacheConfig, MagCacheConfig
 from diffusers.hooks.hooks import HookRegistry, ModelHook, StateManager
 
 from bcg_diffusion import BCGWarning, accelerate, eager, restore, stats
-from bcg_diffusion.features.step_caching import CacheState, SkipCounter, disable_cache, enable_cache
+from bcg_diffusion.core.tree import flatten, unflatten
+from bcg_diffusion.features.step_caching import CacheState, SkipCounter, disable_cache, enable_cache, kinds
+from bcg_diffusion.features.step_caching.state import DEFAULT_CONTEXT
 from bcg_diffusion.models import build_pipeline
 
 CASE = {"qwen-image": "true_cfg", "z-image": "cfg"}
@@ -65,6 +78,27 @@ def test_interleaved_sizes_prompts_and_cfg_keep_eager_bytes_and_decisions(name, 
     print("\n" + check_interleaved_calls(_pipe(name), _pipe(name), name, cache, ((32, 32), (48, 32)), debug=True))
 
 
+@pytest.mark.parametrize("cache", CACHES)
+@pytest.mark.parametrize("name", ["qwen-image", "z-image"])
+def test_a_call_captures_a_graph_per_decision_not_per_step(name, cache):
+    # Issue 36: 10 steps with CFG, decisions that vary, two sizes. At most two transformer graphs per argument
+    # signature and call (here, without branches, one per key: FirstBlockCache's skip path is a branch, which
+    # only a GPU captures); before, every step's state keyed graphs of its own: 20/20/6 on Qwen-Image
+    # (TaylorSeer/MagCache/FirstBlockCache), 10/10/3 on Z-Image. ReplayCheck: the graph of a key is right at
+    # every step that uses it.
+    print("\n" + check_captures_per_call(_pipe(name), _pipe(name), name, cache, ((32, 32), (48, 32)), debug=True))
+
+
+@pytest.mark.parametrize("name", ["qwen-image", "z-image"])
+def test_magcache_that_starts_over_mid_call_keeps_eager_bytes(name):
+    # Configured for 6 steps, called with 10: diffusers resets MagCache's state after its 6th step, dropping the
+    # residual a computed step just kept, and the next steps start over (retention, then decisions again).
+    sizes = ((32, 32), (48, 32))
+    print(
+        "\n" + check_captures_per_call(_pipe(name), _pipe(name), name, "magcache", sizes, config_steps=6, debug=True)
+    )
+
+
 @pytest.mark.parametrize("name", ["qwen-image", "z-image"])
 def test_cache_enabled_and_disabled_while_accelerated(name):
     pipe = _pipe(name)
@@ -92,15 +126,117 @@ def test_cache_enabled_and_disabled_while_accelerated(name):
         restore(pipe)
 
 
-def test_restore_gives_the_hooks_their_own_decisions_back():
+# The methods step caching gives each kind of hook (bcg_diffusion.features.step_caching.kinds.install).
+OUR_METHODS = {
+    "first-block": ("transformer_blocks.0", "fbc_leader_block_hook", "_should_compute_remaining_blocks"),
+    "magcache": ("transformer_blocks.1", "mag_cache_block_hook", "_advance_step"),  # the tail's
+    "taylorseer": ("transformer_blocks.0.attn", "taylorseer_cache", "_measure_should_compute"),
+}
+
+
+@pytest.mark.parametrize("cache", CACHES)
+def test_restore_gives_the_hooks_their_own_methods_back(cache):
     pipe = _pipe("qwen-image")
-    pipe.transformer.enable_cache(FirstBlockCacheConfig(threshold=1.0))
+    pipe.transformer.enable_cache(cache_config(cache, STEPS))
     accelerate(pipe, debug=True)
     _run(pipe, "qwen-image")
-    head = pipe.transformer.transformer_blocks[0]._diffusers_hook.hooks["fbc_leader_block_hook"]
-    assert getattr(head._should_compute_remaining_blocks, "__bcg_eager_break__", False)
+    where, name, method = OUR_METHODS[cache]
+    hook = pipe.transformer.get_submodule(where)._diffusers_hook.hooks[name]
+    assert method in vars(hook) and "_bcg_patched" in vars(hook)
     restore(pipe)
-    assert "_should_compute_remaining_blocks" not in vars(head) and "_bcg_decision" not in vars(head)
+    assert method not in vars(hook) and "_bcg_patched" not in vars(hook)
+    disable_cache(pipe)
+    pipe.transformer.enable_cache(cache_config(cache, STEPS))  # new hooks, and new methods of ours on them
+    accelerate(pipe, debug=True)
+    _run(pipe, "qwen-image")
+    old, hook = hook, pipe.transformer.get_submodule(where)._diffusers_hook.hooks[name]
+    assert hook is not old and method in vars(hook)
+    disable_cache(pipe)  # taken off while accelerated: our methods leave the hooks at the next call
+    _run(pipe, "qwen-image")
+    assert method not in vars(hook)
+    restore(pipe)
+
+
+def test_the_diffusers_code_step_caching_follows_is_unchanged():
+    # kinds.py mirrors MagCache's decision and relies on how each hook decides and what it writes: a diffusers
+    # whose code differs must be checked against it (then update FOLLOWED_SOURCES).
+    changed = []
+    for name, digest in kinds.FOLLOWED_SOURCES.items():
+        module, cls, function = name.rsplit(".", 2)
+        source = inspect.getsource(
+            getattr(getattr(importlib.import_module(f"diffusers.hooks.{module}"), cls), function)
+        )
+        if hashlib.sha256(source.encode()).hexdigest()[:16] != digest:
+            changed.append(name)
+    assert not changed, f"diffusers' {changed} changed since step caching's kinds were written against them"
+
+
+def test_a_mirror_of_magcache_that_decides_otherwise_fails_loudly(monkeypatch):
+    # MagCache's decision is computed before the call by our mirror of diffusers' code; every run of the hooks
+    # checks the state they leave against it, so a diffusers that decides otherwise cannot replay wrong steps.
+    pipe = _pipe("z-image")
+    enable_cache(pipe, cache_config("magcache", STEPS))
+    accelerate(pipe, debug=True)
+    decide = kinds._mag_head_decision
+    monkeypatch.setattr(kinds, "_mag_head_decision", lambda config, state: not decide(config, state))
+    try:
+        with pytest.raises(RuntimeError, match="mirror of their decision"):
+            _run(pipe, "z-image")
+    finally:
+        restore(pipe)
+
+
+def test_taylorseer_steps_run_again_after_restart_as_they_ran_once():
+    # When a replay's break returns another value, the runner runs the call's breaks again (another path) after
+    # CacheState.restart(). TaylorSeer's breaks advance its step and update its factors: a second run of a step
+    # must give the same output and leave the same state as one run. Every step runs twice here.
+    pipe, reference = _pipe("z-image"), _pipe("z-image")
+    calls = []
+    handle = reference.transformer.register_forward_pre_hook(
+        lambda module, args, kwargs: calls.append(_cloned((args, kwargs))), with_kwargs=True
+    )
+    _run(reference, "z-image")
+    handle.remove()
+    config = counting_config("taylorseer", STEPS)  # updates with first- and second-order factors, predictions
+    enable_cache(pipe, config)
+    enable_cache(reference, config)
+    state = CacheState(pipe.transformer)
+    decisions = set()
+    try:
+        with torch.no_grad():
+            for index, (args, kwargs) in enumerate(calls):
+                expected = reference.transformer(*_cloned(args), **_cloned(kwargs))
+                with pipe.transformer.cache_context(DEFAULT_CONTEXT):  # what the runner's call finds set
+                    state.key()
+                    pipe.transformer(*_cloned(args), **_cloned(kwargs))
+                    state.restart()
+                    out = pipe.transformer(*_cloned(args), **_cloned(kwargs))
+                assert _equal(out, expected), index
+                hook = pipe.transformer.layers[0].attention._diffusers_hook.hooks["taylorseer_cache"]
+                ours, theirs = (
+                    m.layers[0]
+                    .attention._diffusers_hook.hooks["taylorseer_cache"]
+                    .state_manager._state_cache[DEFAULT_CONTEXT]
+                    for m in (pipe.transformer, reference.transformer)
+                )
+                decisions.add(ours.last_update_step == ours.current_step)
+                assert (ours.current_step, ours.last_update_step) == (theirs.current_step, theirs.last_update_step)
+                assert _equal(ours.taylor_factors, theirs.taylor_factors), index
+        assert decisions == {True, False}, "every step computed, or every step predicted"
+        assert "_measure_should_compute" in vars(hook)
+    finally:
+        state.close()
+        disable_cache(pipe)
+        disable_cache(reference)
+
+
+def _cloned(value):
+    return unflatten(flatten(value)[1], [t.clone() for t in flatten(value)[0]])
+
+
+def _equal(a, b):
+    (la, sa), (lb, sb) = flatten(a), flatten(b)
+    return sa == sb and all(torch.equal(x, y) for x, y in zip(la, lb))
 
 
 def test_first_block_cache_runs_on_z_image():

@@ -2,17 +2,28 @@
 bytes of eager with the same cache; in fast mode, of the compiled blocks without graphs.
 
 A replay runs no Python: these are the tests where a cache decision or a kept tensor that the graphs
-did not carry would show (the CPU tests, in debug mode, run the hooks' Python on every call). The
-interleaved test calls one pipeline with two resolutions, two prompts and CFG on and off, and runs MagCache
-with ratios whose accumulated error decides (``_caches.MAG_SCHEDULE``), against an eager pipeline built the
-same way.
+did not carry would show (the CPU tests, in debug mode, run the hooks' Python on every call and emulate
+replays with ``_caches.ReplayCheck``). The interleaved test calls one pipeline with two resolutions, two
+prompts and CFG on and off, and runs MagCache with ratios whose accumulated error decides
+(``_caches.MAG_SCHEDULE``), against an eager pipeline built the same way. The captures-per-call tests
+(issue 36) count the transformer's graphs a call captures, its branches included: at most two per argument
+signature (compute and skip), whatever the step.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from _caches import CACHES, cache_config, check_interleaved_calls, mixed_threshold
+from _caches import (
+    CACHES,
+    COUNT_CASE,
+    COUNT_STEPS,
+    cache_config,
+    check_captures_per_call,
+    check_interleaved_calls,
+    counting_config,
+    mixed_threshold,
+)
 from _cases import cuda_pipeline, run_case
 from _checks import assert_graphs_ran
 from diffusers import MagCacheConfig
@@ -104,6 +115,64 @@ def test_interleaved_sizes_prompts_and_cfg_keep_graphs_eager_bytes_and_decisions
         print("\n" + check_interleaved_calls(reference, pipe, pipeline, cache, MIXED_SIZES))
 
 
+@pytest.mark.parametrize("cache", CACHES)
+@pytest.mark.parametrize("pipeline", ["qwen-image", "z-image"])
+def test_a_call_captures_a_graph_per_decision_not_per_step(pipeline, cache):
+    # Issue 36: 10 steps with CFG, decisions that vary, two sizes; every call byte-equal to eager with the same
+    # cache; the first call at a size captures at most two transformer graphs per argument signature, branches
+    # included (4 on Qwen-Image, 2 on Z-Image), the repeats none. Before: one graph per step's state
+    # (20/20/6+branches on Qwen-Image for TaylorSeer/MagCache/FirstBlockCache, 10/10/3+branches on Z-Image).
+    with cuda_pipeline(pipeline, "tiny") as reference, cuda_pipeline(pipeline, "tiny") as pipe:
+        print("\n" + check_captures_per_call(reference, pipe, pipeline, cache, MIXED_SIZES))
+
+
+@pytest.mark.parametrize("pipeline", ["qwen-image", "z-image"])
+def test_magcache_that_starts_over_mid_call_keeps_graphs_and_eager_bytes(pipeline):
+    # Configured for 6 steps, called with 10: the state starts over after step 6, dropping the residual a
+    # computed step just kept; the graphs of a computed step copy it into its buffer at every step alike.
+    with cuda_pipeline(pipeline, "tiny") as reference, cuda_pipeline(pipeline, "tiny") as pipe:
+        print("\n" + check_captures_per_call(reference, pipe, pipeline, "magcache", MIXED_SIZES, config_steps=6))
+
+
+def test_taylorseer_steps_once_when_a_replay_switches_paths():
+    # TaylorSeer's eager breaks advance its step and update its factors. A break after them whose Python result
+    # changes from one transformer call to the next (here a forward hook on the last layer reading a flag that a
+    # pre-hook flips) makes every replay switch paths: the graph runs again from the start, breaks included,
+    # after CacheState.restart(). The image must still be eager's (no step taken twice).
+    flag = {"value": 0}
+
+    @eager_break
+    def current_flag():
+        return flag["value"]
+
+    def flip(module, args):
+        flag["value"] = 1 - flag["value"]
+
+    def read_flag(module, args, output):
+        current_flag()  # its result picks the path; the output stays the layer's (a hook returning None)
+
+    case = COUNT_CASE["z-image"]
+    with cuda_pipeline("z-image", "tiny") as reference, cuda_pipeline("z-image", "tiny") as pipe:
+        for target in (reference, pipe):
+            enable_cache(target, counting_config("taylorseer", COUNT_STEPS))
+        expected = run_case(reference, "z-image", case, height=SIZE[0], width=SIZE[1], steps=COUNT_STEPS)
+        handles = [
+            pipe.transformer.layers[-1].register_forward_hook(read_flag),
+            pipe.transformer.register_forward_pre_hook(flip),
+        ]
+        accelerate(pipe)
+        try:
+            for _ in range(3):
+                image = run_case(pipe, "z-image", case, height=SIZE[0], width=SIZE[1], steps=COUNT_STEPS)
+                assert torch.equal(image, expected)
+            report = assert_graphs_ran(pipe, components=("transformer",))
+            assert report["cache_branch_switches"] > 0, report
+        finally:
+            restore(pipe)
+            for handle in handles:
+                handle.remove()
+
+
 @pytest.mark.parametrize("pipeline", ["qwen-image", "z-image"])
 def test_enable_and_disable_the_cache_while_accelerated(pipeline):
     case = CASE[pipeline]
@@ -121,8 +190,8 @@ def test_enable_and_disable_the_cache_while_accelerated(pipeline):
                     enable_cache(pipe, cache_config("taylorseer", STEPS))
                 image = run_case(pipe, pipeline, case, height=SIZE[0], width=SIZE[1], steps=STEPS)
                 assert torch.equal(image, expected), what
-                # a cache's first call captures a graph per step's state: the transformer replays from the next
-                before = assert_graphs_ran(pipe, before, components=("transformer",) if what != "on" else ())
+                # a cache's first call captures a graph per decision and replays them at its later steps
+                before = assert_graphs_ran(pipe, before, components=("transformer",))
                 if what == "on":
                     disable_cache(pipe)
             assert stats(pipe)["invalidations"] == 0

@@ -19,8 +19,9 @@ of its own. Switching paths re-runs the graph up to the branch point (see
 **Outer state.** A callable may read and write state that is not in its arguments (diffusers' cache
 hooks keep residuals and step counters between calls). An :class:`OuterState` makes that safe: its
 ``key()`` joins the signature, its tensors live in buffers outside the graph pool that the graphs
-update in place, warm-ups and captures start from the same state as the call, and after a replay the
-Python side of the state is set to what the capture left.
+update in place, warm-ups and captures start from the same state as the call, after a replay the
+Python side of the state is set to what the capture left, and a replay that switches paths first lets
+the state undo what its breaks changed (``restart()``).
 """
 
 from __future__ import annotations
@@ -68,7 +69,9 @@ class OuterState(Protocol):
     the call eagerly), then for a capture ``checkpoint()`` once and ``rewind(token)`` before every
     warm-up and before the capture, ``persist()`` at the end of every run it captures or warms up
     (inside the capture: it must only copy into buffers that a warm-up already allocated), and
-    ``record()`` after the capture; after a replay, ``apply(record)`` with that capture's record.
+    ``record()`` after the capture; after a replay, ``apply(record)`` with that capture's record. When a
+    replay's break returns another value, ``restart()`` before the breaks run again: it undoes what
+    breaks changed in the state since ``key()`` (a break that changes nothing needs nothing).
     """
 
     def key(self) -> Hashable: ...
@@ -82,6 +85,8 @@ class OuterState(Protocol):
     def record(self) -> Any: ...
 
     def apply(self, record: Any) -> None: ...
+
+    def restart(self) -> None: ...
 
 
 @dataclass
@@ -402,6 +407,11 @@ class GraphRunner:
                 path.graph.replay()
                 break
             except BreakResultMismatch as exc:
+                # The breaks up to this one have run, and a break may change the outer state (a cache's
+                # step counter): put it back as key() found it before any of them runs again, in another
+                # path, in a branch's capture or in an eager call.
+                if self.outer_state is not None:
+                    self.outer_state.restart()
                 if exc.index is None or self.consensus is not None:
                     # Ranks of a context-parallel model must take every path together: not supported.
                     return self._give_up(entry, f"{type(exc).__name__}: {exc}", args, kwargs)

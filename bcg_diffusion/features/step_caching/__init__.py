@@ -1,7 +1,8 @@
 """Step caching: diffusers' cache hooks on the transformer keep their graphs.
 
-How their decisions and state are carried through the graphs is :mod:`.state`; enabling a cache on
-any pipeline (Z-Image's included) and counting what it skipped is :mod:`.enable`.
+How their decisions and state are carried through the graphs is :mod:`.state`, and per cache (what
+each decides, writes and keeps; graphs keyed by decision, not by step) :mod:`.kinds`; enabling a cache
+on any pipeline (Z-Image's included) and counting what it skipped is :mod:`.enable`.
 
 Always installed on an accelerated transformer: a cache may be enabled before ``accelerate`` or at
 any time after, and disabled again; the signature keys follow the hooks that are on. Fast mode

@@ -1,21 +1,28 @@
 """Step caching inside graphs: diffusers' cache hooks (FirstBlockCache, TaylorSeer, MagCache) kept
-exact while the transformer replays captured graphs.
+exact while the transformer replays captured graphs, with a few graphs per call shape.
 
 A cache hook decides on the host, every step, whether to run the remaining blocks or reuse what it
 kept from earlier steps, and it keeps that (residuals, Taylor factors, step counters) in Python
-objects between calls. A replay runs no Python, so three things are made explicit:
+objects between calls. A replay runs no Python, so four things are made explicit:
 
-* **Decisions on device data** (FirstBlockCache's ``.item()`` of a residual difference) become eager
-  breaks (:data:`DECISIONS`) whose Python result picks which captured path continues: the runner's
-  branches (:mod:`bcg_diffusion.core.runner`). Each outcome replays a graph of its own.
-* **Decisions on host state** (a step counter, MagCache's accumulated error) are fixed for a given
-  state, so the Python part of the state before the call joins the signature (:meth:`CacheState.key`):
-  each distinct state replays its own graph, and after a replay the Python state is set to what the
-  capture left (:meth:`CacheState.apply`).
-* **Tensors kept between steps** live in buffers of their own, outside the graph pool, one per
-  (hook state, cache context, attribute, position, layout). A run copies what the hooks kept into them
-  at its end (:meth:`CacheState.persist`, captured with the forward), so every graph reads and writes
-  the state where it lives and no other capture can reuse that memory.
+* **Graphs are keyed by the decision, not by the step.** FirstBlockCache's decision reads device data
+  (``.item()`` of a residual difference): it is an eager break whose Python result picks which captured
+  path continues (the runner's branches, :mod:`bcg_diffusion.core.runner`). MagCache and TaylorSeer
+  decide on host state alone (step counters, accumulated errors): their decision for the coming call is
+  computed before it on a copy of the state and joins the signature (:meth:`CacheState.key`). Step
+  indices, accumulators and flags stay out of the key, so each outcome (compute, skip) has one graph per
+  argument signature, whatever the step. What each cache decides and writes is :mod:`.kinds`.
+* **Host state after a replay** is what eager would leave: the fields a path writes are set from its
+  capture's record (:meth:`CacheState.apply`; FirstBlockCache's decision and kept tensors), MagCache's
+  host fields from the plan computed before the call, and TaylorSeer's whole state by its eager
+  breaks, which run diffusers' own code on the real state in every replay.
+* **Tensors kept between steps** that graphs write (FirstBlockCache's and MagCache's residuals) live in
+  buffers of their own, outside the graph pool, one per (hook state, cache context, attribute, position,
+  layout). A run copies what the hooks kept into them at its end (:meth:`CacheState.persist`, captured
+  with the forward), so every graph reads and writes the state where it lives and no other capture can
+  reuse that memory. TaylorSeer's factors are only read by its breaks: eager tensors, as in eager.
+* **Breaks that change state** (TaylorSeer's step advance) run again when a replay switches paths;
+  :meth:`CacheState.restart` puts what they changed back first.
 
 The per-call reset (``reset_state``, which pipelines call after the last step) runs eagerly between
 pipeline calls and only drops the Python references; the buffers stay for the next call. Cache
@@ -36,10 +43,10 @@ import torch
 
 from ...core.graphs import eager_break
 from ...core.tree import UnsupportedValue, flatten, unflatten
+from .kinds import DEFAULT_CONTEXT, Kind, install, kind_of, layout, run_taylor_step, uninstall
 
 __all__ = [
     "CACHE_DIT_REASON",
-    "DECISIONS",
     "DEFAULT_CONTEXT",
     "SUPPORTED_HOOKS",
     "CacheState",
@@ -58,15 +65,6 @@ SUPPORTED_HOOKS = (
     "mag_cache_leader_block_hook",
     "mag_cache_block_hook",
 )
-
-# (hook class name, method) pairs that read device data on the host: each runs as an eager break.
-DECISIONS = (("FBCHeadBlockHook", "_should_compute_remaining_blocks"),)
-
-# The context our callers set when the pipeline sets none (Z-Image's calls no cache_context): the name
-# MagCache's own hooks fall back to.
-DEFAULT_CONTEXT = "inference"
-
-_DECISION_ATTR = "_bcg_decision"
 
 CACHE_DIT_REASON = (
     "Cache-DiT (cache_dit.enable_cache) keeps its cache state in objects of its own, which the graphs do not "
@@ -135,26 +133,29 @@ def _plain_config(hook: Any) -> Hashable:
 
 
 class _Holder:
-    """One hook's state manager, with the buffers of its states."""
+    """One hook state manager (a cache's state, one per cache context), the hooks that share it, how its
+    state is carried (its :class:`~.kinds.Kind`) and the buffers of its tensors."""
 
-    def __init__(self, name: str, hook: Any, manager: Any) -> None:
-        self.name, self.hook, self.manager = name, hook, manager
+    def __init__(self, name: str, hooks: list[Any], manager: Any) -> None:
+        self.name, self.hooks, self.manager = name, hooks, manager
+        self.hook = hooks[0]
+        self.kind: Kind = kind_of(manager)
         self.buffers: dict[Hashable, torch.Tensor] = {}
         # What of the holder keys its signatures besides its state: set when diffusers makes the hook.
-        self.identity = (id(manager), name, type(hook).__name__, _plain_config(hook))
+        self.identity = (id(manager), name, type(self.hook).__name__, _plain_config(self.hook))
+        self.plan: Any = None  # what key() computed for the coming call (MagCache's plan)
+        # (context, attribute) -> a tensor the hooks kept and dropped in this run, still to be copied into
+        # its buffer (MagCache's residual at the last step); after persist(), that buffer
+        self.stash: dict[tuple[str | None, str], torch.Tensor] = {}
 
     @property
     def context(self) -> str | None:
         context = self.manager._context
-        return None if context is None else context.name
+        return self.kind.default_context if context is None else context.name
 
     def state(self) -> Any:
         context = self.context
         return None if context is None else self.manager._state_cache.get(context)
-
-
-def _layout(tensor: torch.Tensor) -> Hashable:
-    return (tuple(tensor.shape), tensor.stride(), tensor.dtype, tensor.device)
 
 
 class CacheState:
@@ -169,21 +170,24 @@ class CacheState:
     :class:`~bcg_diffusion.core.tree.UnsupportedValue` from :meth:`key` otherwise, and for unsupported hooks,
     which the runner turns into an eager call with the reason.
 
-    Tensors a hook keeps on the CPU while the model is on a GPU (MagCache's accumulators become 0-d CPU
-    tensors once its ratios are a tensor) are host values, not buffers: no graph writes them, and the
-    hook decides on them in Python. They key the signature by value, as Python numbers do, and a
-    replay leaves copies of the values its capture ended with.
+    A stateful hook of no known kind (only tests make one) is carried whole: the Python state before the
+    call keys the signature and a replay leaves what the capture left. Tensors such a hook keeps on the
+    CPU while the model is on a GPU are host values: they key by value, and a replay leaves copies.
     """
 
     def __init__(self, module: torch.nn.Module) -> None:
         self.module = module
         self._holders: dict[int, _Holder] = {}  # by id(manager)
-        self._decisions: list[Any] = []  # hooks whose decision method we made an eager break
+        self._installed: list[Any] = []  # hooks we gave methods of ours (kinds.install)
         # Called with the ids of state managers whose hooks were removed (disable_cache): graphs keyed
         # on them can never be replayed again, and their buffers go with them.
         self.on_removed: Callable[[set[int]], None] | None = None
         self._walked: tuple[Any, ...] | None = None  # what the last walk saw (see _live)
-        self._on_gpu: bool | None = None  # whether the module's weights are on a GPU (see _is_host)
+        self._on_gpu: bool | None = None  # whether the module's weights are on a GPU (see is_host)
+        # What TaylorSeer's breaks changed since key(), to put back before they run again (see restart):
+        # id(manager) -> (manager, context, whether the state existed, its step counter)
+        self._undo: dict[int, tuple[Any, str, bool, int | None]] = {}
+        self.taylor_step = eager_break(self._taylor_step)
 
     # ------------------------------------------------------------------------------ discovery
     def _live(self, fresh: bool = False) -> list[_Holder]:
@@ -199,7 +203,7 @@ class CacheState:
             same = last is not None and len(last) == len(seen) and all(a is b for a, b in zip(seen[:2], last[:2]))
             if same and seen[2:] == last[2:]:
                 return list(self._holders.values())
-        live: dict[int, _Holder] = {}
+        found: dict[int, tuple[str, list[Any], Any]] = {}
         for registry in hook_registries(self.module, fresh):
             for name in registry._hook_order:
                 hook = registry.hooks[name]
@@ -208,13 +212,30 @@ class CacheState:
                 reason = _unsupported(name, hook)
                 if reason is not None:
                     raise UnsupportedValue(reason)
-                self._make_decisions_breaks(hook)
                 for value in vars(hook).values():
                     if type(value).__name__ == "StateManager":
-                        holder = self._holders.get(id(value))
-                        if holder is None or holder.manager is not value:
-                            holder = _Holder(name, hook, value)
-                        live[id(value)] = holder
+                        found.setdefault(id(value), (name, [], value))[1].append(hook)
+        # Hooks without a state of their own share one (FirstBlockCache's and MagCache's block hooks): theirs.
+        for registry in hook_registries(self.module, fresh):
+            for hook in registry.hooks.values():
+                manager = getattr(hook, "state_manager", None)
+                if manager is not None and id(manager) in found and hook not in found[id(manager)][1]:
+                    found[id(manager)][1].append(hook)
+        live: dict[int, _Holder] = {}
+        for key, (name, hooks, manager) in found.items():
+            holder = self._holders.get(key)
+            if holder is None or holder.manager is not manager:
+                holder = _Holder(name, hooks, manager)
+            holder.hooks = hooks
+            live[key] = holder
+        # Our methods on the hooks that are on now; hooks taken off (disable_cache) get theirs back.
+        hooks = [hook for holder in live.values() for hook in holder.hooks]
+        for hook in self._installed:
+            if not any(hook is other for other in hooks):
+                uninstall(hook)
+        for hook in hooks:
+            install(hook, self)
+        self._installed = hooks
         removed = self._holders.keys() - live.keys()
         self._holders = live
         self._walked = None if fresh else seen
@@ -227,60 +248,70 @@ class CacheState:
         """Whether ``key`` (from :meth:`key`) names one of the state managers with these ids."""
         return any(part[0] in managers for part in key)
 
-    def _make_decisions_breaks(self, hook: Any) -> None:
-        if _DECISION_ATTR in vars(hook):
-            return
-        for cls_name, method in DECISIONS:
-            if type(hook).__name__ == cls_name:
-                setattr(hook, method, eager_break(getattr(hook, method)))
-                setattr(hook, _DECISION_ATTR, method)
-                self._decisions.append(hook)
-
     def close(self) -> None:
-        """Give the hooks their own decision methods back and drop every buffer."""
-        for hook in self._decisions:
-            method = vars(hook).pop(_DECISION_ATTR, None)
-            if method is not None:
-                vars(hook).pop(method, None)
-        self._decisions.clear()
+        """Give the hooks their own methods back and drop every buffer."""
+        for hook in self._installed:
+            uninstall(hook)
+        self._installed.clear()
         self._holders.clear()
+        self._undo.clear()
 
     # ----------------------------------------------------------------------------- the state
-    def _is_host(self, tensor: torch.Tensor) -> bool:
+    def is_host(self, tensor: torch.Tensor) -> bool:
         """A CPU tensor kept by a hook of a model on a GPU: a host value (see the class docstring)."""
         if self._on_gpu is None:
             self._on_gpu = any(p.device.type == "cuda" for p in self.module.parameters())
         return self._on_gpu and tensor.device.type == "cpu"
 
-    def _host_copies(self, leaves: list[torch.Tensor]) -> list[torch.Tensor]:
-        return [leaf.clone() if self._is_host(leaf) else leaf for leaf in leaves]
+    @staticmethod
+    def place(holder: _Holder, context: str | None, present: bool) -> Any:
+        """``holder``'s state in ``context``, made present (created if absent) or absent (None)."""
+        return _place(holder, context, present)
+
+    def host_copies(self, leaves: list[torch.Tensor]) -> list[torch.Tensor]:
+        return [leaf.clone() if self.is_host(leaf) else leaf for leaf in leaves]
+
+    def _buffer(self, holder: _Holder, where: Hashable, like: torch.Tensor, allocate: bool, what: str) -> torch.Tensor:
+        buffer = holder.buffers.get(where)
+        if buffer is None:
+            if not allocate:
+                raise RuntimeError(
+                    f"{holder.name} kept a new tensor ({what}) during a capture that no warm-up kept: its buffer "
+                    "cannot be allocated inside the graph"
+                )
+            buffer = holder.buffers[where] = torch.empty_strided(
+                like.shape, like.stride(), dtype=like.dtype, device=like.device
+            )
+        return buffer
 
     def _settle(self, holder: _Holder, state: Any, allocate: bool) -> None:
         """Move every tensor of ``state`` into its holder's buffer for its place and layout."""
         context = holder.context
         moves: list[tuple[str, Hashable, list[torch.Tensor]]] = []
         buffers = set(map(id, holder.buffers.values()))
+        fields = holder.kind.tensor_fields
         for attr, value in list(vars(state).items()):
+            if fields is not None and attr not in fields:
+                continue
+            dropped = holder.stash.get((context, attr)) if value is None else None
+            if dropped is not None:
+                # Kept and dropped in this run (see stash): copied into its buffer, in the field's turn (a graph
+                # captured at the last step does the copies of any other step, in the same order); still None.
+                buffer = self._buffer(holder, (context, attr, 0, layout(dropped)), dropped, allocate, attr)
+                if buffer is not dropped:
+                    buffer.copy_(dropped)
+                holder.stash[(context, attr)] = buffer
+                continue
             leaves, spec = flatten(value)
             if not leaves:
                 continue
             targets = []
             for index, leaf in enumerate(leaves):
-                if self._is_host(leaf):
+                if self.is_host(leaf):
                     targets.append(leaf)
                     continue
-                where = (context, attr, index, _layout(leaf))
-                buffer = holder.buffers.get(where)
-                if buffer is None:
-                    if not allocate:
-                        raise RuntimeError(
-                            f"{holder.name} kept a new tensor ({attr}[{index}]) during a capture that no warm-up "
-                            "kept: its buffer cannot be allocated inside the graph"
-                        )
-                    buffer = holder.buffers[where] = torch.empty_strided(
-                        leaf.shape, leaf.stride(), dtype=leaf.dtype, device=leaf.device
-                    )
-                targets.append(buffer)
+                where = (context, attr, index, layout(leaf))
+                targets.append(self._buffer(holder, where, leaf, allocate, f"{attr}[{index}]"))
             if any(t is not leaf for t, leaf in zip(targets, leaves)):
                 moves.append((attr, spec, list(zip(targets, leaves))))
         # A state may move a kept tensor to another place (FasterCache-style [old[-1], new]): read every
@@ -296,33 +327,39 @@ class CacheState:
                     target.copy_(sources.get(id(leaf), leaf))
             setattr(state, attr, unflatten(spec, [target for target, _ in pairs]))
 
+    def stash(self, manager: Any, attr: str, tensor: torch.Tensor) -> None:
+        """A hook dropped ``tensor``, kept as ``attr`` until now, in this run (MagCache's residual at the last
+        step): :meth:`persist` still copies it into its buffer, as at any other step."""
+        holder = self._holders.get(id(manager))
+        if holder is not None:
+            holder.stash[(holder.context, attr)] = tensor
+
     def key(self) -> Hashable:
-        """What of the hooks' state decides the code: per hook, its settings, the cache context and the
-        Python structure and values of that context's state. Moves stray tensors into their buffers first.
-        """
+        """What decides the code of the coming call: per hook state, its settings, the cache context and
+        what its kind puts in the key (:mod:`.kinds`: a decision, or nothing when a break decides). Moves
+        stray tensors (kept by an eager call) into their buffers first."""
         if cache_dit_enabled(self.module):
             raise UnsupportedValue(CACHE_DIT_REASON)
+        self._undo.clear()
         parts = []
         for holder in self._live():
+            holder.stash.clear()
+            holder.plan = None
             state = holder.state()
-            host: tuple[tuple[Any, ...], ...] = ()
-            if state is not None:
+            if state is not None and holder.kind.buffered:
                 self._settle(holder, state, allocate=True)
-                leaves, spec = flatten(vars(state))
-                host = tuple(tuple(leaf.reshape(-1).tolist()) for leaf in leaves if self._is_host(leaf))
-            else:
-                spec = None
             # The manager's id keys its buffers' addresses, which the graphs bake in: hooks enabled again
             # (new managers, new buffers) must not replay graphs of the old ones. Holders keep the
             # managers alive, so the ids are not reused while a key names them.
-            parts.append((*holder.identity, holder.context, spec, host))
+            parts.append((*holder.identity, holder.context, holder.kind.key(self, holder, state)))
         return tuple(parts)
 
     def persist(self) -> None:
         for holder in self._holders.values():
             state = holder.state()
-            if state is not None:
+            if state is not None and holder.kind.buffered:
                 self._settle(holder, state, allocate=not _capturing())
+            holder.kind.after_run(self, holder, state)
 
     def checkpoint(self) -> list[_Saved]:
         # Captures are rare: check that diffusers' cached list of registries, which key() trusts, is not
@@ -338,12 +375,16 @@ class CacheState:
         for holder in self._holders.values():
             state = holder.state()
             attrs = _copy(vars(state)) if state is not None else {}
-            values = [leaf.clone() for leaf in flatten(attrs)[0]] if state is not None else []
+            # Buffered kinds may write kept tensors in place (MagCache's accumulators): keep their values.
+            # TaylorSeer's breaks only rebind.
+            keep_values = state is not None and holder.kind.buffered
+            values = [leaf.clone() for leaf in flatten(attrs)[0]] if keep_values else []
             token.append((holder, holder.context, state, attrs, values))
         return token
 
     def rewind(self, token: list[_Saved]) -> None:
         for holder, context, state, attrs, values in token:
+            holder.stash.clear()
             state = _place(holder, context, state is not None, state)
             if state is None:
                 continue
@@ -353,32 +394,42 @@ class CacheState:
                 buffer.copy_(value)
 
     def record(self) -> list[_Recorded]:
-        recorded = []
-        for holder in self._holders.values():
-            state = holder.state()
-            flat = None
-            if state is not None:
-                flat = {}
-                for attr, value in vars(state).items():
-                    spec, leaves = _swap(flatten(value))
-                    flat[attr] = (spec, self._host_copies(leaves))  # host values as the capture left them
-            recorded.append((holder, holder.context, flat))
-        return recorded
+        return [(h, h.context, h.kind.record(self, h, h.state())) for h in self._holders.values()]
 
     def apply(self, recorded: list[_Recorded]) -> None:
-        for holder, context, flat in recorded:
-            state = _place(holder, context, flat is not None)
-            if state is None:
-                continue
-            for attr, (spec, leaves) in flat.items():
-                setattr(state, attr, unflatten(spec, self._host_copies(leaves)))
+        for holder, context, what in recorded:
+            holder.kind.apply(self, holder, context, what)
+
+    def restart(self) -> None:
+        """Before a replay runs the breaks of this call again (another path, a branch's capture, an eager
+        call): put back what TaylorSeer's breaks changed since :meth:`key`. The step counter goes back, and a
+        state the call created goes; factors a break already updated stay, and its second run for the same
+        step does not update them again (:func:`~.kinds.run_taylor_step`). The other kinds' breaks change
+        nothing."""
+        for manager, context, existed, step in self._undo.values():
+            if not existed:
+                manager._state_cache.pop(context, None)
+            elif (state := manager._state_cache.get(context)) is not None:
+                state.current_step = step
+        self._undo.clear()
+
+    def _taylor_step(self, hook: Any, expected: bool, outputs: tuple[torch.Tensor, ...] | None) -> Any:
+        """One TaylorSeer hook's step advance and update or prediction (see :func:`~.kinds.run_taylor_step`),
+        noting first what :meth:`restart` must put back. Made an eager break in ``__init__``."""
+        manager = hook.state_manager
+        if id(manager) not in self._undo:
+            context = manager.context.name  # raises diffusers' own error without a context, as eager would
+            state = manager._state_cache.get(context)
+            step = state.current_step if state is not None else None
+            self._undo[id(manager)] = (manager, context, state is not None, step)
+        return run_taylor_step(hook, expected, outputs)
 
 
 # What checkpoint() keeps per holder: its context, the state object (None: absent), the state's attributes
 # (containers of their own, the same tensors) and the values of those tensors.
 _Saved = tuple[_Holder, "str | None", Any, "dict[str, Any]", "list[torch.Tensor]"]
-# What record() keeps per holder: its context and each attribute's (spec, tensors), or None: absent.
-_Recorded = tuple[_Holder, "str | None", "dict[str, tuple[Hashable, list[torch.Tensor]]] | None"]
+# What record() keeps per holder: its context and what its kind records (None: absent).
+_Recorded = tuple[_Holder, "str | None", Any]
 
 
 def _place(holder: _Holder, context: str | None, present: bool, state: Any = None) -> Any:
