@@ -136,8 +136,14 @@ def kernel_kind(name: str) -> str:
 
     >>> kernel_kind("nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NNT"), kernel_kind("triton_poi_fused_add_0")
     ('matmul', 'other')
+    >>> kernel_kind("triton_poi_fused__scaled_dot_product_cudnn_attention__to_copy_cat_5")
+    'other'
     """
     lowered = name.lower()
+    if lowered.startswith(("triton_poi_", "triton_red_", "triton_per_")):
+        # inductor's fused elementwise and reduction kernels, named after every op they fused: a copy
+        # into attention's layout is still a copy ("triton_poi_fused__scaled_dot_product_cudnn_...")
+        return "other"
     for kind, fragments in KERNEL_KINDS:
         if any(fragment in lowered for fragment in fragments):
             return kind
