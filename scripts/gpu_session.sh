@@ -8,6 +8,13 @@
 # Then, with the device tool (carry [".whl"]):  bash scripts/gpu_session.sh PHASE [PHASE ...]
 #
 # Phases:
+#   probe-attention  attention kernels alone (SDPA backends, ours in bf16 and FP8, launch settings) and one
+#                    Qwen-Image / Z-Image block per attention kernel, with kernel time by class
+#                    (bench/probes/probe_attention_kernels.py)
+#   tests-kernels    our attention kernels against float32, the GELU epilogue, attention="fp8" on full-size Z-Image
+#   bench-kernels-qwen  Qwen-Image 1024², 50 steps, true CFG 4: eager, fast, fast-fp8, fast-fp8-attn, fast-fp8+cache
+#   bench-kernels-z  Z-Image-Turbo 512² and 1024², 8 steps: eager, fast, eager-fp8, fast-fp8, fast-fp8-attn, with the
+#                    loop profile (kernel time by class)
 #   tests-state Python state read by captures and object arguments, exact and fast (tiny)
 #   bench-state the per-call check of the Python state: Z-Image-Turbo 512² and Qwen-Image 512² 10 steps CFG 4
 #   tests       core + reliability + tiny-pipeline GPU tests (incl. LoRA re-capture, warm-up, buckets, eviction)
@@ -69,7 +76,7 @@
 #                    for `python scripts/screenshot_replay.py DIR OUT.png` here (the GPU machine has no browser)
 # Everything it writes is under $OUT (logs, results.json/.md/.png); copy it to bench/results/<date>-h200/.
 set -uo pipefail
-[ $# -gt 0 ] || { echo "usage: scripts/gpu_session.sh tests-state|bench-state|tests|tests-full|tests-fast|tests-coexist|tests-shared|tests-cache|bench-cache-qwen-1024|bench-cache-qwen-512|bench-cache-z|tests-quant|tests-auto|probe-hand-patches|bench-auto|coverage|bench-fp8-z|bench-fp8-qwen|warm-start-fp8-z|probe-fp8-groups|probe-fp8-block|hotswap-z|tests-z|te-z|fast-check|profile-qwen|profile-z|fast-qwen-50|ab-attention|probe-floor|probe-norms|probe-blocks|compile-max-qwen|memory-z|bench-z|warm-start-z|bench-qwen|bench-qwen-512|bench-qwen-1024|issue2|parallel|parallel-cfg|serving|demo ..." >&2; exit 2; }
+[ $# -gt 0 ] || { echo "usage: scripts/gpu_session.sh probe-attention|tests-kernels|bench-kernels-qwen|bench-kernels-z|tests-state|bench-state|tests|tests-full|tests-fast|tests-coexist|tests-shared|tests-cache|bench-cache-qwen-1024|bench-cache-qwen-512|bench-cache-z|tests-quant|tests-auto|probe-hand-patches|bench-auto|coverage|bench-fp8-z|bench-fp8-qwen|warm-start-fp8-z|probe-fp8-groups|probe-fp8-block|hotswap-z|tests-z|te-z|fast-check|profile-qwen|profile-z|fast-qwen-50|ab-attention|probe-floor|probe-norms|probe-blocks|compile-max-qwen|memory-z|bench-z|warm-start-z|bench-qwen|bench-qwen-512|bench-qwen-1024|issue2|parallel|parallel-cfg|serving|demo ..." >&2; exit 2; }
 out=${OUT:-/tmp/bcg-out}
 mkdir -p "$out"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -117,6 +124,24 @@ case "$phase" in
   tests-cache)
     timeout 420 python3 -m pytest -m cuda -q -rs -s -p no:cacheprovider --tb=short tests/test_step_cache_cuda.py 2>&1 \
       | grep -v "Warning\|warnings.warn" | tee "$out/pytest-step-cache.log" | tail -40
+    ;;
+  probe-attention)
+    timeout 420 python3 -m bench.probes.probe_attention_kernels 2>&1 | grep -v "Warning\|warnings.warn" \
+      | tee "$out/probe-attention.log" | grep -v "^ *[0-9.]* ms  x" | tail -60
+    ;;
+  tests-kernels)
+    timeout 300 python3 -m pytest -m cuda -q -rs -s -p no:cacheprovider --tb=short tests/test_attention_kernels_cuda.py 2>&1 \
+      | grep -v "Warning\|warnings.warn" | tee "$out/pytest-attention-kernels.log" | tail -20
+    ;;
+  bench-kernels-qwen)
+    timeout 570 python3 -m bench --pipeline qwen-image --weights random-full --resolutions 1024x1024 --steps 50 \
+      --guidance 4 --modes eager,fast,fast-fp8,fast-fp8-attn,fast-fp8+cache --runs 3 --warmup 0 --no-progress \
+      --out "$out/kernels-qwen-1024" 2>&1 | grep -v "Warning\|warnings.warn" | tee "$out/kernels-qwen-1024.log" | tail -14
+    ;;
+  bench-kernels-z)
+    timeout 420 python3 -m bench --pipeline z-image --weights random-full --resolutions 512x512,1024x1024 --steps 8 \
+      --modes eager,fast,eager-fp8,fast-fp8,fast-fp8-attn --runs 5 --warmup 0 --profile --no-progress \
+      --out "$out/kernels-z" 2>&1 | grep -v "Warning\|warnings.warn" | tee "$out/kernels-z.log" | tail -20
     ;;
   bench-cache-qwen-1024)
     timeout 480 python3 -m bench --pipeline qwen-image --weights random-full --resolutions 1024x1024 --steps 50 \
