@@ -42,7 +42,14 @@ SHAPES = {  # label: (batch, tokens, heads)
 TRITON_CONFIGS = [
     (reader, *tiles)
     for reader in ("tma", "pointers")
-    for tiles in ((128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2), (128, 128, 8, 3), (128, 128, 8, 4), (64, 64, 4, 4))
+    for tiles in (
+        (128, 64, 4, 3),
+        (128, 64, 8, 3),
+        (128, 128, 8, 2),
+        (128, 128, 8, 3),
+        (128, 128, 8, 4),
+        (64, 64, 4, 4),
+    )
 ]
 
 
