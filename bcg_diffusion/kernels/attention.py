@@ -51,10 +51,10 @@ def unavailable(device: torch.device) -> str | None:
     sets a model up, never inside a compiled region."""
     from . import triton_available
 
-    if not triton_available():
-        return "Triton is not installed (it comes with PyTorch's CUDA builds)"
     if device.type != "cuda":
         return f"the model is on {device.type}, not a CUDA GPU"
+    if not triton_available():
+        return "Triton is not installed (it comes with PyTorch's CUDA builds)"
     if torch.cuda.get_device_capability(device) < (8, 9):
         return "the kernels need compute capability 8.9 or newer (FP8 tensor cores)"
     return None
