@@ -17,7 +17,7 @@ from . import features
 from .config import _KNOWN_COMPONENTS, AccelerateConfig, describe_changes
 from .core.hooks import diffusers_hooks, serialise_calls, unserialise_calls
 from .core.runner import BCGWarning
-from .features.step_caching import CACHE_DIT_REASON, cache_dit_enabled
+from .features.step_caching import cache_dit_unsupported
 from .group import GraphGroup, held_by, pipeline_names
 from .pipelines import PipelineAdapter, adapter_for
 from .state import (
@@ -95,8 +95,8 @@ def _eager_reason(pipe: Any, config: AccelerateConfig, device: torch.device) -> 
                 "layerwise casting or group offloading: they decide on the host or move weights every forward); "
                 "remove them, or accept eager speed"
             )
-        if isinstance(module, torch.nn.Module) and cache_dit_enabled(module):
-            return f"{name}: {CACHE_DIT_REASON}"
+        if isinstance(module, torch.nn.Module) and (reason := cache_dit_unsupported(module)) is not None:
+            return f"{name}: {reason}"
     return None
 
 

@@ -387,6 +387,10 @@ class _Trace(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 - torch's signature
         kwargs = kwargs or {}
         described = None if graphs._IN_BREAK.get() else self._describe((args, kwargs))
+        if described is not None and func is torch.ops.aten.lift_fresh.default:
+            # its argument is a tensor torch.tensor() just built from Python data, outside dispatch: a new
+            # storage whose address may be one an earlier op's result had (a constant on a GPU: python_data)
+            described = ("python data", tuple(args[0].shape), args[0].dtype, args[0].tolist())
         out = func(*args, **kwargs)
         if described is None:  # inside an eager break: not in a graph; its results are labelled by ReplayCheck
             return out
@@ -421,12 +425,15 @@ class ReplayCheck:
         self.cache.taylor_step = self._noting(self._taylor_step)
         self._fbc = kinds._fbc_decision
         kinds._fbc_decision = self._noting(self._fbc)
+        self._dit = self.cache.cachedit.call  # Cache-DiT's breaks (its context manager's methods)
+        self.cache.cachedit.call = self._noting(self._dit)
 
     def remove(self) -> None:
         vars(self.cache).pop("key", None)
         vars(self.runner).pop("_run", None)
         self.cache.taylor_step = self._taylor_step
         kinds._fbc_decision = self._fbc
+        self.cache.cachedit.call = self._dit
 
     def _noting(self, brk: Any) -> Any:
         def noted(*args: Any) -> Any:
@@ -522,3 +529,137 @@ def _first_difference(old: list[Any], new: list[Any]) -> str:
         if a != b:
             return f"op {index} differs from the first run with this key and path: {a} against {b}"
     return f"{len(old)} ops in the first run with this key and path, {len(new)} now"
+
+
+# ------------------------------------------------------------------------------------------- Cache-DiT
+# Cache-DiT's DBCache on the tiny pipelines (2 blocks): Fn=1 block computes every step, the other is cached.
+# "static": a step computation mask alone decides (computing 5 of 8 steps); "dynamic": the mask's cache steps are
+# decided by the residual difference against a threshold (random weights: near 1, see DIT_THRESHOLDS; Cache-DiT
+# reuses without reading it from 1 up; on tiny Z-Image every difference is above 1: Qwen-Image only);
+# "taylorseer": the static mask with the TaylorSeer calibrator forecasting the cached residual.
+DIT_KINDS = ("static", "dynamic", "taylorseer")
+DIT_STEPS = 8
+DIT_MASK = (1, 1, 0, 1, 0, 0, 1, 0)
+DIT_THRESHOLDS = (0.9, 0.95, 0.99)
+
+
+def cachedit_options(kind: str, steps: int = DIT_STEPS, threshold: float = 1.0) -> dict[str, Any]:
+    """``cache_dit.enable_cache`` keyword arguments for ``kind`` of :data:`DIT_KINDS` (fresh objects each call:
+    Cache-DiT keeps and edits them)."""
+    import cache_dit
+
+    mask = list(DIT_MASK) * (steps // len(DIT_MASK) + 1)
+    config = cache_dit.DBCacheConfig(
+        Fn_compute_blocks=1,
+        Bn_compute_blocks=0,
+        max_warmup_steps=1,
+        num_inference_steps=steps,
+        residual_diff_threshold=threshold,
+        steps_computation_mask=mask[:steps],
+        steps_computation_policy="dynamic" if kind == "dynamic" else "static",
+    )
+    options: dict[str, Any] = {"cache_config": config}
+    if kind == "taylorseer":
+        options["calibrator_config"] = cache_dit.TaylorSeerCalibratorConfig(taylorseer_order=1)
+    return options
+
+
+def cachedit_cached(pipe: Any) -> tuple[int, int]:
+    """(transformer calls Cache-DiT reused the cache for, all transformer calls) in the pipeline's last call."""
+    cached = calls = 0
+    for context in pipe.transformer._context_manager._cached_context_manager.values():
+        cached += len(context.cached_steps) + len(context.cfg_cached_steps)
+        calls += context.transformer_executed_steps
+    return cached, calls
+
+
+def dit_threshold(make_pipe: Any, pipeline: str, sizes: tuple[tuple[int, int], ...]) -> float:
+    """The first threshold of :data:`DIT_THRESHOLDS` under which eager Cache-DiT ("dynamic") both reuses the cache
+    on some of the mask's cache steps and computes others."""
+    import cache_dit
+
+    for threshold in DIT_THRESHOLDS:
+        pipe = make_pipe()
+        cache_dit.enable_cache(pipe, **cachedit_options("dynamic", threshold=threshold))
+        _dit_call(pipe, pipeline, sizes, 0, 0)
+        cached, calls = cachedit_cached(pipe)
+        # the mask computes 4 of 8 steps itself: a dynamic decision computed some of the other 4
+        if 0 < cached < calls // 2:
+            return threshold
+    raise AssertionError(f"no threshold in {DIT_THRESHOLDS} gives both decisions on {pipeline}")
+
+
+DIT_CALLS = ((0, 0), (0, 1), (1, 0), (0, 0), (1, 1), (1, 0))  # (size index, prompt index): first sights, repeats
+
+
+def check_cachedit_calls(
+    make_pipe: Any,
+    pipeline: str,
+    kind: str,
+    sizes: tuple[tuple[int, int], ...],
+    *,
+    when: str = "before",
+    threshold: float = 1.0,
+    **accelerate_kwargs: Any,
+) -> str:
+    """Calls of :data:`DIT_STEPS` steps with CFG, at two sizes and two prompts (:data:`DIT_CALLS`), on an eager
+    pipeline and an accelerated one with the same Cache-DiT options (``kind``), enabled ``before`` or ``after``
+    ``accelerate``. Asserts: eager reused the cache on some calls and not others; every accelerated call gives
+    eager's bytes on the transformer's graphs, with no eager fallback; a call that meets a new (size, prompt)
+    captures at most two graphs per argument signature (compute, reuse), a repeat none; in debug mode,
+    :class:`ReplayCheck` compared runs. Returns a line for the log (the captures per call)."""
+    import cache_dit
+
+    reference = make_pipe()
+    cache_dit.enable_cache(reference, **cachedit_options(kind, threshold=threshold))
+    expected, reused = {}, []
+    for size, prompt in DIT_CALLS[:3] + DIT_CALLS[4:5]:
+        expected[size, prompt] = _dit_call(reference, pipeline, sizes, size, prompt)
+        reused.append(cachedit_cached(reference))
+    assert all(0 < cached < calls for cached, calls in reused), f"eager Cache-DiT reused (cached, calls) {reused}"
+
+    pipe = make_pipe()
+    if when == "before":
+        cache_dit.enable_cache(pipe, **cachedit_options(kind, threshold=threshold))
+    accelerate(pipe, **accelerate_kwargs)
+    if when == "after":
+        _dit_call(pipe, pipeline, sizes, 0, 0)  # graphs without the cache first
+        cache_dit.enable_cache(pipe, **cachedit_options(kind, threshold=threshold))
+    check = ReplayCheck(pipe) if accelerate_kwargs.get("debug") else None
+    limit = 2 * SIGNATURES[pipeline]
+    counts, seen = [], set()
+    try:
+        report = stats(pipe)
+        for index, (size, prompt) in enumerate(DIT_CALLS):
+            before = report
+            image = _dit_call(pipe, pipeline, sizes, size, prompt)
+            assert torch.equal(image, expected[size, prompt]), (
+                f"call {index} {sizes[size]}, prompt {prompt}: not eager's"
+            )
+            assert cachedit_cached(pipe) == reused[list(expected).index((size, prompt))]
+            report = stats(pipe)
+            new, old = report["components"]["transformer"], before["components"]["transformer"]
+            assert new["eager_fallbacks"] == old["eager_fallbacks"], f"call {index} ran eagerly: {report['reason']}"
+            captured = new["captures"] - old["captures"] + report["cache_branches"] - before["cache_branches"]
+            counts.append(captured)
+            if (size, prompt) in seen:
+                assert captured == 0, f"call {index} captured {captured} graphs again"
+            else:
+                assert 0 < captured <= limit, f"call {index}: {captured} transformer graphs, more than {limit}"
+            assert_report_ran(report, before, captures=(size, prompt) not in seen, components=("transformer",))
+            seen.add((size, prompt))
+        if check is not None:
+            assert check.compared > 0, "no run was compared with an earlier one of its key"
+    finally:
+        if check is not None:
+            check.remove()
+        restore(pipe)
+    compared = f", runs compared {check.compared} of {check.runs}" if check is not None else ""
+    return (
+        f"{pipeline}/cache-dit {kind} ({when} accelerate): reused (cached, calls) {reused} in eager, transformer "
+        f"graphs per call {counts}, branches {report['cache_branches']}{compared}"
+    )
+
+
+def _dit_call(pipe: Any, pipeline: str, sizes: tuple[tuple[int, int], ...], size: int, prompt: int) -> torch.Tensor:
+    return mixed_call(pipe, pipeline, (size, prompt, True), sizes)

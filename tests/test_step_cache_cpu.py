@@ -16,10 +16,14 @@ import pytest
 import torch
 from _caches import (
     CACHES,
+    DIT_KINDS,
     cache_config,
+    cachedit_options,
+    check_cachedit_calls,
     check_captures_per_call,
     check_interleaved_calls,
     counting_config,
+    dit_threshold,
     mixed_threshold,
 )
 from _cases import run_case
@@ -29,7 +33,7 @@ from diffusers.hooks.hooks import HookRegistry, ModelHook, StateManager
 
 from bcg_diffusion import BCGWarning, accelerate, eager, restore, stats
 from bcg_diffusion.core.tree import flatten, unflatten
-from bcg_diffusion.features.step_caching import CacheState, SkipCounter, disable_cache, enable_cache, kinds
+from bcg_diffusion.features.step_caching import CacheState, SkipCounter, cachedit, disable_cache, enable_cache, kinds
 from bcg_diffusion.features.step_caching.state import DEFAULT_CONTEXT
 from bcg_diffusion.models import build_pipeline
 
@@ -390,37 +394,107 @@ def test_cache_state_buffers_rewind_and_records(monkeypatch):
         assert torch.equal(restored.pair[0], before[2][1])
 
 
-def _cache_dit(pipe):
+def _cache_dit(pipe, kind="static"):
     cache_dit = pytest.importorskip("cache_dit")
-    # tiny models have 2 blocks: Cache-DiT's defaults compute the first 8
-    cache_dit.enable_cache(pipe, cache_config=cache_dit.DBCacheConfig(Fn_compute_blocks=1, Bn_compute_blocks=0))
+    cache_dit.enable_cache(pipe, **cachedit_options(kind, STEPS))
+    return cache_dit
 
 
-def test_cache_dit_before_accelerate_leaves_the_pipeline_eager_with_the_reason():
-    pipe = _pipe("qwen-image")
+DIT_SIZES = ((32, 32), (48, 32))
+
+
+@pytest.mark.parametrize(
+    ("name", "kind"),
+    [(n, k) for n in ("qwen-image", "z-image") for k in DIT_KINDS if (n, k) != ("z-image", "dynamic")],
+)
+def test_cache_dit_runs_inside_the_graphs_with_eager_bytes(name, kind):
+    # Cache-DiT's DBCache enabled before accelerate: the blocks run on the graphs (its host logic in eager
+    # breaks), every call gives eager's bytes with the same Cache-DiT options, a new (size, prompt) captures at
+    # most compute + reuse per argument signature, a repeat none, and ReplayCheck emulates the replays.
+    pytest.importorskip("cache_dit")
+    threshold = dit_threshold(lambda: _pipe(name), name, DIT_SIZES) if kind == "dynamic" else 1.0
+    line = check_cachedit_calls(lambda: _pipe(name), name, kind, DIT_SIZES, threshold=threshold, debug=True)
+    print(line)
+
+
+@pytest.mark.parametrize("name", ["qwen-image", "z-image"])
+def test_cache_dit_enabled_after_accelerate_keeps_the_graphs(name):
+    pytest.importorskip("cache_dit")
+    with pytest.warns(BCGWarning, match="wrapped again"):  # restore: Cache-DiT wrapped our forward
+        print(check_cachedit_calls(lambda: _pipe(name), name, "static", DIT_SIZES, when="after", debug=True))
+
+
+def test_cache_dit_breaks_undo_their_steps_on_restart():
+    # A replay that switches paths after the breaks ran (a changed decision) runs them again: restart puts
+    # Cache-DiT's contexts back as key() found them, so the step counters do not advance twice.
+    pipe = _pipe("z-image")
     _cache_dit(pipe)
-    reference = _run(pipe, "qwen-image")
-    with pytest.warns(BCGWarning, match="Cache-DiT"):
-        accelerate(pipe, debug=True)
+    accelerate(pipe, debug=True)
     try:
-        assert not stats(pipe)["active"] and "Cache-DiT" in stats(pipe)["reason"]
-        assert torch.equal(_run(pipe, "qwen-image"), reference)
+        _run(pipe, "z-image")
+        state = next(f for f in pipe._bcg_state.all_features() if f.name == "step caching").state
+        manager = pipe.transformer._context_manager
+        context = next(iter(manager._cached_context_manager.values()))
+        state.key()
+        steps, cached = context.transformer_executed_steps, list(context.cached_steps)
+        manager.set_context(context.name)
+        manager.mark_step_begin()
+        manager.add_cached_step()
+        assert context.transformer_executed_steps == steps + 1 and len(context.cached_steps) == len(cached) + 1
+        token = state.checkpoint()
+        state.restart()
+        assert context.transformer_executed_steps == steps and context.cached_steps == cached
+        state.rewind(token)
+        assert context.transformer_executed_steps == steps + 1
     finally:
         restore(pipe)
 
 
-def test_cache_dit_after_accelerate_runs_eagerly_with_the_reason():
-    pipe = _pipe("qwen-image")
+def test_cache_dit_kept_tensors_are_copies_made_in_the_break():
+    # What a set_*_buffer keeps must not be the graph's tensor, which the next replay rewrites.
+    pipe = _pipe("z-image")
+    _cache_dit(pipe)
     accelerate(pipe, debug=True)
     try:
-        _run(pipe, "qwen-image")
-        _cache_dit(pipe)
-        with pytest.warns(BCGWarning, match="Cache-DiT"):
-            _run(pipe, "qwen-image")
-        assert stats(pipe)["components"]["transformer"]["eager_fallbacks"] > 0
+        _run(pipe, "z-image")
+        manager = pipe.transformer._context_manager
+        context = next(iter(manager._cached_context_manager.values()))
+        manager.set_context(context.name)
+        residual = torch.ones(1, 4, 8)
+        manager.set_Fn_buffer(residual, prefix="probe")
+        kept = context.get_buffer("probe_buffer")
+        assert kept is not residual and torch.equal(kept, residual)
     finally:
-        with pytest.warns(BCGWarning, match="wrapped again"):  # Cache-DiT wrapped our forward
-            restore(pipe)
+        restore(pipe)
+
+
+def test_cache_dit_dbprune_stays_eager_with_the_reason():
+    cache_dit = pytest.importorskip("cache_dit")
+    pipe = _pipe("qwen-image")
+    reference = _pipe("qwen-image")
+    for target in (pipe, reference):
+        cache_dit.enable_cache(target, cache_config=cache_dit.DBPruneConfig(Fn_compute_blocks=1, Bn_compute_blocks=0))
+    expected = _run(reference, "qwen-image")
+    with pytest.warns(BCGWarning, match="DBPrune"):
+        accelerate(pipe, debug=True)
+    try:
+        assert not stats(pipe)["active"] and "DBPrune" in stats(pipe)["reason"]
+        assert torch.equal(_run(pipe, "qwen-image"), expected)
+    finally:
+        restore(pipe)
+
+
+def test_cache_dit_sources_we_follow_are_unchanged():
+    # The Cache-DiT breaks rely on these functions' behaviour (cachedit.FOLLOWED_SOURCES): a Cache-DiT whose code
+    # differs must be checked against it (then update FOLLOWED_SOURCES).
+    pytest.importorskip("cache_dit")
+    changed = []
+    for name, digest in cachedit.FOLLOWED_SOURCES.items():
+        module, cls, function = name.rsplit(".", 2)
+        owner = getattr(importlib.import_module(f"cache_dit.caching.{module}"), cls)
+        if hashlib.sha256(inspect.getsource(getattr(owner, function)).encode()).hexdigest()[:16] != digest:
+            changed.append(name)
+    assert not changed, f"Cache-DiT's {changed} changed since step caching's cachedit module was written against them"
 
 
 def test_hooks_applied_behind_diffusers_back_stop_the_capture_with_a_clear_error():

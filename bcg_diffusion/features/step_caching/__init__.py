@@ -20,15 +20,17 @@ from typing import Any
 from ...core.hooks import MethodPatches, register_graph_safe_hooks
 from ...core.runner import BCGWarning
 from ..base import Feature, Setup, Target
+from .cachedit import cache_dit_enabled
+from .cachedit import unsupported as cache_dit_unsupported
 from .enable import SkipCounter, disable_cache, enable_cache
-from .state import CACHE_DIT_REASON, SUPPORTED_HOOKS, CacheState, cache_dit_enabled, cache_hooks, has_cache_hooks
+from .state import SUPPORTED_HOOKS, CacheState, cache_hooks, has_cache_hooks
 
 __all__ = [
-    "CACHE_DIT_REASON",
     "CacheState",
     "SkipCounter",
     "StepCaching",
     "cache_dit_enabled",
+    "cache_dit_unsupported",
     "cache_hooks",
     "disable_cache",
     "enable_cache",

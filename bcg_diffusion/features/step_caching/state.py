@@ -43,10 +43,10 @@ import torch
 
 from ...core.graphs import eager_break
 from ...core.tree import UnsupportedValue, flatten, unflatten
+from .cachedit import CacheDit, cache_dit_enabled
 from .kinds import DEFAULT_CONTEXT, Kind, install, kind_of, layout, run_taylor_step, uninstall
 
 __all__ = [
-    "CACHE_DIT_REASON",
     "DEFAULT_CONTEXT",
     "SUPPORTED_HOOKS",
     "CacheState",
@@ -65,16 +65,6 @@ SUPPORTED_HOOKS = (
     "mag_cache_leader_block_hook",
     "mag_cache_block_hook",
 )
-
-CACHE_DIT_REASON = (
-    "Cache-DiT (cache_dit.enable_cache) keeps its cache state in objects of its own, which the graphs do not "
-    "carry: the transformer runs eagerly; diffusers' FirstBlockCache, TaylorSeer and MagCache keep the graphs"
-)
-
-
-def cache_dit_enabled(module: torch.nn.Module) -> bool:
-    """Whether Cache-DiT has patched ``module`` (it marks what it patches ``_is_cached``)."""
-    return bool(vars(module).get("_is_cached", False))
 
 
 def hook_registries(module: torch.nn.Module, fresh: bool = False) -> list[Any]:
@@ -188,6 +178,7 @@ class CacheState:
         # id(manager) -> (manager, context, whether the state existed, its step counter)
         self._undo: dict[int, tuple[Any, str, bool, int | None]] = {}
         self.taylor_step = eager_break(self._taylor_step)
+        self.cachedit = CacheDit(module)
 
     # ------------------------------------------------------------------------------ discovery
     def _live(self, fresh: bool = False) -> list[_Holder]:
@@ -255,6 +246,7 @@ class CacheState:
         self._installed.clear()
         self._holders.clear()
         self._undo.clear()
+        self.cachedit.close()
 
     # ----------------------------------------------------------------------------- the state
     def is_host(self, tensor: torch.Tensor) -> bool:
@@ -338,8 +330,7 @@ class CacheState:
         """What decides the code of the coming call: per hook state, its settings, the cache context and
         what its kind puts in the key (:mod:`.kinds`: a decision, or nothing when a break decides). Moves
         stray tensors (kept by an eager call) into their buffers first."""
-        if cache_dit_enabled(self.module):
-            raise UnsupportedValue(CACHE_DIT_REASON)
+        dit = self.cachedit.key()  # Cache-DiT's DBCache (.cachedit), carried beside diffusers' hooks
         self._undo.clear()
         parts = []
         for holder in self._live():
@@ -352,6 +343,8 @@ class CacheState:
             # (new managers, new buffers) must not replay graphs of the old ones. Holders keep the
             # managers alive, so the ids are not reused while a key names them.
             parts.append((*holder.identity, holder.context, holder.kind.key(self, holder, state)))
+        if dit is not None:
+            parts.append(dit)
         return tuple(parts)
 
     def persist(self) -> None:
@@ -361,7 +354,7 @@ class CacheState:
                 self._settle(holder, state, allocate=not _capturing())
             holder.kind.after_run(self, holder, state)
 
-    def checkpoint(self) -> list[_Saved]:
+    def checkpoint(self) -> tuple[list[_Saved], Any]:
         # Captures are rare: check that diffusers' cached list of registries, which key() trusts, is not
         # stale (apply_first_block_cache and friends, called directly, do not refresh it).
         seen = set(self._holders)
@@ -380,10 +373,12 @@ class CacheState:
             keep_values = state is not None and holder.kind.buffered
             values = [leaf.clone() for leaf in flatten(attrs)[0]] if keep_values else []
             token.append((holder, holder.context, state, attrs, values))
-        return token
+        return token, self.cachedit.checkpoint()
 
-    def rewind(self, token: list[_Saved]) -> None:
-        for holder, context, state, attrs, values in token:
+    def rewind(self, token: tuple[list[_Saved], Any]) -> None:
+        saved, dit = token
+        self.cachedit.rewind(dit)
+        for holder, context, state, attrs, values in saved:
             holder.stash.clear()
             state = _place(holder, context, state is not None, state)
             if state is None:
@@ -405,7 +400,8 @@ class CacheState:
         call): put back what TaylorSeer's breaks changed since :meth:`key`. The step counter goes back, and a
         state the call created goes; factors a break already updated stay, and its second run for the same
         step does not update them again (:func:`~.kinds.run_taylor_step`). The other kinds' breaks change
-        nothing."""
+        nothing. Cache-DiT's contexts go back to what :meth:`key` found (:meth:`.cachedit.CacheDit.restart`)."""
+        self.cachedit.restart()
         for manager, context, existed, step in self._undo.values():
             if not existed:
                 manager._state_cache.pop(context, None)
