@@ -15,6 +15,42 @@ from typing import Any
 CACHES = ("magcache", "first-block", "taylorseer")
 
 
+def cachedit_mask(steps: int, spec: str | None = None) -> list[int]:
+    """Cache-DiT's ``steps_computation_mask`` for ``steps`` steps (1: compute, 0: reuse). ``spec``: a string of
+    0s and 1s, repeated to the length; by default about half: the first tenth (at least 2) computes, then
+    every other step, and the last step computes. Raises ValueError for a spec of other characters."""
+    if spec:
+        if set(spec) - {"0", "1"}:
+            raise ValueError(f"a Cache-DiT mask is a string of 0 and 1, got {spec!r}")
+        return [int(c) for c in (spec * (steps // len(spec) + 1))[:steps]]
+    head = max(2, steps // 10)
+    mask = [1 if i < head or (i - head) % 2 == 1 else 0 for i in range(steps)]
+    mask[-1] = 1
+    return mask
+
+
+def cachedit_options(pipe: Any, steps: int, mask: str | None = None) -> dict[str, Any]:
+    """``cache_dit.enable_cache`` options: DBCache with a static computation mask (:func:`cachedit_mask`), so that
+    random weights give the schedule a trained model would have; up to 8 Fn blocks (fewer on the tiny
+    models), no Bn blocks, Cache-DiT's defaults otherwise."""
+    import cache_dit
+
+    blocks = getattr(pipe.transformer, "transformer_blocks", None) or pipe.transformer.layers
+    config = cache_dit.DBCacheConfig(
+        Fn_compute_blocks=min(8, len(blocks) - 1),
+        Bn_compute_blocks=0,
+        num_inference_steps=steps,
+        steps_computation_mask=cachedit_mask(steps, mask),
+        steps_computation_policy="static",
+    )
+    return {"cache_config": config}
+
+
+def describe_cachedit(steps: int, mask: str | None = None) -> str:
+    computed = sum(cachedit_mask(steps, mask))
+    return f"Cache-DiT DBCache, static mask computing {computed} of {steps} steps"
+
+
 def cache_config(kind: str, steps: int, *, threshold: float = 0.2, max_skip: int = 2) -> Any:
     """A fresh diffusers cache config (each mode gets its own). Raises ValueError for an unknown kind."""
     from diffusers import FirstBlockCacheConfig, MagCacheConfig, TaylorSeerCacheConfig

@@ -27,7 +27,13 @@ MODES: tuple[str, ...] = (
     "fast-fp8-attn",
     "eager-fp8+cache",
     "fast-fp8+cache",
+    "eager+cachedit",
+    "bcg+cachedit",
+    "fast+cachedit",
 )
+# The modes with Cache-DiT's DBCache (``--cachedit-mask``, a static computation mask): they compare with
+# eager+cachedit as the others with eager.
+CACHEDIT: tuple[str, ...] = ("eager+cachedit", "bcg+cachedit", "fast+cachedit")
 # The modes with a step cache (``--cache``): they compare with eager+cache as the others with eager.
 CACHED: tuple[str, ...] = (
     "eager+cache",
@@ -44,7 +50,7 @@ FP8_MODES: tuple[str, ...] = ("eager-fp8", "bcg-fp8", "fast-fp8", "fast-fp8-attn
 ABLATIONS: tuple[str, ...] = ("bcg-no-te", "bcg-no-auto", "fast-no-te", "fast-no-auto", "fast-unbatched")
 # What a run without --modes compares on a GPU: ours as a user gets them, and the peers.
 DEFAULT_MODES: tuple[str, ...] = tuple(
-    m for m in MODES if m not in ABLATIONS and m not in CACHED and m not in FP8_MODES
+    m for m in MODES if m not in ABLATIONS and m not in CACHED and m not in FP8_MODES and m not in CACHEDIT
 )
 # What a run without --modes compares on a CPU, where every mode of ours runs in debug mode (no graphs).
 CPU_DEFAULT_MODES: tuple[str, ...] = ("eager", "bcg")
@@ -71,6 +77,10 @@ DESCRIPTIONS = {
     "fast-fp8+cache": "fast-fp8 with the same step cache inside its graphs",
     "compile+cache": "regional compile (compile_repeated_blocks, fullgraph=False: the cache's hooks break graphs) "
     "with the same step cache",
+    "eager+cachedit": "diffusers with Cache-DiT's DBCache (cache_dit.enable_cache, a static computation mask: "
+    "--cachedit-mask)",
+    "bcg+cachedit": "bcg exact mode with the same Cache-DiT config, its cached blocks inside the graphs",
+    "fast+cachedit": "fast mode with the same Cache-DiT config, its cached blocks inside the graphs",
 }
 EXACT = {"eager": True, "bcg": True, "bcg-no-te": True, "bcg-no-auto": True}
 EXACT.update({"fast": False, "fast-no-te": False, "fast-no-auto": False, "fast-unbatched": False})
@@ -78,16 +88,20 @@ EXACT.update({"compile": False, "compile-max": False})
 EXACT.update({"eager+cache": True, "bcg+cache": True, "fast+cache": False, "compile+cache": False})
 EXACT.update({"eager-fp8": True, "bcg-fp8": True, "fast-fp8": False, "fast-fp8-attn": False})
 EXACT.update({"eager-fp8+cache": True, "fast-fp8+cache": False})
+EXACT.update({"eager+cachedit": True, "bcg+cachedit": True, "fast+cachedit": False})
 OURS = ("bcg", "bcg-no-te", "bcg-no-auto", "fast", "fast-no-te", "fast-no-auto", "fast-unbatched")
+OURS += ("bcg+cachedit", "fast+cachedit")
 OURS += ("bcg+cache", "fast+cache", "bcg-fp8", "fast-fp8", "fast-fp8-attn", "fast-fp8+cache")
 FAST = ("fast", "fast-no-te", "fast-no-auto", "fast-unbatched", "fast+cache", "fast-fp8", "fast-fp8-attn")
-FAST += ("fast-fp8+cache",)
+FAST += ("fast-fp8+cache", "fast+cachedit")
 
 
 def baseline(name: str) -> str:
     """The mode whose first call an exact mode's images must equal: eager, with the cache if ``name`` has one."""
     if name in FP8_MODES:
         return "eager-fp8+cache" if name in CACHED else "eager-fp8"
+    if name in CACHEDIT:
+        return "eager+cachedit"
     return "eager+cache" if name in CACHED else "eager"
 
 

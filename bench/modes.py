@@ -26,6 +26,7 @@ from bcg_diffusion.features.step_caching import enable_cache
 from .catalog import (  # noqa: F401 - the names, re-exported for the modules that import them from here
     ABLATIONS,
     CACHED,
+    CACHEDIT,
     CPU_DEFAULT_MODES,
     DEFAULT_MODES,
     DESCRIPTIONS,
@@ -113,16 +114,28 @@ class PreparedMode:
         keys = ("active", "captures", "replays", "eager_fallbacks", "misses", "graph_memory_bytes", "capture_seconds")
         keys += ("state_checks", "state_changes", "state_check_seconds")
         keys += ("compiles", "compile_seconds", "compiled_blocks", "cfg_batched") if self.name in FAST else ()
-        keys += ("cache_states", "cache_branches", "cache_branch_switches") if self.name in CACHED else ()
+        cached = self.name in CACHED or self.name in CACHEDIT
+        keys += ("cache_states", "cache_branches", "cache_branch_switches") if cached else ()
         keys += ("quantized", "quantized_linears") if self.name in FP8_MODES else ()
         keys += ("attention",) if self.name.endswith("-attn") else ()
-        return {key: report[key] for key in keys}
+        out = {key: report[key] for key in keys}
+        transformer = report.get("components", {}).get("transformer")
+        if transformer is not None:  # graphs captured for the transformer, the cache's branch paths included
+            out["transformer_captures"] = transformer["captures"] + report.get("cache_branches", 0)
+        return out
 
 
-def prepare(name: str, base: Any, device: torch.device, cache: Callable[[], Any] | None = None) -> PreparedMode:
+def prepare(
+    name: str,
+    base: Any,
+    device: torch.device,
+    cache: Callable[[], Any] | None = None,
+    cachedit: Callable[[Any], dict[str, Any]] | None = None,
+) -> PreparedMode:
     """Set up mode ``name`` on a fresh copy of ``base``; ``cache()`` gives the step cache config of the
-    ``+cache`` modes (enabled on the copy before it is accelerated or compiled). Raises ValueError for
-    an unknown mode, or a ``+cache`` mode without ``cache``."""
+    ``+cache`` modes (enabled on the copy before it is accelerated or compiled), ``cachedit(pipe)`` the
+    ``cache_dit.enable_cache`` options of the ``+cachedit`` modes. Raises ValueError for an unknown mode, or
+    a cached mode without its config."""
     if name not in MODES:
         raise ValueError(f"unknown mode {name!r}; choose from {MODES}")
     pipe = pipeline_copy(base)
@@ -132,6 +145,13 @@ def prepare(name: str, base: Any, device: torch.device, cache: Callable[[], Any]
             raise ValueError(f"mode {name} needs a cache config")
         enable_cache(pipe, cache())  # before quantizing or accelerating, as a user would
         base_name = base_name.removesuffix("+cache")
+    if name in CACHEDIT:
+        if cachedit is None:
+            raise ValueError(f"mode {name} needs Cache-DiT options")
+        import cache_dit
+
+        cache_dit.enable_cache(pipe, **cachedit(pipe))  # before accelerating, as a user would
+        base_name = base_name.removesuffix("+cachedit")
     attention = "fp8" if base_name.endswith("-attn") else None
     base_name = base_name.removesuffix("-attn")
     quantize = FP8 if base_name.endswith("-fp8") else None
@@ -139,7 +159,8 @@ def prepare(name: str, base: Any, device: torch.device, cache: Callable[[], Any]
     if base_name == "eager" and quantize is not None:
         quantize_transformer(pipe.transformer, FP8)
         quantize = None
-    mode = _prepare(base_name, pipe, device, fullgraph=name not in CACHED, quantize=quantize, attention=attention)
+    fullgraph = name not in CACHED and name not in CACHEDIT
+    mode = _prepare(base_name, pipe, device, fullgraph=fullgraph, quantize=quantize, attention=attention)
     mode.name = name
     return mode
 

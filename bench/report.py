@@ -70,6 +70,18 @@ def markdown(record: dict[str, Any]) -> str:
         ]
         if checks:
             out += ["", "Checking the Python state the graphs read, per timed call: " + ", ".join(checks) + "."]
+        per_call = [
+            f"{n} {m['graphs']['transformer_captures_per_call']:.2f}"
+            for n, m in case["modes"].items()
+            if m.get("cache") and (m.get("graphs") or {}).get("transformer_captures_per_call") is not None
+        ]
+        if per_call:
+            out += [
+                "",
+                "Transformer graphs captured per pipeline call (cached modes, all calls): "
+                + ", ".join(per_call)
+                + ".",
+            ]
         separate = [n for n, m in case["modes"].items() if m.get("eager_same_group_s")]
         if separate:
             out += [

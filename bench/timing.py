@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import gc
 import logging
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -23,10 +24,10 @@ from bcg_diffusion.features.step_caching import SkipCounter
 from bcg_diffusion.models import RANDOM_WEIGHTS, build_pipeline
 
 from . import measure, report
-from .caching import cache_config
+from .caching import cache_config, cachedit_options, describe_cachedit
 from .caching import describe as describe_cache
 from .cases import Case
-from .modes import CACHED, DESCRIPTIONS, EXACT, SEPARATE, PreparedMode, baseline, prepare
+from .modes import CACHED, CACHEDIT, DESCRIPTIONS, EXACT, SEPARATE, PreparedMode, baseline, prepare
 
 logger = logging.getLogger("bench")
 
@@ -132,6 +133,12 @@ def _time_group(
     def cache() -> Any:
         return cache_config(args.cache, case.steps, threshold=args.cache_threshold, max_skip=args.cache_max_skip)
 
+    # The +cachedit modes' mask: args.cachedit_mask where the CLI sets it, else $BENCH_CACHEDIT_MASK, else about half.
+    dit_mask = getattr(args, "cachedit_mask", None) or os.environ.get("BENCH_CACHEDIT_MASK") or None
+
+    def cachedit(pipe: Any) -> dict[str, Any]:
+        return cachedit_options(pipe, case.steps, dit_mask)
+
     checked: dict[str, float | None] = {}  # per mode: the state checks' time before the timed runs
     comparisons: dict[str, list[dict[str, Any]]] = {}  # per mode, per timed run: against the reference
     run_images: dict[str, list[torch.Tensor]] = {}  # per timed run, for modes with a reference of their own
@@ -140,9 +147,11 @@ def _time_group(
         entry: dict[str, Any] = {"description": DESCRIPTIONS[name]}
         entries[name] = entry
         try:
-            mode = prepare(name, base, device, cache=cache)
+            mode = prepare(name, base, device, cache=cache, cachedit=cachedit)
             prepared[name] = mode
             entry["note"] = mode.note
+            if name in CACHEDIT:
+                entry["cache"] = describe_cachedit(case.steps, dit_mask)
             if name in CACHED:
                 entry["cache"] = describe_cache(
                     args.cache, case.steps, threshold=args.cache_threshold, max_skip=args.cache_max_skip
@@ -151,7 +160,7 @@ def _time_group(
             logger.info("%s: %s first call", case.label, name)
             first = measure.timed_call(mode.pipe, case, device)
             entry["first_call_s"] = first.total_s
-            if name in ("eager", "eager+cache", "eager-fp8"):
+            if name in ("eager", "eager+cache", "eager-fp8", "eager+cachedit"):
                 baselines[name] = first.images
             logger.info("%s: %s first call took %.2f s", case.label, name, first.total_s)
             for _ in range(args.warmup):
@@ -188,6 +197,9 @@ def _time_group(
             progress.update(1)
     eager_median = statistics.median(t.total_s for t, _ in calls["eager"]) if "eager" in calls else None
     cached_median = statistics.median(t.total_s for t, _ in calls["eager+cache"]) if "eager+cache" in calls else None
+    dit_median = (
+        statistics.median(t.total_s for t, _ in calls["eager+cachedit"]) if "eager+cachedit" in calls else None
+    )
     for name, timings in calls.items():
         entry = entries[name]
         latencies = [t.total_s for t, _ in timings]
@@ -203,6 +215,8 @@ def _time_group(
             entry["state_check_s_per_call"] = per_call
             entry["state_check_share"] = per_call / entry["latency_s"]["median"]
         entry["speedup"] = eager_median / entry["latency_s"]["median"] if eager_median else None
+        if name in CACHEDIT:
+            entry["speedup_vs_eager_cache"] = dit_median / entry["latency_s"]["median"] if dit_median else None
         if name in CACHED:
             entry["speedup_vs_eager_cache"] = cached_median / entry["latency_s"]["median"] if cached_median else None
             counter = counters.pop(name)
@@ -224,6 +238,9 @@ def _time_group(
         else:  # no baseline first call to compare with (not in the group, or it failed): not compared
             entry.update(runs_identical=[], identical=None, psnr_db=float("nan"), max_abs=float("nan"))
         entry["graphs"] = prepared[name].graph_stats()
+        if "transformer_captures" in entry["graphs"]:  # per pipeline call: first, warm-ups and timed runs
+            made = 1 + args.warmup + len(timings)
+            entry["graphs"]["transformer_captures_per_call"] = entry["graphs"]["transformer_captures"] / made
         _compare_with_reference(prepared[name], case, device, entry, run_images.get(name, []))
     for mode in prepared.values():
         mode.teardown()

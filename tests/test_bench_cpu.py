@@ -486,3 +486,21 @@ def test_a_gpu_index_this_machine_lacks_is_a_mistake(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     assert runs.device_problem("cuda:1") == "--device cuda:1: this machine has 1 CUDA GPU (cuda:0 to cuda:0)"
     assert runs.device_problem("cuda:0") is runs.device_problem("cuda") is runs.device_problem("cpu") is None
+
+
+def test_cachedit_mask_computes_about_half_and_takes_a_spec():
+    from bench.caching import cachedit_mask
+
+    mask = cachedit_mask(50)
+    assert len(mask) == 50 and mask[:5] == [1] * 5 and mask[-1] == 1 and 20 <= sum(mask) <= 30
+    assert cachedit_mask(5, "10") == [1, 0, 1, 0, 1]
+    with pytest.raises(ValueError, match="0 and 1"):
+        cachedit_mask(4, "1x")
+
+
+def test_cachedit_modes_compare_with_eager_cachedit():
+    from bench.catalog import CACHEDIT, DEFAULT_MODES, EXACT, baseline
+
+    assert all(baseline(m) == "eager+cachedit" for m in CACHEDIT)
+    assert EXACT["bcg+cachedit"] and not EXACT["fast+cachedit"]
+    assert not set(CACHEDIT) & set(DEFAULT_MODES)
