@@ -18,10 +18,16 @@ from _caches import (
     CACHES,
     COUNT_CASE,
     COUNT_STEPS,
+    DIT_CALLS,
+    DIT_KINDS,
     cache_config,
+    cachedit_options,
+    check_cachedit_calls,
     check_captures_per_call,
     check_interleaved_calls,
     counting_config,
+    dit_threshold,
+    mixed_call,
     mixed_threshold,
 )
 from _cases import cuda_pipeline, run_case
@@ -243,3 +249,58 @@ def test_magcache_captured_after_replays_in_one_call_decides_as_eager():
                 assert torch.equal(image, reference_image), (image - reference_image).abs().max()
         finally:
             restore(pipe)
+
+
+# ----------------------------------------------------------------------------------------- Cache-DiT
+def _cuda_tiny(name):
+    from bcg_diffusion.models import build_pipeline
+
+    pipe = build_pipeline(name, "tiny", device="cuda", dtype=torch.bfloat16)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+@pytest.mark.parametrize(
+    ("pipeline", "kind"),
+    [(n, k) for n in ("qwen-image", "z-image") for k in DIT_KINDS if (n, k) != ("z-image", "dynamic")],
+)
+def test_cache_dit_exact_mode_gives_eager_bytes_with_few_graphs(pipeline, kind):
+    # Real graphs: the reuse path is a branch of each signature (at most 4 transformer graphs per new call
+    # shape on Qwen-Image with true CFG, 2 on Z-Image), every call byte-equal to eager with the same options.
+    pytest.importorskip("cache_dit")
+    make = lambda: _cuda_tiny(pipeline)  # noqa: E731
+    threshold = dit_threshold(make, pipeline, MIXED_SIZES) if kind == "dynamic" else 1.0
+    print("\n" + check_cachedit_calls(make, pipeline, kind, MIXED_SIZES, threshold=threshold))
+
+
+@pytest.mark.parametrize("pipeline", ["qwen-image", "z-image"])
+def test_cache_dit_after_accelerate_keeps_the_graphs_on_a_gpu(pipeline):
+    pytest.importorskip("cache_dit")
+    with pytest.warns(Warning, match="wrapped again"):
+        print("\n" + check_cachedit_calls(lambda: _cuda_tiny(pipeline), pipeline, "static", MIXED_SIZES, when="after"))
+
+
+@pytest.mark.parametrize("kind", ["static", "taylorseer"])
+@pytest.mark.parametrize("pipeline", ["qwen-image", "z-image"])
+def test_cache_dit_fast_mode_gives_its_compiled_blocks_bytes(pipeline, kind):
+    # Fast mode: byte-equal to the same compiled blocks without graphs (eager(pipe)) with the same Cache-DiT config.
+    cache_dit = pytest.importorskip("cache_dit")
+    pipe = _cuda_tiny(pipeline)
+    cache_dit.enable_cache(pipe, **cachedit_options(kind))
+    accelerate(pipe, mode="fast")
+    try:
+        for size, prompt in DIT_CALLS:
+            image = mixed_call(pipe, pipeline, (size, prompt, True), MIXED_SIZES)
+            with eager(pipe):
+                expected = mixed_call(pipe, pipeline, (size, prompt, True), MIXED_SIZES)
+            assert torch.equal(image, expected), (
+                f"{MIXED_SIZES[size]}, prompt {prompt}: not its compiled blocks' bytes"
+            )
+        transformer = stats(pipe)["components"]["transformer"]
+        assert transformer["captures"] > 0 and transformer["eager_fallbacks"] == 0
+        print(
+            f"\n{pipeline}/cache-dit {kind} fast: captures {transformer['captures']}, "
+            f"branches {stats(pipe)['cache_branches']}"
+        )
+    finally:
+        restore(pipe)
