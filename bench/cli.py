@@ -69,6 +69,12 @@ def _modes(text: str) -> list[str]:
     return list(dict.fromkeys(names))
 
 
+def _mask(text: str) -> str:
+    if not text or set(text) - {"0", "1"}:
+        raise argparse.ArgumentTypeError(f"a Cache-DiT mask is a string of 0s and 1s such as 0101, got {text!r}")
+    return text
+
+
 def _preset(text: str) -> str:
     name = PRESET_ALIASES.get(text, text)
     if name not in PRESETS:
@@ -181,6 +187,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=runs.at_least(0),
         default=2,
         help="MagCache: steps skipped in a row; TaylorSeer: steps between computes - 1",
+    )
+    parser.add_argument(
+        "--cachedit-mask",
+        type=_mask,
+        metavar="0101...",
+        help="the +cachedit modes' static computation mask (1: compute, 0: reuse), repeated to the step count "
+        "(default: about half of the steps, the first tenth computed)",
     )
     parser.add_argument(
         "--runs", type=runs.at_least(1), default=5, help="timed runs per mode (median, min, max reported)"

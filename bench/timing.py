@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import gc
 import logging
-import os
 import statistics
 import time
 from collections.abc import Callable
@@ -133,8 +132,7 @@ def _time_group(
     def cache() -> Any:
         return cache_config(args.cache, case.steps, threshold=args.cache_threshold, max_skip=args.cache_max_skip)
 
-    # The +cachedit modes' mask: args.cachedit_mask where the CLI sets it, else $BENCH_CACHEDIT_MASK, else about half.
-    dit_mask = getattr(args, "cachedit_mask", None) or os.environ.get("BENCH_CACHEDIT_MASK") or None
+    dit_mask = getattr(args, "cachedit_mask", None)  # None: about half of the steps (bench.caching.cachedit_mask)
 
     def cachedit(pipe: Any) -> dict[str, Any]:
         return cachedit_options(pipe, case.steps, dit_mask)

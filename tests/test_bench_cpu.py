@@ -190,7 +190,9 @@ def test_verdict_says_plainly_when_a_peer_beats_bcg():
     assert "compile beats bcg by 20%" in report.verdict(case)
 
 
-@pytest.mark.parametrize("argv", [["--modes", "turbo"], ["--resolutions", "512"], ["--runs", "0"]])
+@pytest.mark.parametrize(
+    "argv", [["--modes", "turbo"], ["--resolutions", "512"], ["--runs", "0"], ["--cachedit-mask", "01x"]]
+)
 def test_bad_arguments_exit_with_a_message(argv, capsys):
     with pytest.raises(SystemExit):
         cli.parse_args(argv)
