@@ -12,8 +12,8 @@ Two entry points:
   :func:`quantize_for_fp8_attention`), the probabilities scaled by 256 and quantized to e4m3 before they
   meet the values: probabilities are in [0, 1], and e4m3's smallest subnormal is 2**-9, so unscaled, the
   weights under 0.002 (over thousands of keys, much of the softmax's mass) would vanish. Both products
-  run at FP8 rate. Its error against bf16 attention is reported by the
-  benchmark (``docs/fp8.md``); it is an opt-in of fast mode, never a default.
+  run at FP8 rate. Its error against bf16 attention is measured in ``docs/quantization.md``; it is an
+  opt-in of fast mode, never a default.
 
 Both are PyTorch custom operators (``bcg_diffusion::attention``, ``bcg_diffusion::fp8_attention``): inductor
 compiles the quantization around them into the kernels that produce the query, key and value, and calls

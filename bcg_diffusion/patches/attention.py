@@ -149,7 +149,7 @@ def _default_backend_active() -> bool:
 
 
 # The attribute on an attention module (diffusers' ``Attention``) naming the kernel fast mode's processors
-# use for it (see :func:`attend`), set by :mod:`bcg_diffusion.features.attention_kernels`. A module
+# use for it (see :func:`attend`), set by :mod:`bcg_diffusion.features.fp8_attention`. A module
 # attribute, so that the check of the Python state a graph read sees it change.
 KERNEL_ATTRIBUTE = "_bcg_attention_kernel"
 # "dispatch": diffusers' dispatch (PyTorch's SDPA picks its kernel); "cudnn": SDPA's cuDNN kernel on
@@ -345,8 +345,9 @@ def _complex_rotation(x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
 
 
 def _zimage_attention_call(dispatch: Callable[..., torch.Tensor], default: str) -> Callable[..., torch.Tensor]:
-    """A ``__call__`` for Z-Image's ``ZSingleStreamAttnProcessor``: diffusers' computation,
-    with the RoPE of :func:`_rotate_complex` and attention through ``dispatch``."""
+    """A ``__call__`` for Z-Image's ``ZSingleStreamAttnProcessor``: diffusers' computation, with the RoPE
+    of :func:`_rotate_complex`; masked attention through ``dispatch``, unmasked through :func:`attend`
+    with ``default`` as the kernel where the module names none."""
 
     def __call__(
         self: Any,
