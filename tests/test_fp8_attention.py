@@ -24,6 +24,7 @@ def test_attention_option_is_validated():
         AccelerateConfig(mode="fast", attention="int8")
 
 
+@pytest.mark.heavy  # compiles with inductor on CPU
 @pytest.mark.parametrize("name", ["qwen-image", "z-image"])
 def test_fp8_attention_where_it_cannot_run_warns_and_keeps_bf16_attention(name):
     pipe = tiny_pipeline(name)
