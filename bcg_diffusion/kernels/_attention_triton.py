@@ -36,6 +36,25 @@ def _update(acc, m_i, l_i, s, v, valid, FP8: tl.constexpr, MASKED: tl.constexpr)
 
 
 @triton.jit
+def _row_scales(QS, KS, batch, head, offs_m, rows, stride_qsb, stride_qss, stride_ksb, qk_scale,
+                BLOCK_M: tl.constexpr, FP8: tl.constexpr):  # fmt: skip
+    """What each row of logits is multiplied by: ``qk_scale`` (the softmax scale in base 2), times the
+    query row's and the key head's quantization scales in FP8."""
+    if FP8:
+        scales = tl.load(QS + batch * stride_qsb + offs_m * stride_qss + head, mask=rows, other=0.0)
+        return scales * tl.load(KS + batch * stride_ksb + head) * qk_scale
+    return tl.full([BLOCK_M], 1.0, tl.float32) * qk_scale
+
+
+@triton.jit
+def _finish(acc, l_i, VS, batch, head, offs_d, stride_vsb, stride_vsh, FP8: tl.constexpr):
+    """The output rows: the accumulator over the row sums, times the value's channel scales in FP8."""
+    if FP8:
+        acc = acc * tl.load(VS + batch * stride_vsb + head * stride_vsh + offs_d)[None, :]
+    return acc / l_i[:, None]
+
+
+@triton.jit
 def attention_forward(
     Q, K, V, Out, QS, KS, VS,
     stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
@@ -53,11 +72,8 @@ def attention_forward(
     rows = offs_m < seq_q
     q = tl.load(Q + batch * stride_qb + head * stride_qh + offs_m[:, None] * stride_qs + offs_d[None, :],
                 mask=rows[:, None], other=0.0)  # fmt: skip
-    if FP8:
-        row_scale = tl.load(QS + batch * stride_qsb + offs_m * stride_qss + head, mask=rows, other=0.0)
-        row_scale = row_scale * tl.load(KS + batch * stride_ksb + head) * qk_scale
-    else:
-        row_scale = tl.full([BLOCK_M], 1.0, tl.float32) * qk_scale
+    row_scale = _row_scales(QS, KS, batch, head, offs_m, rows, stride_qsb, stride_qss, stride_ksb, qk_scale,
+                            BLOCK_M, FP8)  # fmt: skip
     k_ptrs = K + batch * stride_kb + head * stride_kh + offs_n[None, :] * stride_ks + offs_d[:, None]
     v_ptrs = V + batch * stride_vb + head * stride_vh + offs_n[:, None] * stride_vs + offs_d[None, :] * stride_vd
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -73,9 +89,7 @@ def attention_forward(
         s = tl.dot(q, tl.load(k_ptrs, mask=valid[None, :], other=0.0)) * row_scale[:, None]
         v = tl.load(v_ptrs, mask=valid[:, None], other=0.0)
         acc, m_i, l_i = _update(acc, m_i, l_i, s, v, valid, FP8, True)
-    if FP8:
-        acc = acc * tl.load(VS + batch * stride_vsb + head * stride_vsh + offs_d)[None, :]
-    out = acc / l_i[:, None]
+    out = _finish(acc, l_i, VS, batch, head, offs_d, stride_vsb, stride_vsh, FP8)
     tl.store(Out + batch * stride_ob + head * stride_oh + offs_m[:, None] * stride_os + offs_d[None, :],
              out.to(Out.dtype.element_ty), mask=rows[:, None])  # fmt: skip
 
@@ -105,11 +119,8 @@ def attention_forward_tma(
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     q = q_desc.load([batch, start_m * BLOCK_M, head, 0]).reshape(BLOCK_M, HEAD_DIM)
-    if FP8:
-        row_scale = tl.load(QS + batch * stride_qsb + offs_m * stride_qss + head, mask=offs_m < seq_q, other=0.0)
-        row_scale = row_scale * tl.load(KS + batch * stride_ksb + head) * qk_scale
-    else:
-        row_scale = tl.full([BLOCK_M], 1.0, tl.float32) * qk_scale
+    row_scale = _row_scales(QS, KS, batch, head, offs_m, offs_m < seq_q, stride_qsb, stride_qss, stride_ksb,
+                            qk_scale, BLOCK_M, FP8)  # fmt: skip
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
@@ -122,7 +133,5 @@ def attention_forward_tma(
         s = tl.dot(q, k_desc.load([batch, full, head, 0]).reshape(BLOCK_N, HEAD_DIM).T) * row_scale[:, None]
         acc, m_i, l_i = _update(acc, m_i, l_i, s, _values(v_desc, batch, head, full, HEAD_DIM, BLOCK_N, FP8),
                                 full + offs_n < seq_k, FP8, True)  # fmt: skip
-    if FP8:
-        acc = acc * tl.load(VS + batch * stride_vsb + head * stride_vsh + offs_d)[None, :]
-    out = acc / l_i[:, None]
+    out = _finish(acc, l_i, VS, batch, head, offs_d, stride_vsb, stride_vsh, FP8)
     o_desc.store([batch, start_m * BLOCK_M, head, 0], out.to(o_desc.dtype).reshape(1, BLOCK_M, 1, HEAD_DIM))

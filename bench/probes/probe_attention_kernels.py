@@ -30,6 +30,7 @@ from bcg_diffusion.core.hooks import MethodPatches
 from bcg_diffusion.features import compiled_blocks as fast
 from bcg_diffusion.kernels import attention as kernels
 from bcg_diffusion.patches import attention
+from bcg_diffusion.patches.gelu import gelu_in_epilogue
 from bench.probes.probe_fast_floor import graph_replay_ms, kernel_table, random_block, section
 from bench.probes.probe_fp8_block import QWEN_DIM, QWEN_HEADS, Z_DIM, Z_HEADS, qwen_block_inputs
 
@@ -134,18 +135,6 @@ def attention_kernels() -> None:
                 kernels._CONFIGS[kind] = saved
 
 
-def _gelu_in_epilogue(module: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
-    """diffusers' ``GELU`` (tanh) forward as one cuBLASLt product with the GELU in its epilogue."""
-    proj = module.proj
-
-    def forward(hidden_states: torch.Tensor) -> torch.Tensor:
-        flat = hidden_states.flatten(0, -2)
-        out = torch._addmm_activation(proj.bias, flat, proj.weight.t(), use_gelu=True)
-        return out.unflatten(0, hidden_states.shape[:-1])
-
-    return forward
-
-
 def time_block(
     base: torch.nn.Module, inputs: dict[str, tuple], patches_: tuple, variants: list[tuple[str, str, bool]]
 ) -> None:
@@ -163,7 +152,7 @@ def time_block(
             if hasattr(module, "processor"):
                 setattr(module, attention.KERNEL_ATTRIBUTE, kernel)
             if gelu_epilogue and type(module).__name__ == "GELU" and getattr(module, "approximate", "") == "tanh":
-                module.forward = _gelu_in_epilogue(module)
+                module.forward = gelu_in_epilogue(module)
         torch._dynamo.reset()
         fast.compile_repeated_blocks(holder, compile_patches)
         try:
