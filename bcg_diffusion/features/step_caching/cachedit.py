@@ -40,6 +40,7 @@ from typing import Any
 import torch
 
 from ...core.graphs import eager_break
+from ...core.tree import UnsupportedValue
 
 __all__ = ["BREAKS", "CACHE_DIT_STATE_MODULE", "FOLLOWED_SOURCES", "CacheDit", "cache_dit_enabled", "unsupported"]
 
@@ -197,8 +198,6 @@ class CacheDit:
     def key(self) -> Hashable:
         """None without Cache-DiT; else its manager and the contexts' configs. Installs the breaks on the
         manager now on the module (Cache-DiT may be enabled at any time) and notes the state for restart."""
-        from ...core.tree import UnsupportedValue
-
         manager = _manager(self.module)
         if manager is not self.manager:
             self.close()
