@@ -468,18 +468,53 @@ def test_cache_dit_kept_tensors_are_copies_made_in_the_break():
         restore(pipe)
 
 
-def test_cache_dit_dbprune_stays_eager_with_the_reason():
+def _uncarried_cache_dit(cache_dit, name, what):
+    """Cache-DiT options whose blocks cannot be carried (``what``: DBPrune, or DBCache with the DMD calibrator)."""
+    if what == "dbprune":
+        return {"cache_config": cache_dit.DBPruneConfig(Fn_compute_blocks=1, Bn_compute_blocks=0)}
+    options = cachedit_options("static", STEPS)
+    options["calibrator_config"] = cache_dit.DMDCalibratorConfig()
+    return options
+
+
+@pytest.mark.parametrize(("name", "what"), [("qwen-image", "dbprune"), ("qwen-image", "dmd"), ("z-image", "dmd")])
+def test_cache_dit_that_cannot_be_carried_runs_only_its_blocks_eagerly(name, what):
+    # DBPrune and calibrators other than TaylorSeer are not carried: their cached-blocks module runs as one eager
+    # break with Cache-DiT's own code, the rest of the transformer in the graphs, with eager's bytes at every call
+    # (two sizes, repeats replayed). Before, the whole pipeline stayed eager. (DBPrune on Z-Image fails in
+    # Cache-DiT 1.5.3 itself, eagerly: _process_block_outputs() takes 2 positional arguments but 3 were given.)
+    cache_dit = pytest.importorskip("cache_dit")
+    pipe, reference = _pipe(name), _pipe(name)
+    for target in (pipe, reference):
+        cache_dit.enable_cache(target, **_uncarried_cache_dit(cache_dit, name, what))
+    sizes = ((32, 32), (48, 32), (32, 32))
+    expected = [run_case(reference, name, CASE[name], height=h, width=w, steps=STEPS) for h, w in sizes]
+    accelerate(pipe, debug=True)
+    try:
+        with pytest.warns(BCGWarning, match="its blocks run eagerly, the rest of the transformer in the graphs"):
+            first = run_case(pipe, name, CASE[name], height=32, width=32, steps=STEPS)
+        images = [first] + [run_case(pipe, name, CASE[name], height=h, width=w, steps=STEPS) for h, w in sizes[1:]]
+        report = stats(pipe)
+        transformer = report["components"]["transformer"]
+        assert report["active"] and transformer["captures"] > 0 and transformer["eager_fallbacks"] == 0, report
+        blocks = cachedit._cached_blocks(pipe.transformer)
+        assert blocks and all(getattr(vars(b).get("forward"), "__bcg_eager_break__", False) for b in blocks)
+        for index, (image, want) in enumerate(zip(images, expected, strict=True)):
+            assert torch.equal(image, want), f"call {index} {sizes[index]}: not eager's"
+    finally:
+        restore(pipe)
+    assert all("forward" not in vars(b) for b in blocks), "restore left the blocks' break on"
+
+
+def test_cache_dit_under_parallelism_keeps_the_pipeline_eager_with_the_reason(monkeypatch):
     cache_dit = pytest.importorskip("cache_dit")
     pipe = _pipe("qwen-image")
-    reference = _pipe("qwen-image")
-    for target in (pipe, reference):
-        cache_dit.enable_cache(target, cache_config=cache_dit.DBPruneConfig(Fn_compute_blocks=1, Bn_compute_blocks=0))
-    expected = _run(reference, "qwen-image")
-    with pytest.warns(BCGWarning, match="DBPrune"):
+    cache_dit.enable_cache(pipe, **cachedit_options("static", STEPS))
+    monkeypatch.setattr(pipe.transformer, "_is_parallelized", True, raising=False)
+    with pytest.warns(BCGWarning, match="parallelism"):
         accelerate(pipe, debug=True)
     try:
-        assert not stats(pipe)["active"] and "DBPrune" in stats(pipe)["reason"]
-        assert torch.equal(_run(pipe, "qwen-image"), expected)
+        assert not stats(pipe)["active"] and "parallelism" in stats(pipe)["reason"]
     finally:
         restore(pipe)
 

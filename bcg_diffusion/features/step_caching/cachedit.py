@@ -27,22 +27,38 @@ context manager (the instance), the methods the cached blocks call to change or 
 Warm-ups, captures and restarts (a replay that switches paths after the breaks ran) put the contexts back
 as the call found them (:meth:`CacheDit.checkpoint`, :meth:`CacheDit.rewind`, :meth:`CacheDit.restart`).
 
-Not carried, with the reason (the call runs eagerly): DBPrune (its per-block decisions), calibrators
-other than TaylorSeer (not checked for in-place updates of what they keep), and parallel contexts.
+What cannot be carried runs eagerly, with the reason, and only that part: with DBPrune (its per-block
+decisions) or a calibrator other than TaylorSeer (not checked for in-place updates of what it keeps), the
+cached-blocks module's whole forward becomes one eager break (:meth:`CacheDit.key`), so the embeddings,
+the output norm and projection stay in the graphs and Cache-DiT's code runs as in eager. Under parallelism
+(Cache-DiT's own, or a process group of more than one) the whole transformer runs eagerly: the collectives
+are outside the blocks.
 """
 
 from __future__ import annotations
 
 import copy
+import functools
+import types
+import warnings
 from collections.abc import Hashable
 from typing import Any
 
 import torch
 
 from ...core.graphs import eager_break
+from ...core.runner import BCGWarning
 from ...core.tree import UnsupportedValue
 
-__all__ = ["BREAKS", "CACHE_DIT_STATE_MODULE", "FOLLOWED_SOURCES", "CacheDit", "cache_dit_enabled", "unsupported"]
+__all__ = [
+    "BREAKS",
+    "CACHE_DIT_STATE_MODULE",
+    "FOLLOWED_SOURCES",
+    "CacheDit",
+    "cache_dit_enabled",
+    "eager_blocks",
+    "unsupported",
+]
 
 # The Cache-DiT 1.5.3 code (under cache_dit.caching) this carrier relies on, by the first 16 hex digits of the
 # SHA-256 of its source: the cached blocks call the state only through the methods of BREAKS (and config
@@ -67,6 +83,8 @@ FOLLOWED_SOURCES = {
     "cache_contexts.calibrators.taylorseer.TaylorSeerState.approximate": "6319025b5f59fae1",
     "cache_contexts.calibrators.taylorseer.TaylorSeerCalibrator.update": "a0982f1c06ccf2c8",
     "cache_contexts.calibrators.taylorseer.TaylorSeerCalibrator.approximate": "06346c7bf511d0ea",
+    # Where the cached-blocks modules live between calls (see _cached_blocks): the closure of the forward it installs.
+    "cache_adapters.cache_adapter.CachedAdapter.mock_transformer": "02eff48b7adab224",
 }
 
 # The context-manager methods Cache-DiT's cached blocks call to change or read its state: eager breaks.
@@ -96,24 +114,33 @@ def _manager(module: torch.nn.Module) -> Any:
 
 
 def unsupported(module: torch.nn.Module) -> str | None:
-    """Why Cache-DiT on ``module`` cannot be carried through the graphs (None: it can, or it is not on)."""
-    manager = _manager(module)
+    """Why Cache-DiT on ``module`` keeps the whole transformer eager (None: it is carried, at least in part, or
+    it is not on): no context manager, or parallelism, whose collectives are outside the cached blocks."""
     if not cache_dit_enabled(module):
         return None
-    if manager is None:
+    if _manager(module) is None:
         return "Cache-DiT patched the transformer but left no context manager on it: not carried"
-    from cache_dit.caching.cache_contexts.cache_manager import CachedContextManager
-
-    if type(manager) is not CachedContextManager:
-        return (
-            f"Cache-DiT's {type(manager).__name__} (DBPrune) decides per block; only DBCache is carried inside "
-            "the graphs: the transformer runs eagerly"
-        )
     if getattr(module, "_is_parallelized", False) or (
         torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
     ):
         return (
             "Cache-DiT under parallelism (its decisions are all-reduced) is not carried: the transformer runs eagerly"
+        )
+    return None
+
+
+def eager_blocks(module: torch.nn.Module) -> str | None:
+    """Why Cache-DiT's cached blocks on ``module`` run eagerly inside the graphs, as one break (None: they are
+    captured, or Cache-DiT is not on): DBPrune, or a calibrator other than TaylorSeer."""
+    manager = _manager(module)
+    if manager is None:
+        return None
+    from cache_dit.caching.cache_contexts.cache_manager import CachedContextManager
+
+    if type(manager) is not CachedContextManager:
+        return (
+            f"Cache-DiT's {type(manager).__name__} (DBPrune) decides per block; only DBCache is carried inside "
+            "the graphs: its blocks run eagerly, the rest of the transformer in the graphs"
         )
     for context in _contexts(manager):
         calibrator = getattr(context, "calibrator_config", None)
@@ -121,9 +148,41 @@ def unsupported(module: torch.nn.Module) -> str | None:
         if enabled and calibrator.calibrator_type not in CARRIED_CALIBRATORS:
             return (
                 f"Cache-DiT's {calibrator.calibrator_type!r} calibrator is not carried inside the graphs (only "
-                f"{', '.join(CARRIED_CALIBRATORS)}): the transformer runs eagerly"
+                f"{', '.join(CARRIED_CALIBRATORS)}): its blocks run eagerly, the rest of the transformer in the graphs"
             )
     return None
+
+
+def _cached_blocks(module: torch.nn.Module) -> list[torch.nn.Module]:
+    """The cached-blocks modules Cache-DiT swaps into ``module`` during each call. Outside a call they are held
+    only by the closure of the forward Cache-DiT installed (``CachedAdapter.mock_transformer``), so that
+    closure is searched: through functions, partials, dicts, lists and module lists, nothing else."""
+    from cache_dit.caching.cache_blocks.pattern_base import CachedBlocks_Pattern_Base
+
+    found: list[torch.nn.Module] = []
+    seen: set[int] = set()
+    todo: list[Any] = [vars(module).get("forward")]
+    while todo:
+        obj = todo.pop()
+        if obj is None or id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, CachedBlocks_Pattern_Base):
+            found.append(obj)
+        elif isinstance(obj, functools.partial):
+            todo.extend([obj.func, *obj.args, *obj.keywords.values()])
+        elif isinstance(obj, types.FunctionType):
+            todo.append(getattr(obj, "__wrapped__", None))
+            for cell in obj.__closure__ or ():
+                try:
+                    todo.append(cell.cell_contents)
+                except ValueError:  # an empty cell
+                    continue
+        elif isinstance(obj, dict):
+            todo.extend(obj.values())
+        elif isinstance(obj, (list, tuple, torch.nn.ModuleList)):
+            todo.extend(obj)
+    return found
 
 
 def _contexts(manager: Any) -> list[Any]:
@@ -139,25 +198,36 @@ def _is_state(value: Any) -> bool:
     return hasattr(value, "__dict__") and type(value).__module__.startswith(CACHE_DIT_STATE_MODULE)
 
 
-def _containers(value: Any, found: list[Any]) -> Any:
-    """``value`` with containers of its own (dicts, lists, tuples, sets), the same tensors and objects;
-    Cache-DiT's state objects met on the way are added to ``found``."""
+def _containers(value: Any, found: list[Any], clone: bool = False) -> Any:
+    """``value`` with containers of its own (dicts, lists, tuples, sets), the same objects, and the same
+    tensors (``clone``: copies); Cache-DiT's state objects met on the way are added to ``found``."""
     if isinstance(value, dict):
         out = copy.copy(value)  # keeps a defaultdict's factory
         for k, v in value.items():
-            out[k] = _containers(v, found)
+            out[k] = _containers(v, found, clone)
         return out
     if isinstance(value, (list, tuple, set)):
-        return type(value)(_containers(v, found) for v in value)
+        return type(value)(_containers(v, found, clone) for v in value)
+    if clone and isinstance(value, torch.Tensor):
+        return value.clone()
     if _is_state(value):
         found.append(value)
     return value
 
 
-def snapshot(manager: Any) -> list[tuple[Any, dict[str, Any]]]:
+class Snapshot:
+    """What :func:`snapshot` saved: each Cache-DiT state object with its attributes, and whether the
+    tensors among them are copies (then :func:`restore` copies them again, so it can restore twice)."""
+
+    def __init__(self, objects: list[tuple[Any, dict[str, Any]]], clone: bool) -> None:
+        self.objects, self.clone = objects, clone
+
+
+def snapshot(manager: Any, clone: bool = False) -> Snapshot:
     """Every Cache-DiT state object reachable from ``manager`` (contexts, calibrators, their states) with
-    its attributes, containers copied; tensors are shared: nothing Cache-DiT keeps is written in place
-    (DBCache and the TaylorSeer calibrator rebind what they keep)."""
+    its attributes, containers copied; tensors are shared: nothing DBCache and the TaylorSeer calibrator
+    keep is written in place (they rebind it). ``clone``: tensors are copied too, for the code that was not
+    checked for that (DBPrune, other calibrators)."""
     saved, seen, todo = [], set(), [manager]
     while todo:
         obj = todo.pop()
@@ -165,15 +235,16 @@ def snapshot(manager: Any) -> list[tuple[Any, dict[str, Any]]]:
             continue
         seen.add(id(obj))
         found: list[Any] = []
-        saved.append((obj, {k: _containers(v, found) for k, v in vars(obj).items()}))
+        saved.append((obj, {k: _containers(v, found, clone) for k, v in vars(obj).items()}))
         todo.extend(found)
-    return saved
+    return Snapshot(saved, clone)
 
 
-def restore(saved: list[tuple[Any, dict[str, Any]]]) -> None:
-    for obj, attrs in saved:
+def restore(saved: Snapshot) -> None:
+    """Put back what :func:`snapshot` saved."""
+    for obj, attrs in saved.objects:
         vars(obj).clear()
-        vars(obj).update({k: _containers(v, []) for k, v in attrs.items()})
+        vars(obj).update({k: _containers(v, [], saved.clone) for k, v in attrs.items()})
 
 
 def config_key(manager: Any) -> Hashable:
@@ -191,13 +262,20 @@ class CacheDit:
 
     def __init__(self, module: torch.nn.Module) -> None:
         self.module = module
-        self.manager: Any = None  # the context manager whose methods are our breaks
-        self._start: list[tuple[Any, dict[str, Any]]] | None = None  # the state key() found
+        self.manager: Any = None  # the context manager on the module when key() last ran
+        self.eager_reason: str | None = None  # why the cached blocks run as one eager break (see eager_blocks)
+        self._blocks: list[torch.nn.Module] = []  # cached-blocks modules whose forward is that break
+        self._start: Snapshot | None = None  # the state key() found
         self.call = eager_break(self._call)
 
     def key(self) -> Hashable:
-        """None without Cache-DiT; else its manager and the contexts' configs. Installs the breaks on the
-        manager now on the module (Cache-DiT may be enabled at any time) and notes the state for restart."""
+        """None without Cache-DiT; else its manager, how it is carried and the contexts' configs. Installs the
+        breaks on the manager now on the module (Cache-DiT may be enabled at any time), or, for what cannot be
+        carried (:func:`eager_blocks`), makes the cached blocks' forward one eager break and warns once; notes
+        the state for restart. Raises UnsupportedValue where the whole transformer must run eagerly.
+
+        Warm-ups and captures save the state with :meth:`checkpoint` and put it back with :meth:`rewind`;
+        with the blocks eager, that copy includes the kept tensors (code not checked for in-place writes)."""
         manager = _manager(self.module)
         if manager is not self.manager:
             self.close()
@@ -212,12 +290,19 @@ class CacheDit:
             raise UnsupportedValue(
                 f"Cache-DiT's contexts {missing} do not exist: the transformer was called outside its pipeline's call"
             )
-        self._install(manager)
-        self._start = snapshot(manager)
-        return ("cache-dit", id(manager), config_key(manager))
+        eager = eager_blocks(self.module)
+        if eager is not None:
+            # One break runs the blocks and all of Cache-DiT's logic: no replay switches paths after it, so
+            # nothing to restart (and copying every kept tensor at every call would cost a forward's memory).
+            self._install_eager(manager, eager)
+            self._start = None
+        else:
+            self._install(manager)
+            self._start = snapshot(manager)
+        return ("cache-dit", id(manager), eager is not None, config_key(manager))
 
     def checkpoint(self) -> Any:
-        return snapshot(self.manager) if self.manager is not None else None
+        return snapshot(self.manager, clone=self.eager_reason is not None) if self.manager is not None else None
 
     def rewind(self, token: Any) -> None:
         if token is not None:
@@ -232,15 +317,31 @@ class CacheDit:
             for name in BREAKS:
                 vars(self.manager).pop(name, None)
             vars(self.manager).pop(_PATCHED, None)
-        self.manager, self._start = None, None
+        for blocks in self._blocks:
+            vars(blocks).pop("forward", None)
+        self.manager, self.eager_reason, self._blocks, self._start = None, None, [], None
 
     def _install(self, manager: Any) -> None:
-        if vars(manager).get(_PATCHED) is self:
+        if vars(manager).get(_PATCHED) is self and self.eager_reason is None:
             return
+        self.close()
         for name in BREAKS:
             setattr(manager, name, _Break(self, manager, name))
         setattr(manager, _PATCHED, self)
         self.manager = manager
+
+    def _install_eager(self, manager: Any, reason: str) -> None:
+        if self.manager is manager and self.eager_reason == reason:
+            return
+        self.close()
+        blocks = _cached_blocks(self.module)
+        if not blocks:
+            raise UnsupportedValue(f"{reason}; but its cached blocks were not found: the transformer runs eagerly")
+        for module in blocks:
+            # The instance's forward, which nn.Module.__call__ prefers to the class's; popped again by close().
+            module.forward = eager_break(type(module).forward.__get__(module))
+        warnings.warn(f"bcg-diffusion: {reason}", BCGWarning, stacklevel=2)
+        self.manager, self.eager_reason, self._blocks = manager, reason, blocks
 
     def _call(self, manager: Any, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """One context-manager method, eagerly, on the real state (an eager break, made in ``__init__``)."""
