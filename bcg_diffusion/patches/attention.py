@@ -20,6 +20,11 @@ The kernel of each attention module can be chosen (:data:`KERNEL_ATTRIBUTE`, :fu
 kernel (:mod:`bcg_diffusion.kernels.attention`) is the opt-in of
 :mod:`bcg_diffusion.features.fp8_attention`.
 
+Attention's prologue (the query and key RMS norms, RoPE, Qwen-Image's joint text-and-image tensors)
+is inductor's compiled code, or, per attention module (:data:`QK_PROLOGUE_ATTRIBUTE`, default
+:data:`QK_PROLOGUE_DEFAULT`), one launch of our fused kernel (:mod:`bcg_diffusion.kernels.qk_prologue`),
+whose output each group of a CFG batch attends over as slices, with no concatenation.
+
 All of this changes rounding only (another kernel, no padded keys to skip), which is why it is fast
 mode's, scoped to the accelerated model (:mod:`bcg_diffusion.patches.scoped`). cuDNN is used on
 compute capability 9.0 and newer only (where it was measured), with cuDNN attention enabled in
@@ -41,10 +46,13 @@ from diffusers.models.attention_dispatch import AttentionBackendName, _Attention
 from diffusers.models.attention_dispatch import dispatch_attention_fn as _diffusers_dispatch
 
 from ..kernels import attention as kernels
+from ..kernels import qk_prologue
 from .rope import rotate_pairs
 from .scoped import ProcessorPatch
 
 __all__ = [
+    "QK_PROLOGUE_ATTRIBUTE",
+    "QK_PROLOGUE_DEFAULT",
     "QWEN_ATTENTION_PATCH",
     "TEXT_LENGTHS_KWARG",
     "ZIMAGE_ATTENTION_PATCH",
@@ -191,16 +199,69 @@ def _cudnn_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     return out.transpose(1, 2)
 
 
+# The attribute on an attention module naming how fast mode's processors compute attention's prologue
+# (the query and key RMS norms, RoPE and, for Qwen-Image, the joint text-and-image tensors):
+# "compiled": PyTorch operations that inductor compiles (several kernels); "fused": one launch of our
+# Triton kernel (:mod:`bcg_diffusion.kernels.qk_prologue`; its plain-PyTorch reference where Triton or a
+# GPU is missing). Calls the kernel refuses (see ``qk_prologue.unsupported_joint``) stay "compiled".
+# A module attribute, so that the check of the Python state a graph read sees it change.
+QK_PROLOGUE_ATTRIBUTE = "_bcg_qk_prologue"
+QK_PROLOGUES = ("compiled", "fused")
+# What modules without the attribute use. "compiled" until the fused kernel is measured on a GPU
+# (bench.probes.probe_attention_kernels --sections prologue).
+QK_PROLOGUE_DEFAULT = "compiled"
+
+
+def _fused_prologue(attn: torch.nn.Module) -> bool:
+    return getattr(attn, QK_PROLOGUE_ATTRIBUTE, QK_PROLOGUE_DEFAULT) == "fused"
+
+
+def _norm_weights(norms: tuple[torch.nn.Module | None, ...]) -> tuple[list[Any], list[float]] | None:
+    """The weights and epsilons of query and key norms the fused kernel computes (all diffusers'
+    ``RMSNorm`` with a weight and no bias, or all absent: ``([None, ...], [0.0, ...])``); None otherwise."""
+    from diffusers.models.normalization import RMSNorm
+
+    if all(norm is None for norm in norms):
+        return [None] * len(norms), [0.0] * len(norms)
+    if all(
+        type(norm) is RMSNorm and norm.weight is not None and getattr(norm, "bias", None) is None for norm in norms
+    ):
+        return [norm.weight for norm in norms], [float(norm.eps) for norm in norms]
+    return None
+
+
+def _fused_joint_qkv(
+    attn: torch.nn.Module,
+    image: list[torch.Tensor],
+    text: list[torch.Tensor],
+    image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None,
+    text_lengths: tuple[int, ...],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """Qwen-Image's joint query, key and value from its projections before the norms, through
+    ``qk_prologue.joint_qkv`` (one buffer per tensor; each group's joint tensor a slice of it); None
+    where the kernel does not take them."""
+    norms = _norm_weights((attn.norm_q, attn.norm_k, attn.norm_added_q, attn.norm_added_k))
+    freqs: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
+    if image_rotary_emb is not None:
+        if not all(f.dtype == torch.complex64 for f in image_rotary_emb):
+            return None
+        freqs = (torch.view_as_real(image_rotary_emb[0]), torch.view_as_real(image_rotary_emb[1]))
+    if norms is None or qk_prologue.unsupported_joint(image, text, norms[0], freqs, text_lengths) is not None:
+        return None
+    return qk_prologue.joint_qkv(image, text, norms[0], norms[1], freqs, text_lengths)
+
+
 def qwen_joint_projections(
-    attn: torch.nn.Module, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor
+    attn: torch.nn.Module, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor, normed: bool = True
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Qwen-Image's query, key and value ``[B, S, H, D]`` of the image and of the text stream, the
-    queries and keys RMS-normed, before RoPE: ``([q, k, v] of the image, [q, k, v] of the text)``."""
+    queries and keys RMS-normed (unless ``normed`` is false), before RoPE: ``([q, k, v] of the image,
+    [q, k, v] of the text)``."""
     head_dim = attn.inner_dim // attn.heads
 
     def project(x: torch.Tensor, linear: torch.nn.Module, norm: torch.nn.Module | None) -> torch.Tensor:
         x = linear(x).unflatten(-1, (-1, head_dim))
-        return x if norm is None else norm(x)
+        return x if norm is None or not normed else norm(x)
 
     image = [
         project(hidden_states, attn.to_q, attn.norm_q),
@@ -240,25 +301,25 @@ def qwen_joint_attention_per_group(
     # longer one; fast mode's batcher builds the lengths from the very texts it pads.
     if not torch.compiler.is_compiling() and max(text_lengths) > text_tokens:
         raise ValueError(f"text lengths {text_lengths} exceed the {text_tokens} text tokens given")
-    image, text = qwen_joint_projections(attn, hidden_states, encoder_hidden_states)
+    fused = _fused_prologue(attn)
+    image, text = qwen_joint_projections(attn, hidden_states, encoder_hidden_states, normed=not fused)
+    joints = _fused_joint_qkv(attn, image, text, image_rotary_emb, text_lengths) if fused else None
+    if fused and joints is None:  # the kernel refuses these tensors: normed as in the compiled path
+        for stream, norms in ((image, (attn.norm_q, attn.norm_k)), (text, (attn.norm_added_q, attn.norm_added_k))):
+            for index, norm in enumerate(norms):
+                if norm is not None:
+                    stream[index] = norm(stream[index])
+    freqs = None
     if image_rotary_emb is not None:
-        image_freqs, text_freqs = (torch.view_as_real(freqs) for freqs in image_rotary_emb)
+        freqs = tuple(torch.view_as_real(f) for f in image_rotary_emb)
     rows = batch // groups
     image_outputs, text_outputs = [], []
     for group, length in enumerate(text_lengths):
         first, last = group * rows, (group + 1) * rows
-        joint = []
-        for index, (text_part, image_part) in enumerate(zip(text, image)):
-            text_part, image_part = text_part[first:last, :length], image_part[first:last]
-            if index < 2 and image_rotary_emb is not None:
-                # RoPE on each group's slice, as it joins the concatenation, not on the whole batch
-                # before: compiled, it then fuses into the copy that builds the joint tensor, and the
-                # norm before it stays a one-pass kernel (RoPE's interleaved reads fused into the norm
-                # made inductor loop its reduction: 26 us per image query or key at 512², run 35).
-                text_part = rotate_pairs(text_part, text_freqs[:length])
-                image_part = rotate_pairs(image_part, image_freqs)
-            joint.append(torch.cat([text_part, image_part], dim=1))  # joint order as in diffusers: text, image
-        query, key, value = joint
+        if joints is not None:  # the fused prologue's buffers: this group's valid text, then the image
+            query, key, value = (tensor[first:last, text_tokens - length :] for tensor in joints)
+        else:
+            query, key, value = _compiled_joint(image, text, freqs, first, last, length)
         out = attend(
             attn,
             query,
@@ -276,6 +337,30 @@ def qwen_joint_attention_per_group(
         image_output = attn.to_out[1](image_output)  # dropout
     text_output = attn.to_add_out(torch.cat(text_outputs))
     return image_output, text_output
+
+
+def _compiled_joint(
+    image: list[torch.Tensor],
+    text: list[torch.Tensor],
+    freqs: tuple[torch.Tensor, torch.Tensor] | None,
+    first: int,
+    last: int,
+    length: int,
+) -> list[torch.Tensor]:
+    """The joint query, key and value of rows ``[first, last)`` with ``length`` valid text tokens, from
+    the normed projections, in PyTorch operations (for inductor to compile)."""
+    joint = []
+    for index, (text_part, image_part) in enumerate(zip(text, image)):
+        text_part, image_part = text_part[first:last, :length], image_part[first:last]
+        if index < 2 and freqs is not None:
+            # RoPE on each group's slice, as it joins the concatenation, not on the whole batch
+            # before: compiled, it then fuses into the copy that builds the joint tensor, and the
+            # norm before it stays a one-pass kernel (RoPE's interleaved reads fused into the norm
+            # made inductor loop its reduction: 26 us per image query or key at 512², run 35).
+            text_part = rotate_pairs(text_part, freqs[1][:length])
+            image_part = rotate_pairs(image_part, freqs[0])
+        joint.append(torch.cat([text_part, image_part], dim=1))  # joint order as in diffusers: text, image
+    return joint
 
 
 def _qwen_call_with_text_lengths(call: Callable[..., Any]) -> Callable[..., Any]:
@@ -344,6 +429,20 @@ def _complex_rotation(x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
     return torch.view_as_real(pairs * freqs_cis.unsqueeze(2)).flatten(3).type_as(x)
 
 
+def _fused_norm_rope(
+    attn: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, freqs_cis: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Z-Image's query and key normed and rotated by ``qk_prologue.norm_rope`` (one launch); None where
+    the kernel does not take them."""
+    norms = _norm_weights((attn.norm_q, attn.norm_k))
+    if freqs_cis is not None and freqs_cis.dtype != torch.complex64:
+        return None
+    freqs = None if freqs_cis is None else torch.view_as_real(freqs_cis)
+    if norms is None or qk_prologue.unsupported_norm_rope(query, key, norms[0], freqs) is not None:
+        return None
+    return qk_prologue.norm_rope(query, key, norms[0], norms[1], freqs)
+
+
 def _zimage_attention_call(dispatch: Callable[..., torch.Tensor], default: str) -> Callable[..., torch.Tensor]:
     """A ``__call__`` for Z-Image's ``ZSingleStreamAttnProcessor``: diffusers' computation, with the RoPE
     of :func:`_rotate_complex`; masked attention through ``dispatch``, unmasked through :func:`attend`
@@ -360,12 +459,16 @@ def _zimage_attention_call(dispatch: Callable[..., torch.Tensor], default: str) 
         query, key, value = (
             linear(hidden_states).unflatten(-1, (attn.heads, -1)) for linear in (attn.to_q, attn.to_k, attn.to_v)
         )
-        if attn.norm_q is not None:
-            query = attn.norm_q(query)
-        if attn.norm_k is not None:
-            key = attn.norm_k(key)
-        if freqs_cis is not None:
-            query, key = _rotate_complex(query, freqs_cis), _rotate_complex(key, freqs_cis)
+        fused = _fused_norm_rope(attn, query, key, freqs_cis) if _fused_prologue(attn) else None
+        if fused is not None:
+            query, key = fused
+        else:
+            if attn.norm_q is not None:
+                query = attn.norm_q(query)
+            if attn.norm_k is not None:
+                key = attn.norm_k(key)
+            if freqs_cis is not None:
+                query, key = _rotate_complex(query, freqs_cis), _rotate_complex(key, freqs_cis)
         if attention_mask is not None and attention_mask.ndim == 2:
             attention_mask = attention_mask[:, None, None, :]  # [B, S] -> broadcast over heads and queries
         options = {"backend": self._attention_backend, "parallel_config": self._parallel_config}

@@ -10,8 +10,17 @@
 * ``qwen-block`` / ``z-block``: one block compiled as fast mode compiles it, with fast mode's processor
   patches, for each attention kernel of ``patches.attention.KERNELS`` (and, for Qwen-Image, GELU in the
   matrix product's epilogue): time per block and the kernel table by kind.
+* ``prologue``: attention's prologue alone (query and key RMS norms, RoPE, the joint text-and-image
+  query, key and value), compiled by inductor as fast mode's processors write it against our fused
+  Triton kernel (``kernels.qk_prologue``), at Qwen-Image 1024² in the CFG batch (2 rows, 205 text tokens
+  of which 160 and 205 valid, 4096 image tokens) and Z-Image 1024² (query and key only, 4160 tokens),
+  replayed from a CUDA graph: µs, GB/s (bytes read and written once), difference between the two; then
+  each launch configuration of the kernel.
+* ``prologue-blocks``: one Qwen-Image block (1024² CFG, GELU epilogue, as fast mode runs it now) and one
+  Z-Image block (cuDNN on the tensors as they are) with the switch ``patches.attention.QK_PROLOGUE_ATTRIBUTE``
+  "compiled" against "fused": time per block replayed from a graph, the kernel table by kind.
 
-    python -m bench.probes.probe_attention_kernels [--sections kernels,qwen-block,z-block]
+    python -m bench.probes.probe_attention_kernels [--sections kernels,qwen-block,z-block,prologue,prologue-blocks]
 """
 
 from __future__ import annotations
@@ -29,6 +38,7 @@ import torch.nn.functional as F
 from bcg_diffusion.core.hooks import MethodPatches
 from bcg_diffusion.features import compiled_blocks as fast
 from bcg_diffusion.kernels import attention as kernels
+from bcg_diffusion.kernels import qk_prologue
 from bcg_diffusion.patches import attention
 from bcg_diffusion.patches.gelu import gelu_in_epilogue
 from bench.probes.probe_fast_floor import graph_replay_ms, kernel_table, random_block, section
@@ -135,13 +145,13 @@ def attention_kernels() -> None:
                 kernels._CONFIGS[kind] = saved
 
 
-def time_block(
-    base: torch.nn.Module, inputs: dict[str, tuple], patches_: tuple, variants: list[tuple[str, str, bool]]
-) -> None:
-    """For each (label, attention kernel, GELU in the epilogue): compile a copy of ``base`` as fast mode
-    does, time it per size, print its error against the first variant and the kernel table of the first size."""
+def time_block(base: torch.nn.Module, inputs: dict[str, tuple], patches_: tuple, variants: list[tuple]) -> None:
+    """For each (label, attention kernel, GELU in the epilogue[, attention prologue]): compile a copy of
+    ``base`` as fast mode does, time it per size, print its error against the first variant and the
+    kernel table of the first size. The prologue ("compiled" or "fused"), where given, is set on every
+    attention module (``patches.attention.QK_PROLOGUE_ATTRIBUTE``)."""
     references: dict[str, torch.Tensor] = {}
-    for label, kernel, gelu_epilogue in variants:
+    for label, kernel, gelu_epilogue, *prologue in variants:
         holder = torch.nn.Module()
         holder.block = copy.deepcopy(base)
         holder._repeated_blocks = [type(base).__name__]
@@ -151,6 +161,8 @@ def time_block(
         for module in holder.block.modules():
             if hasattr(module, "processor"):
                 setattr(module, attention.KERNEL_ATTRIBUTE, kernel)
+                if prologue:
+                    setattr(module, attention.QK_PROLOGUE_ATTRIBUTE, prologue[0])
             if gelu_epilogue and type(module).__name__ == "GELU" and getattr(module, "approximate", "") == "tanh":
                 module.forward = gelu_in_epilogue(module)
         torch._dynamo.reset()
@@ -220,10 +232,141 @@ def z_block() -> None:
     time_block(base, inputs, (attention.ZIMAGE_ATTENTION_PATCH,), variants)
 
 
+PROLOGUE_CONFIGS = [(16, 2), (32, 4), (32, 8), (64, 4), (64, 8), (128, 8)]  # (rows of D per program, warps)
+
+
+def _prologue_report(label: str, fn: Callable[[], Any], nbytes: int, reps: int = 10) -> tuple[float, Any]:
+    ms, out = graph_replay_ms(lambda: [fn() for _ in range(reps)][-1])
+    us = ms / reps * 1e3
+    print(f"   {label:44s}: {us:8.1f} us  {nbytes / us / 1e3:7.0f} GB/s", flush=True)
+    return us, out
+
+
+def _difference(got: list[torch.Tensor], expected: list[torch.Tensor]) -> str:
+    worst = max((g.float() - e.float()).abs().max().item() for g, e in zip(got, expected))
+    relative = max(((g.float() - e.float()).norm() / e.float().norm()).item() for g, e in zip(got, expected))
+    moved = sum((g != e).sum().item() for g, e in zip(got, expected)) / sum(e.numel() for e in expected)
+    return f"max abs difference {worst:.4g}, relative {relative:.2e}, elements that differ {moved:.2%}"
+
+
+def prologue() -> None:
+    """Attention's prologue alone: inductor's code for fast mode's processors against the fused kernel."""
+    from diffusers.models.normalization import RMSNorm
+
+    torch.manual_seed(0)
+    head_dim = 128
+    norms = [random_block(RMSNorm(head_dim, eps=1e-6)).cuda() for _ in range(4)]
+    weights, eps = [n.weight for n in norms], [n.eps for n in norms]
+
+    # Qwen-Image 1024², CFG batch: what qwen_joint_attention_per_group computes before attention.
+    batch, text_tokens, image_tokens, heads, lengths = 2, 205, 4096, QWEN_HEADS, (160, 205)
+    image = [torch.randn(batch, image_tokens, heads, head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
+    text = [torch.randn(batch, text_tokens, heads, head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
+    angles = [torch.rand(n, head_dim // 2, device="cuda") * 6.28 for n in (image_tokens, text_tokens)]
+    freqs = tuple(torch.view_as_real(torch.polar(torch.ones_like(a), a)) for a in angles)
+
+    def compiled_joint() -> list[torch.Tensor]:
+        img = [norms[0](image[0]), norms[1](image[1]), image[2]]
+        txt = [norms[2](text[0]), norms[3](text[1]), text[2]]
+        rows = batch // len(lengths)
+        joints = []
+        for g, length in enumerate(lengths):
+            joints += attention._compiled_joint(img, txt, freqs, g * rows, (g + 1) * rows, length)
+        return joints
+
+    def fused_joint() -> list[torch.Tensor]:
+        joints = qk_prologue.joint_qkv(image, text, weights, eps, freqs, lengths)
+        slices = [qk_prologue.group_slices(j, lengths, text_tokens) for j in joints]
+        return [tensor for group in zip(*slices) for tensor in group]  # group by group, q, k, v
+
+    rows_moved = batch * image_tokens + sum(lengths) * (batch // len(lengths))
+    nbytes = 3 * 2 * rows_moved * heads * head_dim * 2  # q, k, v read once and written once, bf16
+    print(f"\n-- Qwen-Image 1024² CFG batch: {batch}x({text_tokens} text, valid {lengths}; {image_tokens} image)"
+          f"x{heads}x{head_dim}, {nbytes / 1e6:.0f} MB moved")  # fmt: skip
+    compiled = torch.compile(compiled_joint, fullgraph=True)
+    _, expected = _prologue_report("inductor (fast mode's compiled path)", compiled, nbytes)
+    _, got = _prologue_report(f"fused Triton kernel {qk_prologue._CONFIG}", fused_joint, nbytes)
+    print(f"   fused against inductor: {_difference(got, expected)}")
+    reference = qk_prologue.reference_joint_qkv(image, text, weights, eps, freqs, lengths)
+    reference = [
+        t for group in zip(*[qk_prologue.group_slices(j, lengths, text_tokens) for j in reference]) for t in group
+    ]
+    print(f"   fused against the eager reference: {_difference(got, reference)}")
+    print(f"   inductor against the eager reference: {_difference(expected, reference)}")
+    saved = qk_prologue._CONFIG
+    try:
+        for config in PROLOGUE_CONFIGS:
+            qk_prologue._CONFIG = config
+            _prologue_report(f"fused, config {config}", fused_joint, nbytes)
+    finally:
+        qk_prologue._CONFIG = saved
+
+    # Z-Image 1024²: the query and key normed and rotated (complex RoPE in the compiled path).
+    tokens, heads = 4160, Z_HEADS
+    query, key = (torch.randn(1, tokens, heads, head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    angles = torch.rand(1, tokens, head_dim // 2, device="cuda") * 6.28
+    freqs_cis = torch.polar(torch.ones_like(angles), angles)
+    nbytes = 2 * 2 * query.numel() * 2
+    print(f"\n-- Z-Image 1024²: query and key {tuple(query.shape)}, {nbytes / 1e6:.0f} MB moved")
+
+    def compiled_norm_rope() -> list[torch.Tensor]:
+        return [
+            attention._rotate_complex(norms[0](query), freqs_cis),
+            attention._rotate_complex(norms[1](key), freqs_cis),
+        ]
+
+    def fused_norm_rope() -> list[torch.Tensor]:
+        return list(qk_prologue.norm_rope(query, key, weights[:2], eps[:2], torch.view_as_real(freqs_cis)))
+
+    torch._dynamo.reset()
+    _, expected = _prologue_report("inductor (fast mode's compiled path)", torch.compile(compiled_norm_rope), nbytes)
+    _, got = _prologue_report(f"fused Triton kernel {qk_prologue._CONFIG}", fused_norm_rope, nbytes)
+    print(f"   fused against inductor: {_difference(got, expected)}")
+    try:
+        for config in PROLOGUE_CONFIGS:
+            qk_prologue._CONFIG = config
+            _prologue_report(f"fused, config {config}", fused_norm_rope, nbytes)
+    finally:
+        qk_prologue._CONFIG = saved
+
+
+def prologue_blocks() -> None:
+    """One Qwen-Image and one Z-Image block as fast mode runs them, attention's prologue compiled or fused."""
+    from diffusers.models.transformers.transformer_qwenimage import QwenImageTransformerBlock
+    from diffusers.models.transformers.transformer_z_image import ZImageTransformerBlock
+
+    from bcg_diffusion.patches.rope import QWEN_REAL_ROPE_PATCH
+
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        base = random_block(QwenImageTransformerBlock(QWEN_DIM, QWEN_HEADS, QWEN_DIM // QWEN_HEADS))
+    inputs = {"1024² CFG": (*qwen_block_inputs(4096, 64, batch=2), {attention.TEXT_LENGTHS_KWARG: (64, 40)})}
+    variants = [(f"qwen, prologue {p}", "dispatch", True, p) for p in attention.QK_PROLOGUES]
+    time_block(base, inputs, (QWEN_REAL_ROPE_PATCH, attention.QWEN_ATTENTION_PATCH), variants)
+    del base
+    torch.cuda.empty_cache()
+
+    with torch.device("cuda"):
+        base = random_block(ZImageTransformerBlock(0, Z_DIM, Z_HEADS, Z_HEADS, 1e-5, qk_norm=True, modulation=True))
+    inputs = {}
+    for size, tokens in {"1024²": 4160, "512²": 1088}.items():
+        angles = torch.rand(1, tokens, Z_DIM // Z_HEADS // 2, device="cuda") * 6.28
+        inputs[size] = (
+            torch.randn(1, tokens, Z_DIM, device="cuda", dtype=torch.bfloat16),
+            None,
+            torch.polar(torch.ones_like(angles), angles),
+            torch.randn(1, 256, device="cuda", dtype=torch.bfloat16),
+        )
+    variants = [(f"z, prologue {p}", "cudnn", False, p) for p in attention.QK_PROLOGUES]
+    time_block(base, inputs, (attention.ZIMAGE_ATTENTION_PATCH,), variants)
+
+
 SECTIONS = {
     "kernels": ("attention kernels", attention_kernels),
     "qwen-block": ("Qwen-Image block at 1024² CFG, per attention kernel", qwen_block),
     "z-block": ("Z-Image block, per attention kernel", z_block),
+    "prologue": ("attention's prologue alone: inductor against the fused kernel", prologue),
+    "prologue-blocks": ("one block per model, attention's prologue compiled against fused", prologue_blocks),
 }
 
 if __name__ == "__main__":

@@ -1,0 +1,107 @@
+"""The Triton kernel behind :mod:`bcg_diffusion.kernels.qk_prologue` (imported on its first call: importing
+Triton costs about a second and needs a CUDA build of PyTorch, or ``TRITON_INTERPRET=1`` on a CPU).
+
+One program takes ``BLOCK_R`` rows of ``HEAD_DIM`` (a row: one token of one head, rows ordered token-major
+as ``[S, H]`` is in memory) of one batch row of one stream, and for those rows: the query and the key
+RMS-normed and rotated, the value copied, each stored at its place in the joint tensors. Programs
+``[0, txt_tiles)`` of the first grid axis take the text stream, the rest the image stream; the second
+axis is the batch row. Everything is memory-bound: a row is read once and written once, the norm's
+reduction stays in registers, the rotation's cosines and sines (one per token) are loaded once per tile
+and serve the query and the key.
+
+Requires the real view of the frequencies to be contiguous over its last two dimensions (``D/2`` pairs
+of floats; :func:`torch.view_as_real` of a complex tensor contiguous in its last dimension is).
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _norm_rope(x, w, eps, cos, sin, OUT_TY: tl.constexpr, BLOCK_R: tl.constexpr, HEAD_DIM: tl.constexpr,
+               NORM: tl.constexpr, ROPE: tl.constexpr):  # fmt: skip
+    """Rows ``x`` (float32 ``[BLOCK_R, HEAD_DIM]``) RMS-normed as diffusers' ``RMSNorm`` rounds (normalized
+    in float32, cast to the weight's dtype, times the weight), then rotated pairwise in float32 (what
+    ``patches.rope.rotate_pairs`` computes). Returns float32 rows holding values of ``OUT_TY``."""
+    if NORM:
+        mean_square = tl.sum(x * x, axis=1) / HEAD_DIM
+        x = (x * tl.rsqrt(mean_square + eps)[:, None]).to(OUT_TY).to(tl.float32)
+        x = (x * w[None, :]).to(OUT_TY).to(tl.float32)
+    if ROPE:
+        real, imag = tl.split(tl.reshape(x, [BLOCK_R, HEAD_DIM // 2, 2]))
+        x = tl.reshape(tl.join(real * cos - imag * sin, real * sin + imag * cos), [BLOCK_R, HEAD_DIM])
+    return x
+
+
+@triton.jit
+def _tile(Q, K, V, WQ, WK, F, OQ, OK, OV,
+          sq_b, sq_s, sq_h, sk_b, sk_s, sk_h, sv_b, sv_s, sv_h, sf_b, sf_s, so_b, so_s, so_h,
+          eps_q, eps_k, batch, tile, heads, tokens, valid_tokens, shift,
+          HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr, HAS_V: tl.constexpr, NORM: tl.constexpr,
+          ROPE: tl.constexpr):  # fmt: skip
+    """One tile of one stream: rows of tokens ``< valid_tokens``, token ``t`` stored at ``shift + t``."""
+    r = tile * BLOCK_R + tl.arange(0, BLOCK_R)
+    token = r // heads
+    head = r % heads
+    valid = (r < tokens * heads) & (token < valid_tokens)
+    d = tl.arange(0, HEAD_DIM)
+    mask = valid[:, None]
+    b = batch.to(tl.int64)
+    token64 = token.to(tl.int64)
+    out_rows = b * so_b + (shift + token64) * so_s + head * so_h
+    out_ty = OQ.dtype.element_ty
+    cos = 0.0
+    sin = 0.0
+    w_q = 0.0
+    w_k = 0.0
+    if ROPE:  # a token's frequencies: D/2 (cosine, sine) pairs, read as D contiguous floats
+        f = tl.load(F + (b * sf_b + token64 * sf_s)[:, None] + d[None, :], mask=mask, other=0.0)
+        cos, sin = tl.split(tl.reshape(f, [BLOCK_R, HEAD_DIM // 2, 2]))
+    if NORM:
+        w_q = tl.load(WQ + d).to(tl.float32)
+        w_k = tl.load(WK + d).to(tl.float32)
+    q = tl.load(Q + (b * sq_b + token64 * sq_s + head * sq_h)[:, None] + d[None, :], mask=mask, other=0.0)
+    q = _norm_rope(q.to(tl.float32), w_q, eps_q, cos, sin, out_ty, BLOCK_R, HEAD_DIM, NORM, ROPE)
+    tl.store(OQ + out_rows[:, None] + d[None, :], q.to(out_ty), mask=mask)
+    k = tl.load(K + (b * sk_b + token64 * sk_s + head * sk_h)[:, None] + d[None, :], mask=mask, other=0.0)
+    k = _norm_rope(k.to(tl.float32), w_k, eps_k, cos, sin, out_ty, BLOCK_R, HEAD_DIM, NORM, ROPE)
+    tl.store(OK + out_rows[:, None] + d[None, :], k.to(out_ty), mask=mask)
+    if HAS_V:
+        v = tl.load(V + (b * sv_b + token64 * sv_s + head * sv_h)[:, None] + d[None, :], mask=mask, other=0.0)
+        tl.store(OV + out_rows[:, None] + d[None, :], v, mask=mask)
+
+
+@triton.jit(do_not_specialize=["len0", "len1", "len2", "len3", "txt_tiles", "rows_per_group"])
+def qk_prologue(
+    QI, KI, VI, WQI, WKI, FI,
+    sqi_b, sqi_s, sqi_h, ski_b, ski_s, ski_h, svi_b, svi_s, svi_h, sfi_b, sfi_s, eps_qi, eps_ki,
+    QT, KT, VT, WQT, WKT, FT,
+    sqt_b, sqt_s, sqt_h, skt_b, skt_s, skt_h, svt_b, svt_s, svt_h, sft_b, sft_s, eps_qt, eps_kt,
+    OQ, OK, OV, so_b, so_s, so_h,
+    heads, seq_img, seq_txt, txt_tiles, rows_per_group, len0, len1, len2, len3,
+    HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr, HAS_V: tl.constexpr, NORM: tl.constexpr,
+    ROPE: tl.constexpr,
+):  # fmt: skip
+    """Grid ``(txt_tiles + cdiv(seq_img * heads, BLOCK_R), batch)``. Batch row ``b`` belongs to group
+    ``b // rows_per_group`` (at most four), whose valid text is ``len<group>`` tokens: its text token ``t``
+    lands at ``seq_txt - len + t``, image token ``i`` at ``seq_txt + i``."""
+    pid = tl.program_id(0)
+    batch = tl.program_id(1)
+    if pid < txt_tiles:  # without a text stream, txt_tiles is 0
+        group = batch // rows_per_group
+        length = len3
+        if group == 0:
+            length = len0
+        elif group == 1:
+            length = len1
+        elif group == 2:
+            length = len2
+        _tile(QT, KT, VT, WQT, WKT, FT, OQ, OK, OV,
+              sqt_b, sqt_s, sqt_h, skt_b, skt_s, skt_h, svt_b, svt_s, svt_h, sft_b, sft_s, so_b, so_s, so_h,
+              eps_qt, eps_kt, batch, pid, heads, seq_txt, length, seq_txt - length,
+              HEAD_DIM, BLOCK_R, HAS_V, NORM, ROPE)  # fmt: skip
+    else:
+        _tile(QI, KI, VI, WQI, WKI, FI, OQ, OK, OV,
+              sqi_b, sqi_s, sqi_h, ski_b, ski_s, ski_h, svi_b, svi_s, svi_h, sfi_b, sfi_s, so_b, so_s, so_h,
+              eps_qi, eps_ki, batch, pid - txt_tiles, heads, seq_img, seq_img, seq_txt,
+              HEAD_DIM, BLOCK_R, HAS_V, NORM, ROPE)  # fmt: skip

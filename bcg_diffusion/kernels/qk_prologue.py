@@ -1,0 +1,418 @@
+"""Attention's prologue in one pass: the query and key RMS norms, RoPE, and the joint text-and-image layout.
+
+Before attention, Qwen-Image's processor RMS-norms the query and key of its two streams over the head
+size, rotates them (RoPE), and concatenates text and image (text first) into the joint query, key and
+value; Z-Image's norms and rotates its query and key. Compiled, inductor spends several kernels on it
+(0.21 ms per Qwen-Image block at 1024² with CFG for the query and key, 0.13–0.15 ms for the value's
+joint tensor and the output's slicing, H200), against a data floor of about 0.06 ms for the query and
+key: read each once, write each once. This kernel does exactly that, in one launch per attention call:
+
+* :func:`joint_qkv` (Qwen-Image): from the six projections ``[B, S, H, D]`` (any strides with ``D``
+  contiguous, as the linear outputs are viewed) to the joint query, key and value. The batch may hold
+  up to :data:`MAX_GROUPS` equal groups of rows, each with its own number of valid text tokens (fast
+  mode's CFG batch: cond rows, then uncond); each group's joint tensor is a slice of one buffer
+  ``[B, S_text + S_image, H, D]``, its valid text placed right before the image
+  (:func:`group_slices`), so no copy is left between this kernel and attention.
+* :func:`norm_rope` (Z-Image): query and key normed and rotated, one ``[B, S, H, D]`` each.
+
+Arithmetic, per row of ``D``: diffusers' ``RMSNorm`` as it rounds (mean of squares and normalization in
+float32, cast to the weight's dtype, times the weight, rounded), then the pairwise rotation of
+:func:`bcg_diffusion.patches.rope.rotate_pairs` in float32 on the real view ``[..., S, D/2, 2]`` of the
+complex frequencies, rounded to the inputs' dtype. The plain-PyTorch reference (:func:`reference_joint_qkv`,
+:func:`reference_norm_rope`) computes the same with PyTorch's operators; it runs where the kernel cannot
+(CPU, no Triton), and the tests hold the kernel to it (Triton's interpreter on a CPU, the GPU).
+
+Both are PyTorch custom operators (``bcg_diffusion::joint_qkv``, ``bcg_diffusion::norm_rope``), so a
+compiled block calls them without a graph break. The launch configuration is fixed (no autotuning: a
+timing-based choice could change bytes between processes). Needs Triton and a CUDA GPU
+(:func:`unavailable`); :func:`unsupported_joint` and :func:`unsupported_norm_rope` say which tensors the
+kernel refuses (only tensor properties, decided when a compiled block is traced).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+
+import torch
+
+__all__ = [
+    "MAX_GROUPS",
+    "group_slices",
+    "joint_qkv",
+    "norm_rope",
+    "reference_joint_qkv",
+    "reference_norm_rope",
+    "rms_norm",
+    "unavailable",
+    "unsupported_joint",
+    "unsupported_norm_rope",
+]
+
+MAX_GROUPS = 4  # groups of rows with their own text length, as the kernel takes them (scalars)
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# (rows of D per program, warps): not yet measured; bench.probes.probe_attention_kernels --sections prologue
+# times the alternatives.
+_CONFIG = (32, 4)
+
+
+def unavailable(device: torch.device) -> str | None:
+    """Why the Triton kernel cannot run on ``device`` (None: it can): it needs Triton and a CUDA GPU.
+    Elsewhere the operators compute the plain-PyTorch reference."""
+    from . import triton_available
+
+    if device.type != "cuda":
+        return f"the model is on {device.type}, not a CUDA GPU"
+    if not triton_available():
+        return "Triton is not installed (it comes with PyTorch's CUDA builds)"
+    return None
+
+
+def _rows_unsupported(tensors: Sequence[torch.Tensor], like: torch.Tensor) -> str | None:
+    for t in tensors:
+        if t.dim() != 4:
+            return "the tensors are not [batch, tokens, heads, dim]"
+        if t.dtype != like.dtype or t.device != like.device:
+            return "the tensors differ in dtype or device"
+        if t.shape[0] != like.shape[0] or t.shape[2:] != like.shape[2:]:
+            return "the tensors differ in batch, heads or head size"
+        if t.stride(-1) != 1:
+            return "the last dimension is not contiguous"
+    if like.dtype not in _DTYPES:
+        return f"dtype {like.dtype} (needs one of {_DTYPES})"
+    head_dim = like.shape[-1]
+    if head_dim < 2 or head_dim & (head_dim - 1):
+        return f"head size {head_dim} (needs a power of two)"
+    return None
+
+
+def _weights_unsupported(weights: Sequence[torch.Tensor | None], like: torch.Tensor) -> str | None:
+    if all(w is None for w in weights):
+        return None
+    if any(w is None for w in weights):
+        return "some of the query and key norms are missing, not all"
+    for w in weights:
+        if w.shape != like.shape[-1:] or w.dtype != like.dtype or w.device != like.device:
+            return "a norm's weight is not [head size] in the tensors' dtype and device"
+    return None
+
+
+def _freqs_unsupported(
+    freqs: torch.Tensor | None, like: torch.Tensor, tokens: int, dims: tuple[int, ...]
+) -> str | None:
+    if freqs is None:
+        return None
+    if freqs.dtype != torch.float32 or freqs.device != like.device or freqs.dim() not in dims:
+        return "the RoPE frequencies are not the float32 real view of complex64 frequencies on the tensors' device"
+    if freqs.shape[-2:] != (like.shape[-1] // 2, 2):
+        return "the RoPE frequencies do not fit the head size"
+    if freqs.stride(-1) != 1 or (freqs.shape[-2] > 1 and freqs.stride(-2) != 2):
+        return "a token's RoPE frequencies are not contiguous"
+    # Token counts are compared eagerly only: compiled, they are symbolic (fast mode reuses its blocks
+    # across prompt lengths) and a comparison would guard on them.
+    if not torch.compiler.is_compiling() and freqs.shape[-3] < tokens:
+        return "fewer RoPE frequencies than tokens"
+    if freqs.dim() == 4 and freqs.shape[0] not in (1, like.shape[0]):
+        return "the RoPE frequencies' batch is neither 1 nor the tensors'"
+    return None
+
+
+def unsupported_joint(
+    image: Sequence[torch.Tensor],
+    text: Sequence[torch.Tensor],
+    weights: Sequence[torch.Tensor | None],
+    freqs: tuple[torch.Tensor | None, torch.Tensor | None],
+    text_lengths: Sequence[int],
+) -> str | None:
+    """Why :func:`joint_qkv` refuses these arguments (None: it takes them). Only tensor properties and
+    the number of groups, so that a compiled block decides it when it is traced (token counts are
+    compared only outside compiled code)."""
+    reason = _rows_unsupported((*image, *text), image[0])
+    reason = reason or _weights_unsupported(weights, image[0])
+    reason = reason or _freqs_unsupported(freqs[0], image[0], image[0].shape[1], (3,))
+    reason = reason or _freqs_unsupported(freqs[1], image[0], text[0].shape[1], (3,))
+    if reason is None and (freqs[0] is None) != (freqs[1] is None):
+        reason = "RoPE frequencies for one stream only"
+    if reason is None and not 0 < len(text_lengths) <= MAX_GROUPS:
+        reason = f"{len(text_lengths)} groups of rows (the kernel takes 1 to {MAX_GROUPS})"
+    if reason is None and image[0].shape[0] % len(text_lengths):
+        reason = f"{len(text_lengths)} groups cannot split a batch of {image[0].shape[0]} rows"
+    return reason
+
+
+def unsupported_norm_rope(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    weights: Sequence[torch.Tensor | None],
+    freqs: torch.Tensor | None,
+) -> str | None:
+    """Why :func:`norm_rope` refuses these arguments (None: it takes them). Only tensor properties."""
+    reason = _rows_unsupported((query, key), query)
+    if reason is None and query.shape[1] != key.shape[1]:
+        reason = "query and key differ in tokens"
+    reason = reason or _weights_unsupported(weights, query)
+    return reason or _freqs_unsupported(freqs, query, query.shape[1], (3, 4))
+
+
+def joint_qkv(
+    image: Sequence[torch.Tensor],
+    text: Sequence[torch.Tensor],
+    weights: Sequence[torch.Tensor | None],
+    eps: Sequence[float],
+    freqs: tuple[torch.Tensor | None, torch.Tensor | None],
+    text_lengths: Sequence[int],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The joint query, key and value of a two-stream attention, in one pass.
+
+    ``image`` and ``text``: ``(query, key, value)`` each ``[B, S, H, D]`` (the same ``B``, ``H``, ``D``,
+    dtype and device; any strides with ``D`` contiguous). ``weights``: the RMS norms' weights ``[D]`` of
+    the image query, image key, text query and text key (all four None: no norm), ``eps`` theirs.
+    ``freqs``: (image, text) real views ``[S, D/2, 2]`` (float32) of the complex RoPE frequencies, or
+    ``(None, None)``: no RoPE. ``text_lengths``: valid text tokens of each of the equal groups of
+    consecutive rows (``[0, length)``; one group: ``(S_text,)``).
+
+    Returns query, key and value ``[B, S_text + S_image, H, D]``, contiguous, in the inputs' dtype: the
+    query and key normed and rotated, the value as it was; row ``b`` of group ``g`` holds its valid text
+    at ``[S_text - text_lengths[g], S_text)``, its image at ``[S_text, S_text + S_image)`` and is not
+    written before (see :func:`group_slices`). Raises ValueError on what :func:`unsupported_joint` names.
+    """
+    reason = unsupported_joint(image, text, weights, freqs, text_lengths)
+    if reason is not None:
+        raise ValueError(f"bcg_diffusion's attention prologue cannot take these tensors: {reason}")
+    normed = [w for w in weights if w is not None]
+    return tuple(
+        torch.ops.bcg_diffusion.joint_qkv(*image, *text, normed, [float(e) for e in eps], *freqs, list(text_lengths))
+    )
+
+
+def group_slices(joint: torch.Tensor, text_lengths: Sequence[int], text_tokens: int) -> list[torch.Tensor]:
+    """Each group's joint tensor ``[B / groups, text_lengths[g] + S_image, H, D]`` in one of
+    :func:`joint_qkv`'s outputs (views: no copy). ``text_tokens``: ``S_text``."""
+    rows = joint.shape[0] // len(text_lengths)
+    return [joint[g * rows : (g + 1) * rows, text_tokens - length :] for g, length in enumerate(text_lengths)]
+
+
+def norm_rope(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    weights: Sequence[torch.Tensor | None],
+    eps: Sequence[float],
+    freqs: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Query and key ``[B, S, H, D]`` RMS-normed (``weights``: query's and key's, both None: no norm)
+    and rotated by ``freqs``, the real view ``[B or 1, S, D/2, 2]`` or ``[S, D/2, 2]`` (float32) of the
+    complex frequencies (None: no RoPE). Returns two new contiguous ``[B, S, H, D]`` in the inputs'
+    dtype. Raises ValueError on what :func:`unsupported_norm_rope` names."""
+    reason = unsupported_norm_rope(query, key, weights, freqs)
+    if reason is not None:
+        raise ValueError(f"bcg_diffusion's attention prologue cannot take these tensors: {reason}")
+    normed = [w for w in weights if w is not None]
+    return tuple(torch.ops.bcg_diffusion.norm_rope(query, key, normed, [float(e) for e in eps], freqs))
+
+
+# -- the plain-PyTorch reference ------------------------------------------------------------------------
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """Diffusers' ``RMSNorm.forward`` (not on NPUs, no bias) over the last dimension, its dtypes as it
+    rounds them: the normalization in float32, cast to the weight's dtype when that is half precision,
+    times the weight; without a weight, back to ``x``'s dtype."""
+    variance = x.to(torch.float32).pow(2).mean(-1, keepdim=True)
+    hidden = x * torch.rsqrt(variance + eps)
+    if weight is None:
+        return hidden.to(x.dtype)
+    if weight.dtype in (torch.float16, torch.bfloat16):
+        hidden = hidden.to(weight.dtype)
+    return hidden * weight
+
+
+def rotate(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+    """``x`` ``[B, S, H, D]`` rotated pairwise by ``freqs`` (``[S, D/2, 2]`` or ``[B or 1, S, D/2, 2]``:
+    cosine, sine), in float32, back in ``x``'s dtype: :func:`bcg_diffusion.patches.rope.rotate_pairs`'s
+    arithmetic, operation for operation."""
+    pairs = x.float().unflatten(-1, (-1, 2))
+    real, imag = pairs[..., 0], pairs[..., 1]
+    freqs = freqs.unsqueeze(-3)  # [..., S, 1, D/2, 2], broadcast over heads
+    cos, sin = freqs[..., 0], freqs[..., 1]
+    rotated = torch.stack((real * cos - imag * sin, real * sin + imag * cos), dim=-1)
+    return rotated.flatten(3).type_as(x)
+
+
+def _norm_rope_reference(
+    x: torch.Tensor, weight: torch.Tensor | None, eps: float, normed: bool, freqs: torch.Tensor | None
+) -> torch.Tensor:
+    if normed:
+        x = rms_norm(x, weight, eps)
+    return x if freqs is None else rotate(x, freqs[..., : x.shape[1], :, :])
+
+
+def reference_joint_qkv(
+    image: Sequence[torch.Tensor],
+    text: Sequence[torch.Tensor],
+    weights: Sequence[torch.Tensor | None],
+    eps: Sequence[float],
+    freqs: tuple[torch.Tensor | None, torch.Tensor | None],
+    text_lengths: Sequence[int],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`joint_qkv` in plain PyTorch (the same contract; rows before a group's valid text are
+    zeros here)."""
+    normed = any(w is not None for w in weights)
+    batch, text_tokens = image[0].shape[0], text[0].shape[1]
+    rows = batch // len(text_lengths)
+    outputs = []
+    for index in range(3):
+        image_part, text_part = image[index], text[index][:, : max(text_lengths)]
+        if index < 2:
+            image_part = _norm_rope_reference(image_part, weights[index], eps[index], normed, freqs[0])
+            text_part = _norm_rope_reference(text_part, weights[2 + index], eps[2 + index], normed, freqs[1])
+        shape = (batch, text_tokens + image_part.shape[1], *image_part.shape[2:])
+        joint = image_part.new_zeros(shape)
+        joint[:, text_tokens:] = image_part
+        for g, length in enumerate(text_lengths):
+            joint[g * rows : (g + 1) * rows, text_tokens - length : text_tokens] = text_part[
+                g * rows : (g + 1) * rows, :length
+            ]
+        outputs.append(joint)
+    return outputs[0], outputs[1], outputs[2]
+
+
+def reference_norm_rope(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    weights: Sequence[torch.Tensor | None],
+    eps: Sequence[float],
+    freqs: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`norm_rope` in plain PyTorch."""
+    normed = any(w is not None for w in weights)
+    outputs = []
+    for index, x in enumerate((query, key)):
+        out = _norm_rope_reference(x, weights[index], eps[index], normed, freqs)
+        outputs.append(out.contiguous() if out is not x else x.clone(memory_format=torch.contiguous_format))
+    return outputs[0], outputs[1]
+
+
+# -- the kernel's launch and the operators ----------------------------------------------------------------
+
+
+def _freq_strides(freqs: torch.Tensor | None, batch: int) -> tuple[int, int]:
+    """(batch stride, token stride) of frequencies ``[S, D/2, 2]`` or ``[B or 1, S, D/2, 2]``."""
+    if freqs is None:
+        return 0, 0
+    if freqs.dim() == 3:
+        return 0, freqs.stride(0)
+    return (freqs.stride(0) if freqs.shape[0] == batch and batch > 1 else 0), freqs.stride(1)
+
+
+def _launch(
+    image: Sequence[torch.Tensor | None],
+    text: Sequence[torch.Tensor] | None,
+    weights: Sequence[torch.Tensor],
+    eps: Sequence[float],
+    freqs: tuple[torch.Tensor | None, torch.Tensor | None],
+    text_lengths: Sequence[int],
+    outputs: Sequence[torch.Tensor | None],
+    config: tuple[int, int] | None = None,
+) -> None:
+    """Run the kernel: ``image`` (query, key, value or None), ``text`` likewise or None (no text stream);
+    ``weights`` four (image q, k, text q, k) or two (no text) or none; ``outputs`` (query, key, value or
+    None) ``[B, S_text + S_image, H, D]`` with equal strides. On CPU tensors it runs only in Triton's
+    interpreter (``TRITON_INTERPRET=1``)."""
+    import triton
+
+    from . import _qk_prologue_triton as kernels
+
+    block_r, warps = config or _CONFIG
+    q_img, k_img, v_img = image
+    batch, seq_img, heads, head_dim = q_img.shape
+    has_v = v_img is not None
+    v_img = v_img if has_v else q_img
+    if text is None:
+        q_txt, k_txt, v_txt = q_img, k_img, v_img
+        seq_txt, text_lengths = 0, [0]
+        weights = list(weights) * 2
+        eps = list(eps) * 2
+    else:
+        q_txt, k_txt, v_txt = text
+        seq_txt = q_txt.shape[1]
+    normed = len(weights) > 0
+    w = list(weights) if normed else [q_img] * 4  # unread without a norm: any pointer
+    e = [float(x) for x in eps] if normed else [0.0] * 4
+    rope = freqs[0] is not None
+    f_img, f_txt = (freqs[0], freqs[1] if freqs[1] is not None else freqs[0]) if rope else (q_img, q_img)
+    lengths = [*text_lengths, *[0] * (MAX_GROUPS - len(text_lengths))]
+    rows_per_group = batch // len(text_lengths)
+    out_q, out_k, out_v = outputs
+    out_v = out_v if has_v else out_q
+
+    def strides(t: torch.Tensor) -> tuple[int, int, int]:
+        return t.stride(0), t.stride(1), t.stride(2)
+
+    txt_tiles = triton.cdiv(seq_txt * heads, block_r)
+    grid = (txt_tiles + triton.cdiv(seq_img * heads, block_r), batch)
+    device = torch.cuda.device(q_img.device) if q_img.is_cuda else contextlib.nullcontext()  # CPU: interpreter
+    with device:
+        kernels.qk_prologue[grid](
+            q_img, k_img, v_img, w[0], w[1], f_img,
+            *strides(q_img), *strides(k_img), *strides(v_img), *_freq_strides(freqs[0], batch), e[0], e[1],
+            q_txt, k_txt, v_txt, w[2], w[3], f_txt,
+            *strides(q_txt), *strides(k_txt), *strides(v_txt), *_freq_strides(freqs[1], batch), e[2], e[3],
+            out_q, out_k, out_v, *strides(out_q),
+            heads, seq_img, seq_txt, txt_tiles, rows_per_group, *lengths,
+            HEAD_DIM=head_dim, BLOCK_R=block_r, HAS_V=has_v, NORM=normed, ROPE=rope, num_warps=warps,
+        )  # fmt: skip
+
+
+def _use_triton(t: torch.Tensor) -> bool:
+    return unavailable(t.device) is None
+
+
+@torch.library.custom_op("bcg_diffusion::joint_qkv", mutates_args=())
+def _joint_qkv_op(
+    q_img: torch.Tensor,
+    k_img: torch.Tensor,
+    v_img: torch.Tensor,
+    q_txt: torch.Tensor,
+    k_txt: torch.Tensor,
+    v_txt: torch.Tensor,
+    weights: list[torch.Tensor],
+    eps: list[float],
+    image_freqs: torch.Tensor | None,
+    text_freqs: torch.Tensor | None,
+    text_lengths: list[int],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    image, text, freqs = (q_img, k_img, v_img), (q_txt, k_txt, v_txt), (image_freqs, text_freqs)
+    if not _use_triton(q_img):
+        four = list(weights) if weights else [None] * 4
+        return reference_joint_qkv(image, text, four, eps or [0.0] * 4, freqs, text_lengths)
+    outputs = _joint_empty(q_img, q_txt.shape[1])
+    _launch(image, text, weights, eps, freqs, text_lengths, outputs)
+    return outputs
+
+
+def _joint_empty(q_img: torch.Tensor, text_tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    batch, seq_img, heads, head_dim = q_img.shape
+    shape = (batch, text_tokens + seq_img, heads, head_dim)
+    return tuple(q_img.new_empty(shape) for _ in range(3))
+
+
+@_joint_qkv_op.register_fake
+def _(q_img, k_img, v_img, q_txt, k_txt, v_txt, weights, eps, image_freqs, text_freqs, text_lengths):  # noqa: ANN001, ANN202
+    return _joint_empty(q_img, q_txt.shape[1])
+
+
+@torch.library.custom_op("bcg_diffusion::norm_rope", mutates_args=())
+def _norm_rope_op(
+    query: torch.Tensor, key: torch.Tensor, weights: list[torch.Tensor], eps: list[float], freqs: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if not _use_triton(query):
+        two = list(weights) if weights else [None, None]
+        return reference_norm_rope(query, key, two, eps or [0.0, 0.0], freqs)
+    out_q, out_k = (query.new_empty(query.shape) for _ in range(2))
+    _launch((query, key, None), None, weights, eps, (freqs, None), [0], (out_q, out_k, None))
+    return out_q, out_k
+
+
+@_norm_rope_op.register_fake
+def _(query, key, weights, eps, freqs):  # noqa: ANN001, ANN202
+    return tuple(query.new_empty(query.shape) for _ in range(2))

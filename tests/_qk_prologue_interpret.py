@@ -1,0 +1,101 @@
+"""The attention prologue's Triton kernel in Triton's interpreter, against its plain-PyTorch reference.
+
+Run as a script by ``test_qk_prologue.py`` in a process of its own: ``TRITON_INTERPRET=1`` must be set
+before Triton is imported, which inductor may already have done in the test process. Exits non-zero on
+the first case out of tolerance; prints one line per case. fp16 and fp32 only (the interpreter's bf16
+is not reliable on this machine).
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"
+
+import torch  # noqa: E402 - after the environment Triton reads on import
+
+from bcg_diffusion.kernels import qk_prologue  # noqa: E402
+
+# float32: the mean of squares sums in another order (a few ulps); half precision: at most one step of
+# the dtype where a float32 difference crosses a rounding boundary.
+TOLERANCE = {torch.float32: (2e-5, 2e-5), torch.float16: (2e-3, 2e-3)}
+CONFIGS = ((32, 4), (8, 1))  # the library's, and one whose tiles split tokens (3 heads) unevenly
+
+
+def strided(batch: int, tokens: int, heads: int, head_dim: int, dtype: torch.dtype, layout: str) -> list[torch.Tensor]:
+    """Query, key and value ``[B, S, H, D]`` as a linear's outputs may be viewed: slices of one wide
+    tensor (a fused QKV projection), or heads-first memory seen tokens-first."""
+    if layout == "slices":
+        wide = torch.randn(batch, tokens, heads, 3 * head_dim + 2).to(dtype)
+        return [wide[..., i * head_dim : (i + 1) * head_dim] for i in range(3)]
+    return [torch.randn(batch, heads, tokens, head_dim).to(dtype).transpose(1, 2) for _ in range(3)]
+
+
+def frequencies(*shape: int) -> torch.Tensor:
+    angles = torch.rand(*shape) * 6.28
+    return torch.view_as_real(torch.polar(torch.ones_like(angles), angles))
+
+
+def check(label: str, got: list[torch.Tensor], expected: list[torch.Tensor], dtype: torch.dtype) -> None:
+    atol, rtol = TOLERANCE[dtype]
+    worst = 0.0
+    for g, e in zip(got, expected):
+        assert g.shape == e.shape and g.dtype == e.dtype, (label, g.shape, e.shape, g.dtype)
+        torch.testing.assert_close(g, e, atol=atol, rtol=rtol, msg=lambda m: f"{label}: {m}")
+        worst = max(worst, (g.float() - e.float()).abs().max().item())
+    print(f"{label}: max abs error {worst:.3g}", flush=True)
+
+
+def joint_case(dtype: torch.dtype, lengths: tuple[int, ...], rows: int, norm: bool, rope: bool, config) -> None:
+    batch, text_tokens, image_tokens, heads, head_dim = rows * len(lengths), max(lengths) + 2, 13, 3, 16
+    image = strided(batch, image_tokens, heads, head_dim, dtype, "slices")
+    text = strided(batch, text_tokens, heads, head_dim, dtype, "heads-first")
+    weights = [torch.randn(head_dim).to(dtype) if norm else None for _ in range(4)]
+    eps = [1e-6, 1e-5, 1e-6, 1e-3]
+    freqs = (
+        (frequencies(image_tokens, head_dim // 2), frequencies(text_tokens + 3, head_dim // 2))
+        if rope
+        else (None, None)
+    )
+    expected = qk_prologue.reference_joint_qkv(image, text, weights, eps, freqs, lengths)
+    outputs = [torch.full_like(e, float("nan")) for e in expected]
+    normed = [w for w in weights if w is not None]
+    qk_prologue._launch(image, text, normed, eps, freqs, lengths, outputs, config)
+    label = f"joint {str(dtype)[6:]} lengths {lengths} rows {rows} norm {norm} rope {rope} config {config}"
+    got, want = [], []
+    for out, ref in zip(outputs, expected):
+        got += qk_prologue.group_slices(out, lengths, text_tokens)
+        want += qk_prologue.group_slices(ref, lengths, text_tokens)
+        for g, length in enumerate(lengths):  # nothing written before a group's valid text
+            assert out[g * rows : (g + 1) * rows, : text_tokens - length].isnan().all(), label
+    check(label, got, want, dtype)
+
+
+def norm_rope_case(dtype: torch.dtype, freqs_batch: int | None, config) -> None:
+    batch, tokens, heads, head_dim = 2, 11, 5, 32
+    query, key, _ = strided(batch, tokens, heads, head_dim, dtype, "slices")
+    weights = [torch.randn(head_dim).to(dtype) for _ in range(2)]
+    eps = [1e-5, 1e-6]
+    shape = (tokens, head_dim // 2) if freqs_batch is None else (freqs_batch, tokens, head_dim // 2)
+    freqs = frequencies(*shape)
+    expected = qk_prologue.reference_norm_rope(query, key, weights, eps, freqs)
+    outputs = [torch.full_like(e, float("nan")) for e in expected]
+    qk_prologue._launch((query, key, None), None, weights, eps, (freqs, None), [0], (*outputs, None), config)
+    check(f"norm_rope {str(dtype)[6:]} freqs {tuple(freqs.shape)} config {config}", outputs, list(expected), dtype)
+
+
+def main() -> None:
+    torch.manual_seed(0)
+    for dtype in (torch.float16, torch.float32):
+        for config in CONFIGS:
+            joint_case(dtype, (7, 4), 2, True, True, config)  # two groups of two rows, different lengths
+            joint_case(dtype, (5,), 1, True, True, config)  # one group, all text valid but the padding
+        joint_case(dtype, (3, 6), 1, False, True, CONFIGS[0])  # no norms
+        joint_case(dtype, (2, 1, 6), 1, True, False, CONFIGS[0])  # no RoPE, three groups
+        for freqs_batch in (None, 1, 2):
+            norm_rope_case(dtype, freqs_batch, CONFIGS[1])
+    print("all cases within tolerance")
+
+
+if __name__ == "__main__":
+    main()

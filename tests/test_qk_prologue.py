@@ -1,0 +1,277 @@
+"""Attention's fused prologue (:mod:`bcg_diffusion.kernels.qk_prologue`) on a CPU.
+
+* The Triton kernel in Triton's interpreter (a process of its own, ``_qk_prologue_interpret.py``) against
+  the plain-PyTorch reference: fp16 and fp32, strided inputs, groups of rows with different text lengths,
+  sizes that do not fill the tiles.
+* The reference against diffusers' own computation (its ``RMSNorm`` modules, its complex RoPE, the
+  concatenation text first): equal to the bit where the rotation's products are exact, within float32
+  rounding elsewhere; and equal to the bit to fast mode's compiled path (same operations).
+* The operators' registrations (``torch.library.opcheck``), a compiled call without a graph break.
+* Fast mode's processors with the switch (``QK_PROLOGUE_ATTRIBUTE``) on against off, on the CPU where the
+  operators compute the reference.
+
+The kernel on a GPU, at full size: ``test_attention_kernels_cuda.py``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from _cases import CFG_CASE, run_case, tiny_pipeline
+from _checks import assert_graphs_ran, needs_compiler
+
+from bcg_diffusion import accelerate, eager, restore, stats
+from bcg_diffusion.kernels import qk_prologue
+from bcg_diffusion.patches import attention
+from bcg_diffusion.patches.attention import QK_PROLOGUE_ATTRIBUTE, qwen_joint_attention_per_group
+
+HEAD_DIM, HEADS = 16, 4
+
+
+def _qwen_attention(dtype: torch.dtype = torch.float32, seed: int = 0) -> torch.nn.Module:
+    from diffusers.models.transformers.transformer_qwenimage import QwenImageTransformerBlock
+
+    torch.manual_seed(seed)
+    attn = QwenImageTransformerBlock(HEADS * HEAD_DIM, HEADS, HEAD_DIM).attn
+    for norm in (attn.norm_q, attn.norm_k, attn.norm_added_q, attn.norm_added_k):
+        norm.weight.data.normal_(1.0, 0.5)  # not ones: the weight's rounding is part of the contract
+    return attn.to(dtype).eval()
+
+
+def _exact_freqs(tokens: int) -> torch.Tensor:
+    """Complex frequencies whose cosines and sines are 0 or ±1: every product of the rotation is exact,
+    so complex and real arithmetic round alike."""
+    quarter = torch.randint(0, 4, (tokens, HEAD_DIM // 2), generator=torch.Generator().manual_seed(tokens))
+    table = torch.tensor([[1.0, 0.0], [0.0, 1.0], [-1.0, 0.0], [0.0, -1.0]])
+    return torch.view_as_complex(table[quarter].contiguous())
+
+
+def _random_freqs(*shape: int) -> torch.Tensor:
+    angles = torch.rand(*shape, generator=torch.Generator().manual_seed(sum(shape))) * 6.28
+    return torch.polar(torch.ones_like(angles), angles)
+
+
+def _qwen_inputs(attn, lengths, rows, image_tokens=10, exact=True, dtype=torch.float32):
+    generator = torch.Generator().manual_seed(len(lengths) * 10 + rows)
+    batch, text_tokens, width = rows * len(lengths), max(lengths) + 1, attn.inner_dim
+    hidden = torch.randn(batch, image_tokens, width, generator=generator).to(dtype)
+    text = torch.randn(batch, text_tokens, width, generator=generator).to(dtype)
+    make = _exact_freqs if exact else (lambda n: _random_freqs(n, HEAD_DIM // 2))
+    return hidden, text, (make(image_tokens), make(text_tokens))
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton (its interpreter)")
+def test_kernel_matches_the_reference_in_tritons_interpreter():
+    script = Path(__file__).with_name("_qk_prologue_interpret.py")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "all cases within tolerance" in done.stdout
+
+
+def _diffusers_joint(attn, hidden, text, rope, lengths, rows):
+    """Diffusers' processor up to attention's inputs, per group of rows (its modules, its complex RoPE)."""
+    from diffusers.models.transformers.transformer_qwenimage import apply_rotary_emb_qwen
+
+    head_dim = attn.inner_dim // attn.heads
+    streams = {}
+    for name, x, linears, norms, freqs in (
+        ("image", hidden, (attn.to_q, attn.to_k, attn.to_v), (attn.norm_q, attn.norm_k), rope[0]),
+        ("text", text, (attn.add_q_proj, attn.add_k_proj, attn.add_v_proj), (attn.norm_added_q, attn.norm_added_k), rope[1]),
+    ):  # fmt: skip
+        q, k, v = (linear(x).unflatten(-1, (-1, head_dim)) for linear in linears)
+        q, k = (apply_rotary_emb_qwen(norm(t), freqs, use_real=False) for norm, t in zip(norms, (q, k)))
+        streams[name] = (q, k, v)
+    joints = []
+    for g, length in enumerate(lengths):
+        rows_ = slice(g * rows, (g + 1) * rows)
+        joints.append([torch.cat([t[rows_, :length], i[rows_]], 1) for t, i in zip(streams["text"], streams["image"])])
+    return joints
+
+
+def _reference_groups(attn, hidden, text, rope, lengths):
+    image, text_ = attention.qwen_joint_projections(attn, hidden, text, normed=False)
+    norms = [n.weight for n in (attn.norm_q, attn.norm_k, attn.norm_added_q, attn.norm_added_k)]
+    eps = [n.eps for n in (attn.norm_q, attn.norm_k, attn.norm_added_q, attn.norm_added_k)]
+    freqs = tuple(torch.view_as_real(f) for f in rope)
+    joints = qk_prologue.reference_joint_qkv(image, text_, norms, eps, freqs, lengths)
+    per_tensor = [qk_prologue.group_slices(j, lengths, text.shape[1]) for j in joints]
+    return [list(group) for group in zip(*per_tensor)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("lengths", "rows"), [((6, 3), 1), ((2, 5), 2), ((4,), 1)])
+def test_reference_is_diffusers_computation(dtype, lengths, rows):
+    attn = _qwen_attention(dtype)
+    with torch.no_grad():
+        for exact in (True, False):
+            hidden, text, rope = _qwen_inputs(attn, lengths, rows, exact=exact, dtype=dtype)
+            expected = _diffusers_joint(attn, hidden, text, rope, lengths, rows)
+            got = _reference_groups(attn, hidden, text, rope, lengths)
+            for g_got, g_expected in zip(got, expected):
+                for name, a, b in zip("qkv", g_got, g_expected):
+                    assert a.shape == b.shape and a.dtype == b.dtype, name
+                    if exact or name == "v":
+                        assert torch.equal(a, b), (name, (a.float() - b.float()).abs().max())
+                    else:  # complex against real arithmetic: float32 rounding, one step of bf16
+                        tolerance = {torch.float32: 2e-6, torch.bfloat16: 2**-7}[dtype]
+                        torch.testing.assert_close(a.float(), b.float(), atol=4 * tolerance, rtol=tolerance)
+            # Fast mode's compiled path computes the same operations: equal to the bit.
+            image, text_ = attention.qwen_joint_projections(attn, hidden, text)
+            freqs = tuple(torch.view_as_real(f) for f in rope)
+            for g, length in enumerate(lengths):
+                compiled = attention._compiled_joint(image, text_, freqs, g * rows, (g + 1) * rows, length)
+                assert all(torch.equal(a, b) for a, b in zip(got[g], compiled))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_reference_is_zimage_computation(dtype):
+    from diffusers.models.normalization import RMSNorm
+
+    torch.manual_seed(0)
+    norms = [RMSNorm(HEAD_DIM, eps=1e-5).to(dtype) for _ in range(2)]
+    for norm in norms:
+        norm.weight.data.normal_(1.0, 0.5)
+    query, key = (torch.randn(2, 9, HEADS, HEAD_DIM).to(dtype) for _ in range(2))
+    for exact in (True, False):
+        freqs = torch.stack([_exact_freqs(9) if exact else _random_freqs(9, HEAD_DIM // 2) for _ in range(2)])
+        with torch.no_grad():
+            expected = [attention._complex_rotation(norm(x), freqs) for norm, x in zip(norms, (query, key))]
+            got = qk_prologue.reference_norm_rope(
+                query, key, [n.weight for n in norms], [n.eps for n in norms], torch.view_as_real(freqs)
+            )
+        for a, b in zip(got, expected):
+            if exact:
+                assert torch.equal(a, b)
+            else:
+                tolerance = {torch.float32: 2e-6, torch.bfloat16: 2**-7}[dtype]
+                torch.testing.assert_close(a.float(), b.float(), atol=4 * tolerance, rtol=tolerance)
+
+
+def test_operators_are_registered_for_compilation():
+    torch.manual_seed(0)
+    image = [torch.randn(2, 13, 3, 16) for _ in range(3)]
+    text = [torch.randn(2, 7, 3, 16) for _ in range(3)]
+    weights = [torch.randn(16) for _ in range(4)]
+    freqs = (torch.view_as_real(_random_freqs(13, 8)), torch.view_as_real(_random_freqs(7, 8)))
+    torch.library.opcheck(torch.ops.bcg_diffusion.joint_qkv, (*image, *text, weights, [1e-6] * 4, *freqs, [7, 4]))
+    torch.library.opcheck(torch.ops.bcg_diffusion.norm_rope, (image[0], image[1], weights[:2], [1e-5] * 2, freqs[0]))
+
+    def joint(*tensors):
+        joints = qk_prologue.joint_qkv(tensors[:3], tensors[3:6], tensors[6:10], [1e-6] * 4, tensors[10:], (7, 4))
+        return [s * 2 for j in joints for s in qk_prologue.group_slices(j, (7, 4), 7)]
+
+    compiled = torch.compile(joint, backend="aot_eager", fullgraph=True)  # no graph break
+    for a, b in zip(compiled(*image, *text, *weights, *freqs), joint(*image, *text, *weights, *freqs)):
+        assert torch.equal(a, b)
+
+
+def test_unsupported_calls_are_named():
+    q = torch.randn(2, 5, 3, 16)
+    weights = [torch.randn(16)] * 4
+    assert qk_prologue.unsupported_joint([q] * 3, [q] * 3, weights, (None, None), (5, 5)) is None
+    assert "groups" in qk_prologue.unsupported_joint([q] * 3, [q] * 3, weights, (None, None), (5,) * 5)
+    assert "power of two" in qk_prologue.unsupported_norm_rope(q[..., :12], q[..., :12], [None, None], None)
+    assert "missing" in qk_prologue.unsupported_norm_rope(q, q, [weights[0], None], None)
+    assert "contiguous" in qk_prologue.unsupported_norm_rope(q.transpose(2, 3)[..., :3, :], q, [None] * 2, None)
+    assert "float32" in qk_prologue.unsupported_norm_rope(q, q, [None] * 2, torch.zeros(5, 8, 2, dtype=torch.float64))
+    assert qk_prologue.unavailable(torch.device("cpu")) == "the model is on cpu, not a CUDA GPU"
+    with pytest.raises(ValueError, match="cannot take these tensors"):
+        qk_prologue.norm_rope(q, q[:, :4], [None, None], [0.0, 0.0], None)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("lengths", "rows"), [((9, 4), 1), ((3, 7), 2), ((5,), 1), ((2, 3, 4, 5, 6), 1)])
+def test_qwen_processor_with_the_switch_on_equals_it_off(dtype, lengths, rows, monkeypatch):
+    """On a CPU the operator computes the reference: the attention inputs are the compiled path's to the
+    bit, so the processor's outputs are equal; five groups are beyond the kernel and stay compiled."""
+    calls = []
+    original = qk_prologue.joint_qkv
+    monkeypatch.setattr(qk_prologue, "joint_qkv", lambda *a: calls.append(1) or original(*a))
+    attn = _qwen_attention(dtype)
+    hidden, text, rope = _qwen_inputs(attn, lengths, rows, exact=False, dtype=dtype)
+    outputs = {}
+    with torch.no_grad():
+        for switch in ("compiled", "fused"):
+            setattr(attn, QK_PROLOGUE_ATTRIBUTE, switch)
+            outputs[switch] = qwen_joint_attention_per_group(attn.processor, attn, hidden, text, rope, lengths)
+    assert len(calls) == (len(lengths) <= qk_prologue.MAX_GROUPS)
+    for a, b in zip(outputs["fused"], outputs["compiled"]):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("mask", [False, True])
+def test_zimage_processor_with_the_switch_on_is_near_it_off(mask, monkeypatch):
+    """Z-Image's compiled path rotates in complex arithmetic, the prologue in real arithmetic: float32
+    rounding apart, the same block output (float32 tiny model, relative error under 1e-5)."""
+    from bcg_diffusion.core.hooks import MethodPatches
+
+    calls = []
+    original = qk_prologue.norm_rope
+    monkeypatch.setattr(qk_prologue, "norm_rope", lambda *a: calls.append(1) or original(*a))
+
+    transformer = tiny_pipeline("z-image").transformer
+    block = transformer.layers[0]
+    patches = MethodPatches()
+    assert attention.ZIMAGE_ROPE_PATCH.apply(transformer, patches) > 0
+    outputs = {}
+    try:
+        with torch.no_grad():
+            for switch in ("compiled", "fused"):
+                setattr(block.attention, QK_PROLOGUE_ATTRIBUTE, switch)
+                generator = torch.Generator().manual_seed(0)
+                tokens, dim = 24, block.dim
+                x = torch.randn(2, tokens, dim, generator=generator)
+                angles = torch.rand(2, tokens, block.head_dim // 2, generator=generator) * 6.28
+                freqs_cis = torch.polar(torch.ones_like(angles), angles)
+                attn_mask = torch.arange(tokens)[None] < torch.tensor([[tokens], [17]]) if mask else None
+                adaln = torch.randn(2, block.adaLN_modulation[0].in_features, generator=generator)
+                outputs[switch] = block(x, attn_mask, freqs_cis, adaln)
+    finally:
+        patches.undo()
+        delattr(block.attention, QK_PROLOGUE_ATTRIBUTE)
+    assert len(calls) == 1  # the switch on, the operator once
+    error = (outputs["fused"] - outputs["compiled"]).norm() / outputs["compiled"].norm()
+    assert error < 1e-5, error
+
+
+@pytest.mark.heavy  # compiles with inductor on CPU
+@needs_compiler
+@pytest.mark.parametrize("name", ["qwen-image", "z-image"])
+def test_fast_mode_with_the_switch_on_compiles_the_operator(name, monkeypatch):
+    """Fast mode with ``QK_PROLOGUE_DEFAULT = "fused"``: the compiled blocks call the operator (on a CPU
+    its reference) without a graph break, the graphs give the compiled blocks' bytes, the image stays
+    near diffusers', and Qwen-Image's other prompt lengths reuse the compiled blocks."""
+    calls = []
+    for function in ("reference_joint_qkv", "reference_norm_rope"):
+        original = getattr(qk_prologue, function)
+        monkeypatch.setattr(qk_prologue, function, lambda *a, original=original: calls.append(1) or original(*a))
+    monkeypatch.setattr(attention, "QK_PROLOGUE_DEFAULT", "fused")
+    pipe = tiny_pipeline(name)
+    case = CFG_CASE[name]
+    expected = run_case(pipe, name, case, height=64, width=64)
+    assert not calls  # diffusers' own processors
+    accelerate(pipe, mode="fast", debug=True)
+    try:
+        first = run_case(pipe, name, case, height=64, width=64)
+        assert calls, "the compiled blocks did not call the fused prologue"
+        with eager(pipe):
+            reference = run_case(pipe, name, case, height=64, width=64)
+        report = stats(pipe)
+        assert report["compile_failure"] is None and report["eager_fallbacks"] == 0, report
+        assert torch.equal(first, reference)
+        torch.testing.assert_close(first, expected, atol=1e-4, rtol=0)
+        if name == "qwen-image":
+            compiles = report["compiles"]
+            pipe(prompt="a much longer prompt about a fox in the snow at dawn", negative_prompt="ugly",
+                 true_cfg_scale=4.0, height=64, width=64, num_inference_steps=3)  # fmt: skip
+            assert_graphs_ran(pipe, captures=True)
+            assert stats(pipe)["compiles"] == compiles
+    finally:
+        restore(pipe)
