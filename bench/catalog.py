@@ -20,6 +20,7 @@ MODES: tuple[str, ...] = (
     "eager+cache",
     "bcg+cache",
     "fast+cache",
+    "fast-unbatched+cache",
     "compile+cache",
     "eager-fp8",
     "bcg-fp8",
@@ -39,6 +40,7 @@ CACHED: tuple[str, ...] = (
     "eager+cache",
     "bcg+cache",
     "fast+cache",
+    "fast-unbatched+cache",
     "compile+cache",
     "eager-fp8+cache",
     "fast-fp8+cache",
@@ -67,7 +69,10 @@ DESCRIPTIONS = {
     "compile-max": 'torch.compile(transformer, mode="reduce-overhead") (inductor with its own CUDA graphs)',
     "eager+cache": "diffusers as is with the step cache (transformer.enable_cache; --cache)",
     "bcg+cache": "bcg exact mode with the same step cache inside its graphs",
-    "fast+cache": "fast mode with the same step cache inside its graphs",
+    "fast+cache": "fast mode with the same step cache inside its graphs (true CFG's two calls batched in one joint "
+    "cache context where the cache allows it)",
+    "fast-unbatched+cache": "fast+cache with batch_cfg=False: true CFG's calls one by one (what batching adds under "
+    "the cache)",
     "eager-fp8": "diffusers with the transformer's block linears quantized to row-wise FP8 by hand (torchao, "
     "bcg_diffusion.features.quantization's default filter)",
     "bcg-fp8": 'accelerate(pipe, quantize="fp8"): the same FP8 model in exact graphs',
@@ -86,14 +91,15 @@ EXACT = {"eager": True, "bcg": True, "bcg-no-te": True, "bcg-no-auto": True}
 EXACT.update({"fast": False, "fast-no-te": False, "fast-no-auto": False, "fast-unbatched": False})
 EXACT.update({"compile": False, "compile-max": False})
 EXACT.update({"eager+cache": True, "bcg+cache": True, "fast+cache": False, "compile+cache": False})
+EXACT.update({"fast-unbatched+cache": False})
 EXACT.update({"eager-fp8": True, "bcg-fp8": True, "fast-fp8": False, "fast-fp8-attn": False})
 EXACT.update({"eager-fp8+cache": True, "fast-fp8+cache": False})
 EXACT.update({"eager+cachedit": True, "bcg+cachedit": True, "fast+cachedit": False})
 OURS = ("bcg", "bcg-no-te", "bcg-no-auto", "fast", "fast-no-te", "fast-no-auto", "fast-unbatched")
 OURS += ("bcg+cachedit", "fast+cachedit")
-OURS += ("bcg+cache", "fast+cache", "bcg-fp8", "fast-fp8", "fast-fp8-attn", "fast-fp8+cache")
+OURS += ("bcg+cache", "fast+cache", "fast-unbatched+cache", "bcg-fp8", "fast-fp8", "fast-fp8-attn", "fast-fp8+cache")
 FAST = ("fast", "fast-no-te", "fast-no-auto", "fast-unbatched", "fast+cache", "fast-fp8", "fast-fp8-attn")
-FAST += ("fast-fp8+cache", "fast+cachedit")
+FAST += ("fast-fp8+cache", "fast+cachedit", "fast-unbatched+cache")
 
 
 def baseline(name: str) -> str:

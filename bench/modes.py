@@ -113,7 +113,11 @@ class PreparedMode:
         report = stats(self.pipe)
         keys = ("active", "captures", "replays", "eager_fallbacks", "misses", "graph_memory_bytes", "capture_seconds")
         keys += ("state_checks", "state_changes", "state_check_seconds")
-        keys += ("compiles", "compile_seconds", "compiled_blocks", "cfg_batched") if self.name in FAST else ()
+        keys += (
+            ("compiles", "compile_seconds", "compiled_blocks", "cfg_batched", "cfg_batch_dropped")
+            if self.name in FAST
+            else ()
+        )
         cached = self.name in CACHED or self.name in CACHEDIT
         keys += ("cache_states", "cache_branches", "cache_branch_switches") if cached else ()
         keys += ("quantized", "quantized_linears") if self.name in FP8_MODES else ()
@@ -183,7 +187,7 @@ def _prepare(
         accelerate(pipe, components=components, debug=debug, quantize=quantize, auto_breaks=auto_breaks)
         return PreparedMode(name, pipe, lambda: restore(pipe), note)
     if name in FAST:
-        batch_cfg = False if name == "fast-unbatched" else None
+        batch_cfg = False if name == "fast-unbatched" else None  # fast-unbatched+cache too (its base name)
         accelerate(
             pipe,
             mode="fast",

@@ -82,6 +82,13 @@ def markdown(record: dict[str, Any]) -> str:
                 + ", ".join(per_call)
                 + ".",
             ]
+        batched = [
+            f"{n} {m['graphs']['cfg_batched']} ({m['graphs'].get('cfg_batch_dropped', 0)} dropped)"
+            for n, m in case["modes"].items()
+            if "cfg_batched" in (m.get("graphs") or {})
+        ]
+        if batched:
+            out += ["", "Uncond calls served from a CFG batch (fast modes, all calls): " + ", ".join(batched) + "."]
         separate = [n for n, m in case["modes"].items() if m.get("eager_same_group_s")]
         if separate:
             out += [

@@ -28,6 +28,9 @@
 #   bench-cache-qwen-1024  Qwen-Image 1024², 50 steps, true CFG 4: eager, eager+cache, bcg+cache, fast+cache (MagCache)
 #   bench-cache-qwen-512   Qwen-Image 512², 50 steps, true CFG 4: eager, bcg, eager+cache, bcg+cache (MagCache)
 #   bench-cache-z          Z-Image-Turbo 512² and 1024², 8 steps: eager, fast, eager+cache, fast+cache, compile+cache
+#   bench-cfg-cache-qwen   Qwen-Image 1024² then 512², 50 steps, true CFG 4, MagCache: eager+cache, fast-unbatched+cache,
+#                    fast+cache (CFG batched in one joint cache context); two runs of up to 570 s each, so alone in a
+#                    device call, or one size per call: bench-cfg-cache-qwen-1024, bench-cfg-cache-qwen-512
 #   tests-quant      quantize="fp8" and models quantized before accelerate (int8, FP8), exact and fast (tiny)
 #   tests-auto       automatic breaks (toy model, every kind; every coverage pipeline, tiny) and GGUF / bitsandbytes
 #                    transformers (tiny; bitsandbytes
@@ -78,7 +81,7 @@
 #                    for `python scripts/screenshot_replay.py DIR OUT.png` here (the GPU machine has no browser)
 # Everything it writes is under $OUT (logs, results.json/.md/.png); copy it to bench/results/<date>-h200/.
 set -uo pipefail
-[ $# -gt 0 ] || { echo "usage: scripts/gpu_session.sh probe-attention|tests-kernels|bench-kernels-qwen|bench-kernels-z|bench-cachedit-qwen|tests-state|bench-state|tests|tests-full|tests-fast|tests-coexist|tests-shared|tests-cache|bench-cache-qwen-1024|bench-cache-qwen-512|bench-cache-z|tests-quant|tests-auto|probe-hand-patches|bench-auto|coverage|bench-fp8-z|bench-fp8-qwen|warm-start-fp8-z|probe-fp8-groups|probe-fp8-block|hotswap-z|tests-z|te-z|fast-check|profile-qwen|profile-z|fast-qwen-50|ab-attention|probe-floor|probe-norms|probe-blocks|compile-max-qwen|memory-z|bench-z|warm-start-z|bench-qwen|bench-qwen-512|bench-qwen-1024|issue2|parallel|parallel-cfg|serving|demo ..." >&2; exit 2; }
+[ $# -gt 0 ] || { echo "usage: scripts/gpu_session.sh probe-attention|tests-kernels|bench-kernels-qwen|bench-kernels-z|bench-cachedit-qwen|tests-state|bench-state|tests|tests-full|tests-fast|tests-coexist|tests-shared|tests-cache|bench-cache-qwen-1024|bench-cache-qwen-512|bench-cache-z|bench-cfg-cache-qwen|bench-cfg-cache-qwen-1024|bench-cfg-cache-qwen-512|tests-quant|tests-auto|probe-hand-patches|bench-auto|coverage|bench-fp8-z|bench-fp8-qwen|warm-start-fp8-z|probe-fp8-groups|probe-fp8-block|hotswap-z|tests-z|te-z|fast-check|profile-qwen|profile-z|fast-qwen-50|ab-attention|probe-floor|probe-norms|probe-blocks|compile-max-qwen|memory-z|bench-z|warm-start-z|bench-qwen|bench-qwen-512|bench-qwen-1024|issue2|parallel|parallel-cfg|serving|demo ..." >&2; exit 2; }
 out=${OUT:-/tmp/bcg-out}
 mkdir -p "$out"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -164,6 +167,16 @@ case "$phase" in
     timeout 330 python3 -m bench --pipeline z-image --weights random-full --resolutions 512x512,1024x1024 --steps 8 \
       --modes eager,fast,eager+cache,fast+cache,compile+cache --runs 5 --no-progress \
       --out "$out/cache-z" 2>&1 | grep -v "Warning\|warnings.warn" | tee "$out/cache-z.log" | tail -24
+    ;;
+  bench-cfg-cache-qwen|bench-cfg-cache-qwen-1024|bench-cfg-cache-qwen-512)
+    # Fast mode's CFG batching under MagCache (batched in one joint cache context) against the same one by one.
+    case "$phase" in *-1024) sizes="1024" ;; *-512) sizes="512" ;; *) sizes="1024 512" ;; esac
+    for size in $sizes; do
+      timeout 560 python3 -m bench --pipeline qwen-image --weights random-full --resolutions "${size}x${size}" \
+        --steps 50 --guidance 4 --modes eager+cache,fast-unbatched+cache,fast+cache --runs 3 --warmup 0 --no-progress \
+        --out "$out/cfg-cache-qwen-$size" 2>&1 | grep -v "Warning\|warnings.warn" | tee "$out/cfg-cache-qwen-$size.log" \
+        | tail -14
+    done
     ;;
   tests-quant)
     # Z-Image fast with FP8 compiles four block variants of the tiny model (over 3 min): the full-size

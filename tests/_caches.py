@@ -663,3 +663,54 @@ def check_cachedit_calls(
 
 def _dit_call(pipe: Any, pipeline: str, sizes: tuple[tuple[int, int], ...], size: int, prompt: int) -> torch.Tensor:
     return mixed_call(pipe, pipeline, (size, prompt, True), sizes)
+
+
+# ------------------------------------------------------------------------ CFG batching under a cache
+# Fast mode batches Qwen-Image's true CFG calls in one joint cache context (step_caching.cfg_join). The prompt and
+# a negative prompt of the same token length (no padding in the batch) or of another (padded and masked).
+CFG_PROMPT = "a red fox in the snow"  # 11 tokens on the tiny tokenizer
+SAME_LENGTH_NEGATIVE = "a blue cat on the grass"  # 11 tokens
+OTHER_LENGTH_NEGATIVE = "blurry, low quality"  # 20 tokens
+
+
+def cfg_decisions(pipe: Any, negative: str, *, steps: int, size: tuple[int, int]) -> tuple[torch.Tensor, list[bool]]:
+    """A true-CFG Qwen-Image call: the image (CPU) and each transformer call's decision (True: computed), in order."""
+    log = SkipLog(pipe.transformer)
+    try:
+        out = pipe(
+            prompt=CFG_PROMPT,
+            negative_prompt=negative,
+            true_cfg_scale=4.0,
+            height=size[0],
+            width=size[1],
+            num_inference_steps=steps,
+            generator=torch.Generator("cpu").manual_seed(0),
+            output_type="pt",
+        )
+        return out.images.detach().cpu(), log.decisions
+    finally:
+        log.remove()
+
+
+def stop_batching_at(monkeypatch: Any, how: str, call: int, steps: int) -> None:
+    """Make the CFG batcher's ``call``-th call of each pipeline call of ``steps`` steps (from 1, counting both calls
+    of every step) run alone: ``drop``, an uncond call finds its speculated half computed for other inputs;
+    ``alone``, a cond call is unbatchable."""
+    from bcg_diffusion.features import cfg_batching
+
+    counter = {"calls": 0}
+    original_call = cfg_batching.CfgBatcher.__call__
+    name = "_mismatch" if how == "drop" else "_unbatchable"
+    original = getattr(cfg_batching.CfgBatcher, name)
+
+    def counting(self: Any, *args: Any, **kwargs: Any) -> Any:
+        counter["calls"] += 1
+        return original_call(self, *args, **kwargs)
+
+    def forced(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if counter["calls"] % (2 * steps) == call:
+            return "forced by the test"
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(cfg_batching.CfgBatcher, "__call__", counting)
+    monkeypatch.setattr(cfg_batching.CfgBatcher, name, forced)

@@ -296,7 +296,10 @@ def test_fast_mode_wraps_the_compiled_blocks_and_gives_them_back():
         with eager(pipe):
             assert torch.equal(_run(pipe, "qwen-image"), image)
         report = assert_graphs_ran(pipe, components=("transformer",))
-        assert report["compiled_blocks"] > 0 and report["compiles"] > 0 and report["cfg_batched"] == 0, report
+        assert report["compiled_blocks"] > 0 and report["compiles"] > 0, report
+        # MagCache decides on host values: true CFG runs batched in one joint cache context (cfg_join) after the
+        # first step of each of the three calls, eager(pipe)'s included.
+        assert (report["cfg_batched"], report["cfg_batch_dropped"]) == (3 * (STEPS - 1), 0), report
         assert report["eager_block_calls"] == 0, report
     finally:
         restore(pipe)

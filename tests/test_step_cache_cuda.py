@@ -7,7 +7,8 @@ replays with ``_caches.ReplayCheck``). The interleaved test calls one pipeline w
 prompts and CFG on and off, and runs MagCache with ratios whose accumulated error decides
 (``_caches.MAG_SCHEDULE``), against an eager pipeline built the same way. The captures-per-call tests
 (issue 36) count the transformer's graphs a call captures, its branches included: at most two per argument
-signature (compute and skip), whatever the step.
+signature (compute and skip), whatever the step. The CFG-batching tests (issue 36, item 3) run fast mode's
+batch of cond and uncond in one joint cache context under MagCache and TaylorSeer, on real graphs.
 """
 
 from __future__ import annotations
@@ -20,8 +21,11 @@ from _caches import (
     COUNT_STEPS,
     DIT_CALLS,
     DIT_KINDS,
+    OTHER_LENGTH_NEGATIVE,
+    SAME_LENGTH_NEGATIVE,
     cache_config,
     cachedit_options,
+    cfg_decisions,
     check_cachedit_calls,
     check_captures_per_call,
     check_interleaved_calls,
@@ -29,6 +33,7 @@ from _caches import (
     dit_threshold,
     mixed_call,
     mixed_threshold,
+    stop_batching_at,
 )
 from _cases import cuda_pipeline, run_case
 from _checks import assert_graphs_ran
@@ -304,3 +309,64 @@ def test_cache_dit_fast_mode_gives_its_compiled_blocks_bytes(pipeline, kind):
         )
     finally:
         restore(pipe)
+
+
+# ------------------------------------------------------------------------------ CFG batching under a cache
+CFG_STEPS = 10
+
+
+@pytest.mark.parametrize(
+    ("cache", "negative"),
+    [("magcache", SAME_LENGTH_NEGATIVE), ("magcache", OTHER_LENGTH_NEGATIVE), ("taylorseer", SAME_LENGTH_NEGATIVE)],
+)
+def test_fast_mode_batches_cfg_under_the_cache_with_the_unbatched_decisions(cache, negative):
+    # Steps after the first run cond and uncond as one batch in the joint cache context (step_caching.cfg_join),
+    # replayed from graphs keyed by it: the decisions are diffusers' one-by-one run's, every image is byte-equal
+    # to the compiled blocks without graphs (eager(pipe), which batches the same way), and against diffusers only
+    # bf16 rounding differs (batched GEMMs, compiled blocks): the largest difference is printed.
+    with cuda_pipeline("qwen-image", "tiny") as pipe:
+        enable_cache(pipe, cache_config(cache, CFG_STEPS))
+        expected, expected_decisions = cfg_decisions(pipe, negative, steps=CFG_STEPS, size=SIZE)
+        assert True in expected_decisions and False in expected_decisions
+        accelerate(pipe, mode="fast")
+        try:
+            for call in range(3):
+                before = stats(pipe)["cfg_batched"]
+                image, decisions = cfg_decisions(pipe, negative, steps=CFG_STEPS, size=SIZE)
+                report = assert_graphs_ran(pipe, components=("transformer",))
+                assert (report["cfg_batched"] - before, report["cfg_batch_dropped"]) == (CFG_STEPS - 1, 0), report
+                assert decisions == expected_decisions, call
+                with eager(pipe):
+                    reference, reference_decisions = cfg_decisions(pipe, negative, steps=CFG_STEPS, size=SIZE)
+                assert torch.equal(image, reference), call
+                assert reference_decisions == expected_decisions
+            print(
+                f"\n{cache}, negative {negative!r}: captures {report['captures']}, cache states "
+                f"{report['cache_states']}, max difference against diffusers {(image - expected).abs().max().item():.3g}"
+            )
+            torch.testing.assert_close(image, expected, atol=0.1, rtol=0)  # loose: bf16 rounding only
+        finally:
+            restore(pipe)
+
+
+@pytest.mark.parametrize("cache", ["magcache", "taylorseer"])
+@pytest.mark.parametrize(("how", "call"), [("drop", 8), ("alone", 11)])
+def test_cfg_batching_that_stops_mid_call_keeps_graphs_and_decisions(monkeypatch, cache, how, call):
+    # The joint state is split back into the cond and uncond contexts (their own buffers) when a call runs alone,
+    # from the copy kept before the batch for a dropped half, and joined again later (see the CPU test).
+    with cuda_pipeline("qwen-image", "tiny") as pipe:
+        enable_cache(pipe, cache_config(cache, CFG_STEPS))
+        _, expected_decisions = cfg_decisions(pipe, SAME_LENGTH_NEGATIVE, steps=CFG_STEPS, size=SIZE)
+        accelerate(pipe, mode="fast")
+        stop_batching_at(monkeypatch, how, call, CFG_STEPS)
+        try:
+            for _ in range(2):
+                image, decisions = cfg_decisions(pipe, SAME_LENGTH_NEGATIVE, steps=CFG_STEPS, size=SIZE)
+                assert decisions == expected_decisions
+                with eager(pipe):
+                    reference, _ = cfg_decisions(pipe, SAME_LENGTH_NEGATIVE, steps=CFG_STEPS, size=SIZE)
+                assert torch.equal(image, reference)
+            report = assert_graphs_ran(pipe, components=("transformer",))
+            assert report["cfg_batched"] > 0 and report["cfg_batch_dropped"] == (4 if how == "drop" else 0), report
+        finally:
+            restore(pipe)

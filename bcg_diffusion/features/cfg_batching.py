@@ -25,6 +25,13 @@ When the two prompts have different token lengths, the shorter one is padded wit
 a text mask: the model's masked path, as with ``text_buckets``. Batching and masking change rounding
 (other GEMM shapes and attention kernels), which is why this belongs to ``mode="fast"`` only.
 
+Under a step cache, each of the two calls runs in a cache context of its own (``cache_context("cond")``,
+``("uncond")``). A cache whose decisions read host values alone (MagCache with its ratios, TaylorSeer) runs
+the batch in one joint context whose state is both contexts' states side by side, split back whenever a
+call runs alone (:mod:`bcg_diffusion.features.step_caching.cfg_join`): the decisions are the unbatched
+run's. Under any other cache (FirstBlockCache, which decides on the whole batch's data; Cache-DiT) the
+calls run one by one, and the reason is logged once at INFO.
+
 The :class:`CfgBatching` feature decides where it applies: asked for (or left at None), supported by
 the adapter for this very pipeline class (relatives that call the transformer differently, such as the
 Edit variants, do not batch), and not under context parallelism.
@@ -32,6 +39,7 @@ Edit variants, do not batch), and not under context parallelism.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import logging
@@ -46,7 +54,7 @@ from ..core.runner import BCGWarning
 from ..core.tree import UnsupportedValue, flatten, unflatten
 from ..patches.attention import TEXT_LENGTHS_KWARG
 from .base import Feature, Setup, Target
-from .step_caching import has_cache_hooks
+from .step_caching import CfgJoin
 from .text_buckets import pad_to_bucket
 
 __all__ = ["CfgBatchSpec", "CfgBatcher", "CfgBatching"]
@@ -153,11 +161,35 @@ def _split_others(spec: CfgBatchSpec, arguments: dict[str, Any]) -> tuple[Any, l
     return structure, leaves
 
 
+class _NoCache:
+    """The :class:`~bcg_diffusion.features.step_caching.CfgJoin` of a model without a step cache."""
+
+    def note_uncond(self) -> None: ...
+
+    def in_uncond(self) -> bool:
+        return True
+
+    def join(self, sizes: tuple[int, int], padded: bool) -> str | None:
+        return None
+
+    def batch(self) -> Any:
+        return contextlib.nullcontext()
+
+    def kept_cond(self) -> None: ...
+
+    def served(self) -> None: ...
+
+    def separate(self) -> None: ...
+
+
 class CfgBatcher:
     """Calls ``call`` (a transformer forward, usually its graph runner) with CFG pairs batched.
 
     Needs the forward's ``signature`` (to read arguments by name) and the model's
-    :class:`CfgBatchSpec`. With ``text_lengths_key`` (the model's attention takes it, see
+    :class:`CfgBatchSpec`. ``cache``: the model's
+    :class:`~bcg_diffusion.features.step_caching.CfgJoin`, which runs each batch in one cache context and
+    puts the cond and uncond contexts back before a call that runs alone (None: no cache to follow). With
+    ``text_lengths_key`` (the model's attention takes it, see
     :mod:`bcg_diffusion.patches.attention`), a batch of two unmasked texts of different lengths passes
     ``{text_lengths_key: (cond length, uncond length)}`` in ``spec.attention_kwargs`` besides the
     padding mask. Returns, for every call, what ``call`` would return for it; only rounding
@@ -173,8 +205,10 @@ class CfgBatcher:
         signature: inspect.Signature,
         spec: CfgBatchSpec,
         text_lengths_key: str | None = None,
+        cache: CfgJoin | None = None,
     ) -> None:
         self._call = call
+        self._cache = cache if cache is not None else _NoCache()
         self._signature = signature
         self._spec = spec
         self._text_lengths_key = text_lengths_key if spec.attention_kwargs is not None else None
@@ -200,35 +234,48 @@ class CfgBatcher:
         pending, self._pending = self._pending, None
         if pending is not None:
             reason = self._mismatch(pending, arguments)
+            if reason is None and not self._cache.in_uncond():
+                reason = "the next call ran in another cache context"
             if reason is None:
                 self.batched += 1
+                self._cache.served()
                 return pending.output
             self._drop(reason)
         reason = self._disabled or self._unbatchable(arguments)
         if reason is not None:
             self._log(f"not batched: {reason}")
             self._forget()
-            return self._call(*args, **kwargs)
+            return self._alone(*args, **kwargs)
         latents, text = arguments[self._spec.latents], arguments[self._spec.text]
         if self._last_latents is not None and self._last_latents.same(latents) and not self._last_text.same(text):
             # The uncond call after a cond call that ran alone: its text is what later steps batch with.
             self._negative = _Text(_Ref(text), _Ref(arguments[self._spec.text_mask]))
             self._forget()
-            return self._call(*args, **kwargs)
+            self._cache.note_uncond()
+            return self._alone(*args, **kwargs)
         negative = self._negative.tensors() if self._negative is not None else None
         if negative is not None and self._compatible(arguments, *negative):
             return self._batch(arguments, *negative)
         self._last_latents, self._last_text = _Ref(latents), _Ref(text)
-        return self._call(*args, **kwargs)
+        return self._alone(*args, **kwargs)
 
-    def pass_through(self) -> None:
-        """The caller runs this call unbatched: drop what was speculated and learned, so no later call
-        is served a half computed for other inputs."""
+    def pass_through(self, reason: str | None = None) -> None:
+        """The caller runs this call unbatched (``reason``: why, logged once at INFO): drop what was
+        speculated and learned, so no later call is served a half computed for other inputs, and put the
+        cache contexts back as they would be had every call run alone."""
+        if reason is not None:
+            self._log(f"not batched: {reason}")
         if self._pending is not None:
             self._pending = None
             self._drop("the next call ran unbatched")
         self._negative = None
         self._forget()
+        self._cache.separate()
+
+    def _alone(self, *args: Any, **kwargs: Any) -> Any:
+        """A call run unbatched, its cache context holding its own state."""
+        self._cache.separate()
+        return self._call(*args, **kwargs)
 
     def _unbatchable(self, arguments: dict[str, Any]) -> str | None:
         spec = self._spec
@@ -268,7 +315,7 @@ class CfgBatcher:
         others = _split_others(spec, arguments)
         if others is None:
             self._log("not batched: an argument cannot be compared between calls")
-            return self._call(**arguments)
+            return self._alone(**arguments)
         batched = dict(arguments)
         batched[spec.latents] = torch.cat([arguments[spec.latents]] * 2)
         texts = self._texts(arguments, negative_text, negative_mask)
@@ -283,10 +330,18 @@ class CfgBatcher:
         for name in spec.lists:
             value = arguments.get(name)
             batched[name] = None if value is None else list(value) * 2
-        output = self._call(**batched)
+        padded = arguments[spec.text].shape[1] != negative_text.shape[1]  # the shorter text padded in the batch
+        refused = self._cache.join((batch, batch), padded=padded)
+        if refused is not None:
+            self._log(f"not batched under the cache: {refused}")
+            self._last_latents, self._last_text = _Ref(arguments[spec.latents]), _Ref(arguments[spec.text])
+            return self._alone(**arguments)
+        with self._cache.batch():
+            output = self._call(**batched)
         halves = self._halves(output, batch)
         if halves is None:
-            return self._call(**arguments)
+            return self._alone(**arguments)  # neither half used: both contexts go back to before the batch
+        self._cache.kept_cond()
         self._pending = _Pending(
             latents=_Ref(arguments[spec.latents]),
             negative=self._negative,
@@ -414,16 +469,17 @@ class CfgBatching(Feature):
         if target.component != "transformer":
             return call
         lengths_key = TEXT_LENGTHS_KWARG if TEXT_LENGTHS_KWARG in self.attention_kwargs else None
-        batcher = self.batcher = CfgBatcher(call, target.signature, self.spec, text_lengths_key=lengths_key)
-
-        module = target.module
+        join = CfgJoin(target.module)
+        batcher = self.batcher = CfgBatcher(
+            call, target.signature, self.spec, text_lengths_key=lengths_key, cache=join
+        )
 
         def batched(*args: Any, **kwargs: Any) -> Any:
             with self.lock:  # the batcher keeps state between calls
-                if has_cache_hooks(module):
-                    # A cache keeps one state per call (cache_context "cond" / "uncond") and decides per
-                    # call: one batch of both would mix them. Calls run one by one while a cache is on.
-                    batcher.pass_through()
+                refusal = join.refusal()
+                if refusal is not None:
+                    # A cache whose cond and uncond contexts cannot run as one (step_caching.cfg_join): one by one.
+                    batcher.pass_through(refusal)
                     return call(*args, **kwargs)
                 return batcher(*args, **kwargs)
 

@@ -2,7 +2,8 @@
 
 How their decisions and state are carried through the graphs is :mod:`.state`, and per cache (what
 each decides, writes and keeps; graphs keyed by decision, not by step) :mod:`.kinds`; enabling a cache
-on any pipeline (Z-Image's included) and counting what it skipped is :mod:`.enable`.
+on any pipeline (Z-Image's included) and counting what it skipped is :mod:`.enable`; running a batch of
+true CFG's cond and uncond calls (fast mode's CFG batching) in one cache context is :mod:`.cfg_join`.
 
 Always installed on an accelerated transformer: a cache may be enabled before ``accelerate`` or at
 any time after, and disabled again; the signature keys follow the hooks that are on. Fast mode
@@ -22,11 +23,14 @@ from ...core.runner import BCGWarning
 from ..base import Feature, Setup, Target
 from .cachedit import cache_dit_enabled
 from .cachedit import unsupported as cache_dit_unsupported
+from .cfg_join import JOINT_CONTEXT, CfgJoin
 from .enable import SkipCounter, disable_cache, enable_cache
 from .state import SUPPORTED_HOOKS, CacheState, cache_hooks, has_cache_hooks
 
 __all__ = [
+    "JOINT_CONTEXT",
     "CacheState",
+    "CfgJoin",
     "SkipCounter",
     "StepCaching",
     "cache_dit_enabled",

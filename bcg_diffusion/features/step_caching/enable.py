@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from .cfg_join import reading_context
 from .state import DEFAULT_CONTEXT, hook_registries
 
 __all__ = [
@@ -188,7 +189,7 @@ class SkipCounter:
                 manager = getattr(hook, "state_manager", None)
                 if manager is None or not manager._state_cache:
                     continue
-                context = manager._context.name if manager._context is not None else DEFAULT_CONTEXT
+                context = reading_context(manager)  # a batch of cond and uncond: their joint state (.cfg_join)
                 state = manager._state_cache.get(context)
                 if state is None:
                     continue

@@ -108,6 +108,16 @@ class Kind:
     buffered = True  # the tensors the state keeps are written by graphs: they live in buffers
     tensor_fields: tuple[str, ...] | None = None  # the fields whose tensors live in buffers (None: every field)
     default_context: str | None = None  # the context the hooks use when none is set (MagCache's)
+    # Joining the states of two cache contexts for one batch (fast mode's CFG batching, :mod:`.cfg_join`):
+    # why this kind's states cannot be joined (None: they can), the fields whose tensors have one row per
+    # sample (concatenated along dim 0 in the joint state, split back after), the fields that hold a tuple of
+    # such tensors' shapes (their first dimension scaled alike), and whether the kept tensors may have a
+    # dimension of the text's length (then two prompts of different token lengths, padded in the batch,
+    # cannot be joined). Every other field is a host value, which must be equal in both states.
+    join_refusal: str | None = "a cache hook of no known kind: it is not known to decide per context alone"
+    batch_fields: tuple[str, ...] = ()
+    batch_shape_fields: tuple[str, ...] = ()
+    text_shaped: bool = False
 
     def key(self, carrier: Any, holder: Any, state: Any) -> Hashable:
         if state is None:
@@ -135,6 +145,10 @@ class FirstBlockKind(Kind):
     """FirstBlockCache: the decision is a break (:func:`_fbc_decision`); the key holds none of the state."""
 
     name = "FirstBlockCache"
+    join_refusal = (
+        "FirstBlockCache decides on the first block's residual change over the whole batch, so one decision for "
+        "a batch of cond and uncond could differ from the decisions each makes alone"
+    )
     _COMPUTED = ("head_block_output", "head_block_residual", "tail_block_residuals", "should_compute")
 
     def key(self, carrier: Any, holder: Any, state: Any) -> Hashable:
@@ -170,6 +184,10 @@ class MagCacheKind(Kind):
     default_context = DEFAULT_CONTEXT
     # Its accumulators are host values (0-d CPU tensors once the ratios are a tensor): never in buffers.
     TENSORS = tensor_fields = ("previous_residual", "head_block_input")
+    # Its decision reads host fields alone; it keeps the hidden states argument and its residual (image tokens
+    # on Qwen-Image), whose shape does not depend on the text.
+    join_refusal = None
+    batch_fields = TENSORS
 
     def key(self, carrier: Any, holder: Any, state: Any) -> Hashable:
         config = holder.hook.config
@@ -232,6 +250,12 @@ class TaylorSeerKind(Kind):
 
     name = "TaylorSeer"
     buffered = False
+    # Its decision reads the step counter alone; its factors are the hooked modules' outputs (the text stream's
+    # among them on Qwen-Image's attention), one row per sample.
+    join_refusal = None
+    batch_fields = ("taylor_factors",)
+    batch_shape_fields = ("inactive_shapes",)
+    text_shaped = True
 
     def key(self, carrier: Any, holder: Any, state: Any) -> Hashable:
         return (taylor_decision(holder.hook, state),)

@@ -26,8 +26,8 @@ objects between calls. A replay runs no Python, so four things are made explicit
 
 The per-call reset (``reset_state``, which pipelines call after the last step) runs eagerly between
 pipeline calls and only drops the Python references; the buffers stay for the next call. Cache
-contexts (Qwen-Image's ``cache_context("cond")`` and ``("uncond")``) each have their own state, so
-their graphs and buffers are apart.
+contexts (Qwen-Image's ``cache_context("cond")`` and ``("uncond")``, and fast mode's joint context for a
+batch of both, :mod:`.cfg_join`) each have their own state, so their graphs and buffers are apart.
 
 Supported: the hooks of :data:`SUPPORTED_HOOKS`. Any other stateful hook (FasterCache,
 PyramidAttentionBroadcast...) makes the call run eagerly with the reason (see :meth:`CacheState.key`).
