@@ -103,12 +103,15 @@ def _frequencies(*shape: int) -> torch.Tensor:
 
 
 def _assert_near_reference(got: list[torch.Tensor], expected: list[torch.Tensor], label: str) -> None:
-    """bf16: the kernel's float32 sums and rsqrt round differently from PyTorch's, which moves a value by
-    one bf16 step at most, and rarely."""
+    """bf16: the kernel's float32 sums and rsqrt round differently from PyTorch's, which moves the normed
+    value, rounded to bf16 before RoPE, by one bf16 step at most, and rarely; the rotation carries that step
+    into both outputs of the pair, so it is bounded by a step of the head's largest value (an output
+    near zero by cancellation can move by far more than a step of its own)."""
     for index, (g, e) in enumerate(zip(got, expected)):
         assert g.shape == e.shape and g.dtype == e.dtype, (label, index)
         difference = (g.float() - e.float()).abs()
-        step = e.float().abs().clamp(min=2**-10) * 2**-7  # one bf16 step (relative 2**-8, doubled)
+        # one bf16 step (relative 2**-8, doubled) of the head's largest value
+        step = e.float().abs().amax(dim=-1, keepdim=True).clamp(min=2**-10) * 2**-7
         assert bool((difference <= step).all()), (label, index, difference.max().item())
         moved = (difference > 0).float().mean().item()
         assert moved < 0.02, (label, index, moved)

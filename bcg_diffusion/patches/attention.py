@@ -46,7 +46,7 @@ from diffusers.models.attention_dispatch import AttentionBackendName, _Attention
 from diffusers.models.attention_dispatch import dispatch_attention_fn as _diffusers_dispatch
 
 from ..kernels import attention as kernels
-from ..kernels import qk_prologue
+from ..kernels import qk_prologue, triton_available
 from .rope import rotate_pairs
 from .scoped import ProcessorPatch
 
@@ -207,13 +207,21 @@ def _cudnn_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
 # A module attribute, so that the check of the Python state a graph read sees it change.
 QK_PROLOGUE_ATTRIBUTE = "_bcg_qk_prologue"
 QK_PROLOGUES = ("compiled", "fused")
-# What modules without the attribute use. "compiled" until the fused kernel is measured on a GPU
-# (bench.probes.probe_attention_kernels --sections prologue).
-QK_PROLOGUE_DEFAULT = "compiled"
+# What modules without the attribute use: "auto" is "fused" where the Triton kernel runs (a CUDA tensor,
+# Triton installed), "compiled" elsewhere (the reference would only add an opaque operator). Measured on an
+# H200 (run 87): the prologue alone 80.7 against 248.5 us (Qwen-Image 1024² CFG batch) and 37.5 against
+# 174.8 us (Z-Image 1024²); one compiled block 3963 against 4147 us (Qwen-Image 1024² CFG), 2937 against
+# 3040 us (Z-Image 1024²), 733.6 against 771.8 us (Z-Image 512²).
+QK_PROLOGUE_DEFAULT = "auto"
+_TRITON = triton_available()  # once: compiled code must not trace importlib
 
 
-def _fused_prologue(attn: torch.nn.Module) -> bool:
-    return getattr(attn, QK_PROLOGUE_ATTRIBUTE, QK_PROLOGUE_DEFAULT) == "fused"
+def _fused_prologue(attn: torch.nn.Module, like: torch.Tensor) -> bool:
+    """Whether ``attn``'s prologue runs as the fused kernel, for inputs like ``like``."""
+    choice = getattr(attn, QK_PROLOGUE_ATTRIBUTE, QK_PROLOGUE_DEFAULT)
+    if choice == "auto":
+        return like.is_cuda and _TRITON
+    return choice == "fused"
 
 
 def _norm_weights(norms: tuple[torch.nn.Module | None, ...]) -> tuple[list[Any], list[float]] | None:
@@ -301,7 +309,7 @@ def qwen_joint_attention_per_group(
     # longer one; fast mode's batcher builds the lengths from the very texts it pads.
     if not torch.compiler.is_compiling() and max(text_lengths) > text_tokens:
         raise ValueError(f"text lengths {text_lengths} exceed the {text_tokens} text tokens given")
-    fused = _fused_prologue(attn)
+    fused = _fused_prologue(attn, hidden_states)
     image, text = qwen_joint_projections(attn, hidden_states, encoder_hidden_states, normed=not fused)
     joints = _fused_joint_qkv(attn, image, text, image_rotary_emb, text_lengths) if fused else None
     if fused and joints is None:  # the kernel refuses these tensors: normed as in the compiled path
@@ -379,9 +387,10 @@ def _qwen_call_with_text_lengths(call: Callable[..., Any]) -> Callable[..., Any]
         bcg_text_lengths: tuple[int, ...] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         unpadded = encoder_hidden_states is not None and encoder_hidden_states_mask is None and attention_mask is None
-        if bcg_text_lengths is None and unpadded and getattr(attn, KERNEL_ATTRIBUTE, "dispatch") != "dispatch":
-            # One prompt, no padding: one group with every text token valid is the processor's own
-            # computation, through the chosen kernel.
+        ours = getattr(attn, KERNEL_ATTRIBUTE, "dispatch") != "dispatch" or _fused_prologue(attn, hidden_states)
+        if bcg_text_lengths is None and unpadded and ours:
+            # No padding (one prompt, or a CFG batch of texts of one length): one group with every text token
+            # valid is the processor's own computation, through the chosen kernel or prologue.
             bcg_text_lengths = (encoder_hidden_states.shape[1],)
         if bcg_text_lengths is None or encoder_hidden_states is None or attention_mask is not None:
             return call(
@@ -459,7 +468,7 @@ def _zimage_attention_call(dispatch: Callable[..., torch.Tensor], default: str) 
         query, key, value = (
             linear(hidden_states).unflatten(-1, (attn.heads, -1)) for linear in (attn.to_q, attn.to_k, attn.to_v)
         )
-        fused = _fused_norm_rope(attn, query, key, freqs_cis) if _fused_prologue(attn) else None
+        fused = _fused_norm_rope(attn, query, key, freqs_cis) if _fused_prologue(attn, hidden_states) else None
         if fused is not None:
             query, key = fused
         else:
