@@ -103,15 +103,16 @@ def _frequencies(*shape: int) -> torch.Tensor:
 
 
 def _assert_near_reference(got: list[torch.Tensor], expected: list[torch.Tensor], label: str) -> None:
-    """bf16: the kernel's float32 sums and rsqrt round differently from PyTorch's, which moves the normed
-    value, rounded to bf16 before RoPE, by one bf16 step at most, and rarely; the rotation carries that step
-    into both outputs of the pair, so it is bounded by a step of the head's largest value (an output
-    near zero by cancellation can move by far more than a step of its own)."""
+    """bf16: the kernel's float32 sums and rsqrt round differently from PyTorch's, which moves each of the
+    two bf16 roundings before RoPE (the normed value, then its product with the weight) by one step at
+    most, and rarely. The rotation carries such a step into both outputs of the pair, whose magnitude is at
+    most sqrt(2) times the head's largest output: so the bound is two bf16 steps of the head's largest
+    value, not of each output (one near zero by cancellation moves by far more than a step of its own;
+    run 88 saw 0.03125 on a key whose head's largest value was under 4)."""
     for index, (g, e) in enumerate(zip(got, expected)):
         assert g.shape == e.shape and g.dtype == e.dtype, (label, index)
         difference = (g.float() - e.float()).abs()
-        # one bf16 step (relative 2**-8, doubled) of the head's largest value
-        step = e.float().abs().amax(dim=-1, keepdim=True).clamp(min=2**-10) * 2**-7
+        step = e.float().abs().amax(dim=-1, keepdim=True).clamp(min=2**-10) * 2**-6
         assert bool((difference <= step).all()), (label, index, difference.max().item())
         moved = (difference > 0).float().mean().item()
         assert moved < 0.02, (label, index, moved)

@@ -311,6 +311,29 @@ def test_cache_dit_fast_mode_gives_its_compiled_blocks_bytes(pipeline, kind):
         restore(pipe)
 
 
+@pytest.mark.parametrize("pipeline", ["qwen-image", "z-image"])
+def test_cache_dit_static_mask_replays_without_switching_paths(pipeline):
+    # A static mask alternates compute and reuse. Each replay starts in the path the same place of the last call
+    # took (the runner's PathHints, Cache-DiT's path_hint), so a repeated call switches no path; before, nearly
+    # every replay switched and re-ran the graph up to the decision (H200 run 88: 350 switches in 399 replays).
+    cache_dit = pytest.importorskip("cache_dit")
+    reference = _cuda_tiny(pipeline)
+    cache_dit.enable_cache(reference, **cachedit_options("static"))
+    expected = mixed_call(reference, pipeline, (0, 0, True), MIXED_SIZES)
+    pipe = _cuda_tiny(pipeline)
+    cache_dit.enable_cache(pipe, **cachedit_options("static"))
+    accelerate(pipe)
+    try:
+        for _ in range(2):
+            mixed_call(pipe, pipeline, (0, 0, True), MIXED_SIZES)
+        before = stats(pipe)["cache_branch_switches"]
+        image = mixed_call(pipe, pipeline, (0, 0, True), MIXED_SIZES)
+        assert torch.equal(image, expected)
+        assert stats(pipe)["cache_branch_switches"] == before, stats(pipe)
+    finally:
+        restore(pipe)
+
+
 # ------------------------------------------------------------------------------ CFG batching under a cache
 CFG_STEPS = 10
 

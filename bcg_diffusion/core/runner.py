@@ -72,6 +72,12 @@ class OuterState(Protocol):
     ``record()`` after the capture; after a replay, ``apply(record)`` with that capture's record. When a
     replay's break returns another value, ``restart()`` before the breaks run again: it undoes what
     breaks changed in the state since ``key()`` (a break that changes nothing needs nothing).
+
+    Optionally, ``path_hint()`` (called after ``key()``, before a replay): a hashable that tells apart
+    the calls whose breaks tend to decide alike (Cache-DiT: how many calls its contexts ran in this
+    pipeline call), or None. A replay then starts in the path the last replay with the same hint took
+    (:class:`PathHints`), instead of the path of the signature's last call. A wrong hint costs a switch,
+    never a wrong result: every break still checks its result against the path's.
     """
 
     def key(self) -> Hashable: ...
@@ -171,6 +177,34 @@ class _Path:
         return getattr(self.graph, "path", ())
 
 
+class PathHints:
+    """Which captured path a replay starts in, by the outer state's hint (see :class:`OuterState`).
+
+    Without a hint, the path of the signature's last call. With one, the path the last replay with the
+    same hint took, else that last path: a static schedule that alternates compute and reuse (Cache-DiT's
+    step mask) starts each call where it will end, instead of switching at every call, which re-runs the
+    graph up to the decision. Remembers at most ``limit`` hints (then starts afresh)."""
+
+    def __init__(self, limit: int = 4096) -> None:
+        self.limit = limit
+        self._by_hint: dict[Hashable, Any] = {}
+
+    def start(self, hint: Hashable | None, last: Any) -> Any:
+        if hint is None:
+            return last
+        return self._by_hint.get(hint, last)
+
+    def taken(self, hint: Hashable | None, path: Any) -> None:
+        if hint is None:
+            return
+        if len(self._by_hint) >= self.limit and hint not in self._by_hint:
+            self._by_hint.clear()
+        self._by_hint[hint] = path
+
+    def clear(self) -> None:
+        self._by_hint.clear()
+
+
 @dataclass
 class _Entry:
     key: Hashable
@@ -180,11 +214,13 @@ class _Entry:
     paths: list[_Path] = field(default_factory=list)
     current: _Path | None = None  # the path the last call took; None: the signature runs eagerly
     stand_ins: list[OpaqueArgument] = field(default_factory=list)  # for arguments the spec cannot hold
+    hints: PathHints = field(default_factory=PathHints)
 
     def reset(self) -> None:
         for path in self.paths:
             path.graph.reset()
         self.paths.clear()
+        self.hints.clear()
         self.current = None
         self.static_inputs = []
 
@@ -402,6 +438,9 @@ class GraphRunner:
         path = entry.current
         if self.debug and entry.record.hostile_ops is None:
             return self._replay_finding(entry, path)
+        hint_of = getattr(self.outer_state, "path_hint", None)
+        hint = hint_of() if hint_of is not None else None
+        path = entry.hints.start(hint, path)
         for _ in range(MAX_PATHS + 1):  # each switch fixes one more decision, so this ends sooner
             try:
                 path.graph.replay()
@@ -424,6 +463,7 @@ class GraphRunner:
         else:
             return self._give_up(entry, "a break's results changed between two runs of one input", args, kwargs)
         entry.current = path
+        entry.hints.taken(hint, path)
         if self.outer_state is not None and not self.debug:
             self.outer_state.apply(path.outer)
         entry.record.replays += 1

@@ -301,6 +301,18 @@ class CacheDit:
             self._start = snapshot(manager)
         return ("cache-dit", id(manager), eager is not None, config_key(manager))
 
+    def path_hint(self) -> Hashable | None:
+        """How many transformer calls each of Cache-DiT's contexts ran in this pipeline call (its contexts are
+        made afresh at each): the coming call's place in the call, which decides its path under a static
+        computation mask, and is a good guess under the others. None without Cache-DiT, or with its blocks
+        eager (no path to choose)."""
+        if self.manager is None or self.eager_reason is not None:
+            return None
+        return tuple(
+            (name, context.transformer_executed_steps)
+            for name, context in sorted(self.manager._cached_context_manager.items())
+        )
+
     def checkpoint(self) -> Any:
         return snapshot(self.manager, clone=self.eager_reason is not None) if self.manager is not None else None
 

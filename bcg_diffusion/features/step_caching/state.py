@@ -347,6 +347,12 @@ class CacheState:
             parts.append(dit)
         return tuple(parts)
 
+    def path_hint(self) -> Hashable | None:
+        """Which earlier calls the coming one should decide like (the runner's optional hint): Cache-DiT's
+        (:meth:`.cachedit.CacheDit.path_hint`); None for diffusers' hooks, whose decisions either join the
+        key or read the data."""
+        return self.cachedit.path_hint()
+
     def persist(self) -> None:
         for holder in self._holders.values():
             state = holder.state()
