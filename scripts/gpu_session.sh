@@ -4,7 +4,8 @@
 # Prepare here first (the device cannot download anything; .whl/ is git-ignored and must be carried):
 #   echo /.whl/ >> .git/info/exclude
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-#     --platform manylinux_2_28_x86_64 -d .whl diffusers==0.42.1 importlib_metadata peft gradio ...
+#     --platform manylinux_2_28_x86_64 -d .whl diffusers==0.42.1 importlib_metadata torchao==0.17.0 gguf \
+#     cache-dit==1.5.3   (without cache-dit, the Cache-DiT tests skip and the +cachedit modes fail)
 # Then, with the device tool (carry [".whl"]):  bash scripts/gpu_session.sh PHASE [PHASE ...]
 #
 # Phases:
