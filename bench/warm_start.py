@@ -54,6 +54,7 @@ def _child(args: argparse.Namespace) -> None:
     dtype = torch.bfloat16 if device.type == "cuda" else None
     pipe = build_pipeline(args.pipeline, args.weights, device=device, dtype=dtype)
     pipe.set_progress_bar_config(disable=True)
+    _enable_cache(pipe, args.cache, args.steps)
     accelerate(
         pipe, mode="fast", compile_cache_dir=args.cache_dir, debug=device.type != "cuda", quantize=args.quantize
     )
@@ -61,7 +62,7 @@ def _child(args: argparse.Namespace) -> None:
     profiler = cProfile.Profile() if args.profile_to else None
     if profiler is not None:
         profiler.enable()
-    pipe(**Case(args.pipeline, args.size, args.size, args.steps, guidance=0.0).kwargs())
+    pipe(**Case(args.pipeline, args.size, args.size, args.steps, guidance=args.guidance).kwargs())
     synchronize(device)
     done = time.perf_counter()
     if profiler is not None:
@@ -90,6 +91,23 @@ def _child(args: argparse.Namespace) -> None:
             }
         )
     )
+
+
+def _enable_cache(pipe: Any, cache: str | None, steps: int) -> None:
+    """The benchmark's step cache on ``pipe`` before ``accelerate`` (its static schedules, :mod:`.caching`):
+    ``"magcache"``, ``"cachedit"`` (Cache-DiT's DBCache with a static mask), or None."""
+    if cache is None:
+        return
+    from bcg_diffusion import enable_cache
+
+    from . import caching
+
+    if cache == "cachedit":
+        import cache_dit
+
+        cache_dit.enable_cache(pipe, **caching.cachedit_options(pipe, steps))
+    else:
+        enable_cache(pipe, caching.cache_config(cache, steps))
 
 
 def _record_cache_bypasses() -> list[str]:
@@ -126,7 +144,9 @@ def _write_profile(profiler: cProfile.Profile, file: Path) -> None:
 def _run_child(args: argparse.Namespace, cache_dir: Path, label: str) -> dict[str, Any]:
     command = [sys.executable, "-m", "bench.warm_start", "--child", "--cache-dir", str(cache_dir)]
     command += ["--pipeline", args.pipeline, "--weights", args.weights, "--device", args.device]
-    command += ["--size", str(args.size), "--steps", str(args.steps)]
+    command += ["--size", str(args.size), "--steps", str(args.steps), "--guidance", str(args.guidance)]
+    if args.cache:
+        command += ["--cache", args.cache]
     if args.quantize:
         command += ["--quantize", args.quantize]
     if args.profile:
@@ -156,6 +176,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", type=runs.device_name, default="cuda", help="cpu, cuda or cuda:N")
     parser.add_argument("--size", type=runs.at_least(16), default=512, help="width and height, a multiple of 16")
     parser.add_argument("--steps", type=runs.at_least(2), default=8, help="denoising steps")
+    parser.add_argument("--guidance", type=float, default=0.0, help="true CFG scale (Qwen-Image; 0: no CFG)")
+    parser.add_argument(
+        "--cache",
+        choices=("magcache", "cachedit"),
+        help="a step cache enabled before accelerate in every child, on the benchmark's static schedule "
+        "(MagCache's ratios, Cache-DiT's mask): the first call with a cache against one without (default: none)",
+    )
     parser.add_argument("--out", type=Path, help="folder for warm-start.json (default: print only)")
     parser.add_argument(
         "--quantize", choices=("fp8",), help='accelerate(..., quantize="fp8") in every child (default: none)'

@@ -55,6 +55,8 @@
 #   bench-z          Z-Image-Turbo 512² and 1024², 8 steps, no CFG: every mode, with the loop profile
 #   te-z             Z-Image-Turbo 512², 8 steps: eager and our modes with and without the text encoder captured
 #   warm-start-z     fast mode's cold / warm / portable-cache start in fresh processes, Z-Image 512²
+#   first-call-qwen-none, first-call-qwen-magcache, first-call-qwen-cachedit  the same for Qwen-Image 1024², 50 steps,
+#                    true CFG 4, without a cache and with each (about 4 min each: two per device call)
 #   bench-qwen       Qwen-Image 512² and 1024², 10 steps, true CFG 4: every mode
 #   bench-qwen-512   Qwen-Image 512², 50 steps, true CFG 4: every mode
 #   bench-qwen-1024  Qwen-Image 1024², 20 steps, true CFG 4: every mode
@@ -82,7 +84,7 @@
 #                    for `python scripts/screenshot_replay.py DIR OUT.png` here (the GPU machine has no browser)
 # Everything it writes is under $OUT (logs, results.json/.md/.png); copy it to bench/results/<date>-h200/.
 set -uo pipefail
-[ $# -gt 0 ] || { echo "usage: scripts/gpu_session.sh probe-attention|tests-kernels|bench-kernels-qwen|bench-kernels-z|bench-cachedit-qwen|tests-state|bench-state|tests|tests-full|tests-fast|tests-coexist|tests-shared|tests-cache|bench-cache-qwen-1024|bench-cache-qwen-512|bench-cache-z|bench-cfg-cache-qwen|bench-cfg-cache-qwen-1024|bench-cfg-cache-qwen-512|tests-quant|tests-auto|probe-hand-patches|bench-auto|coverage|bench-fp8-z|bench-fp8-qwen|warm-start-fp8-z|probe-fp8-groups|probe-fp8-block|hotswap-z|tests-z|te-z|fast-check|profile-qwen|profile-z|fast-qwen-50|ab-attention|probe-floor|probe-norms|probe-blocks|compile-max-qwen|memory-z|bench-z|warm-start-z|bench-qwen|bench-qwen-512|bench-qwen-1024|issue2|parallel|parallel-cfg|serving|demo ..." >&2; exit 2; }
+[ $# -gt 0 ] || { echo "usage: scripts/gpu_session.sh probe-attention|tests-kernels|bench-kernels-qwen|bench-kernels-z|bench-cachedit-qwen|tests-state|bench-state|tests|tests-full|tests-fast|tests-coexist|tests-shared|tests-cache|bench-cache-qwen-1024|bench-cache-qwen-512|bench-cache-z|bench-cfg-cache-qwen|bench-cfg-cache-qwen-1024|bench-cfg-cache-qwen-512|tests-quant|tests-auto|probe-hand-patches|bench-auto|coverage|bench-fp8-z|bench-fp8-qwen|warm-start-fp8-z|probe-fp8-groups|probe-fp8-block|hotswap-z|tests-z|te-z|fast-check|profile-qwen|profile-z|fast-qwen-50|ab-attention|probe-floor|probe-norms|probe-blocks|compile-max-qwen|memory-z|bench-z|warm-start-z|first-call-qwen-none|first-call-qwen-magcache|first-call-qwen-cachedit|bench-qwen|bench-qwen-512|bench-qwen-1024|issue2|parallel|parallel-cfg|serving|demo ..." >&2; exit 2; }
 out=${OUT:-/tmp/bcg-out}
 mkdir -p "$out"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -246,6 +248,14 @@ case "$phase" in
   warm-start-z)
     timeout 150 python3 -m bench.warm_start --pipeline z-image --weights random-full --out "$out/warm-start-z-image" \
       2>&1 | tee "$out/warm-start-z-image.log" | tail -40
+    ;;
+  first-call-qwen-none|first-call-qwen-magcache|first-call-qwen-cachedit)
+    # Issue 36's first-call target: fresh processes (cold, warm and portable compile caches), Qwen-Image 1024²,
+    # 50 steps, true CFG 4, without a cache or with the benchmark's static MagCache / Cache-DiT schedule.
+    cache=${phase#first-call-qwen-}
+    flag=(); [ "$cache" = none ] || flag=(--cache "$cache")
+    timeout 280 python3 -m bench.warm_start --pipeline qwen-image --weights random-full --size 1024 --steps 50 \
+      --guidance 4 "${flag[@]}" --out "$out/first-call-qwen-$cache" 2>&1 | tail -3 | tee "$out/first-call-qwen-$cache.log"
     ;;
   bench-qwen)
     # Ours and regional compile at both sizes first; reduce-overhead (minutes of compile for the 20B

@@ -506,3 +506,21 @@ def test_cachedit_modes_compare_with_eager_cachedit():
     assert all(baseline(m) == "eager+cachedit" for m in CACHEDIT)
     assert EXACT["bcg+cachedit"] and not EXACT["fast+cachedit"]
     assert not set(CACHEDIT) & set(DEFAULT_MODES)
+
+
+@pytest.mark.parametrize("cache", ["magcache", "cachedit"])
+def test_warm_start_children_enable_the_benchmark_cache_before_accelerate(cache):
+    # bench.warm_start --cache: every child times its first call with the cache on (fresh processes), so the
+    # first call with a cache can be set against one without.
+    from bcg_diffusion.features.step_caching import cache_dit_enabled, cache_hooks
+    from bcg_diffusion.models import build_pipeline
+    from bench import warm_start
+
+    if cache == "cachedit":
+        pytest.importorskip("cache_dit")
+    pipe = build_pipeline("qwen-image", "tiny")
+    warm_start._enable_cache(pipe, cache, 4)
+    if cache == "cachedit":
+        assert cache_dit_enabled(pipe.transformer)
+    else:
+        assert cache_hooks(pipe.transformer)
