@@ -275,3 +275,20 @@ def test_fast_mode_with_the_switch_on_compiles_the_operator(name, monkeypatch):
             assert stats(pipe)["compiles"] == compiles
     finally:
         restore(pipe)
+
+
+@pytest.mark.parametrize(
+    ("attribute", "call"),
+    [
+        (attention.QK_PROLOGUE_ATTRIBUTE, lambda m, x: attention._fused_prologue(m, x)),
+        (attention.KERNEL_ATTRIBUTE, lambda m, x: attention.attend(m, x, x, x, lambda q, k, v: q)),
+    ],
+)
+def test_an_unknown_kernel_or_prologue_name_is_a_clear_error(attribute, call):
+    module = torch.nn.Linear(2, 2)
+    x = torch.zeros(1, 4, 2, 8)
+    setattr(module, attribute, "fast")
+    with pytest.raises(ValueError, match=f"Linear.{attribute} is 'fast'; expected one of"):
+        call(module, x)
+    setattr(module, attribute, "fused" if attribute == attention.QK_PROLOGUE_ATTRIBUTE else "dispatch")
+    call(module, x)  # a valid name is accepted

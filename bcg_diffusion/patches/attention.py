@@ -178,8 +178,8 @@ def attend(
     :data:`KERNEL_ATTRIBUTE`, else ``default`` (one of :data:`KERNELS`); ``[B, S, H, D]`` out. Through
     ``dispatch(query, key, value, **dispatch_kwargs)`` when that kernel is ``"dispatch"``, the user chose
     an attention backend of diffusers' or a parallel config, or the kernel does not take these tensors
-    (dtype, head size, device)."""
-    kernel = getattr(attn, KERNEL_ATTRIBUTE, default)
+    (dtype, head size, device). Raises ValueError for a kernel name that is not one of :data:`KERNELS`."""
+    kernel = _choice(attn, KERNEL_ATTRIBUTE, default, KERNELS)
     chosen_elsewhere = any(dispatch_kwargs.get(name) is not None for name in ("backend", "parallel_config"))
     if kernel != "dispatch" and not chosen_elsewhere and _default_backend_active():
         if kernel == "cudnn" and _cudnn_fits(query, key, value):
@@ -216,9 +216,18 @@ QK_PROLOGUE_DEFAULT = "auto"
 _TRITON = triton_available()  # once: compiled code must not trace importlib
 
 
+def _choice(attn: torch.nn.Module, attribute: str, default: str, allowed: tuple[str, ...]) -> str:
+    """``attn``'s ``attribute`` (else ``default``); raises ValueError when it is not one of ``allowed``."""
+    choice = getattr(attn, attribute, default)
+    if choice not in allowed:
+        raise ValueError(f"{type(attn).__name__}.{attribute} is {choice!r}; expected one of {allowed}")
+    return choice
+
+
 def _fused_prologue(attn: torch.nn.Module, like: torch.Tensor) -> bool:
-    """Whether ``attn``'s prologue runs as the fused kernel, for inputs like ``like``."""
-    choice = getattr(attn, QK_PROLOGUE_ATTRIBUTE, QK_PROLOGUE_DEFAULT)
+    """Whether ``attn``'s prologue runs as the fused kernel, for inputs like ``like``. Raises ValueError
+    for a value of :data:`QK_PROLOGUE_ATTRIBUTE` that is not one of :data:`QK_PROLOGUES` or ``"auto"``."""
+    choice = _choice(attn, QK_PROLOGUE_ATTRIBUTE, QK_PROLOGUE_DEFAULT, (*QK_PROLOGUES, "auto"))
     if choice == "auto":
         return like.is_cuda and _TRITON
     return choice == "fused"
