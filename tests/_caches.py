@@ -321,17 +321,17 @@ def check_captures_per_call(
             image = call(pipe, size)
             assert torch.equal(image, expected[size]), f"call {index} at {sizes[size]}: not eager's bytes"
             report = stats(pipe)
-            new, old = report["components"]["transformer"], before["components"]["transformer"]
-            captured = new["captures"] - old["captures"] + report["cache_branches"] - before["cache_branches"]
-            counts.append(captured)
-            if size in seen:
-                assert captured == 0, f"call {index} at {sizes[size]} captured {captured} graphs again"
-            else:
-                assert 0 < captured <= limit, (
-                    f"call {index} at {sizes[size]}: {captured} transformer graphs, more than {limit} "
-                    f"({SIGNATURES[pipeline]} argument signature(s), compute and skip each)"
+            counts.append(
+                _transformer_graphs(
+                    report,
+                    before,
+                    f"call {index} at {sizes[size]}",
+                    first_sight=size not in seen,
+                    limit=limit,
+                    why=f" ({SIGNATURES[pipeline]} argument signature(s), compute and skip each)",
+                    fallbacks=False,
                 )
-            assert_report_ran(report, before, captures=size not in seen, components=("transformer",))
+            )
             seen.add(size)
         if check is not None:
             assert check.compared > 0, "no run was compared with an earlier one of its key"
@@ -638,15 +638,8 @@ def check_cachedit_calls(
             )
             assert cachedit_cached(pipe) == reused[list(expected).index((size, prompt))]
             report = stats(pipe)
-            new, old = report["components"]["transformer"], before["components"]["transformer"]
-            assert new["eager_fallbacks"] == old["eager_fallbacks"], f"call {index} ran eagerly: {report['reason']}"
-            captured = new["captures"] - old["captures"] + report["cache_branches"] - before["cache_branches"]
-            counts.append(captured)
-            if (size, prompt) in seen:
-                assert captured == 0, f"call {index} captured {captured} graphs again"
-            else:
-                assert 0 < captured <= limit, f"call {index}: {captured} transformer graphs, more than {limit}"
-            assert_report_ran(report, before, captures=(size, prompt) not in seen, components=("transformer",))
+            first = (size, prompt) not in seen
+            counts.append(_transformer_graphs(report, before, f"call {index}", first_sight=first, limit=limit))
             seen.add((size, prompt))
         if check is not None:
             assert check.compared > 0, "no run was compared with an earlier one of its key"
@@ -659,6 +652,32 @@ def check_cachedit_calls(
         f"{pipeline}/cache-dit {kind} ({when} accelerate): reused (cached, calls) {reused} in eager, transformer "
         f"graphs per call {counts}, branches {report['cache_branches']}{compared}"
     )
+
+
+def _transformer_graphs(
+    report: dict[str, Any],
+    before: dict[str, Any],
+    where: str,
+    *,
+    first_sight: bool,
+    limit: int,
+    why: str = "",
+    fallbacks: bool = True,
+) -> int:
+    """The transformer graphs one call captured (captures plus cache branches, from ``before`` to ``report``).
+    Asserts that a call meeting its shape for the first time captured between 1 and ``limit`` (``why``: what
+    the limit counts) and a repeat none, that the graphs ran (:func:`assert_report_ran`), and with
+    ``fallbacks`` that the call ran no eager fallback."""
+    new, old = report["components"]["transformer"], before["components"]["transformer"]
+    if fallbacks:
+        assert new["eager_fallbacks"] == old["eager_fallbacks"], f"{where} ran eagerly: {report['reason']}"
+    captured = new["captures"] - old["captures"] + report["cache_branches"] - before["cache_branches"]
+    if first_sight:
+        assert 0 < captured <= limit, f"{where}: {captured} transformer graphs, more than {limit}{why}"
+    else:
+        assert captured == 0, f"{where} captured {captured} graphs again"
+    assert_report_ran(report, before, captures=first_sight, components=("transformer",))
+    return captured
 
 
 def _dit_call(pipe: Any, pipeline: str, sizes: tuple[tuple[int, int], ...], size: int, prompt: int) -> torch.Tensor:

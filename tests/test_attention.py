@@ -11,7 +11,7 @@ import inspect
 
 import pytest
 import torch
-from _cases import run_case
+from _cases import run_case, zimage_block_call
 from _checks import assert_graphs_ran, needs_compiler
 
 from bcg_diffusion import accelerate, eager, restore, stats
@@ -99,16 +99,6 @@ def test_cudnn_dispatch_applies_only_where_it_was_measured(qwen):
     assert QWEN_ATTENTION_PATCH.condition is None
 
 
-def _zimage_block_call(block, generator: torch.Generator, mask: bool) -> torch.Tensor:
-    tokens, dim = 24, block.dim
-    x = torch.randn(2, tokens, dim, generator=generator)
-    angles = torch.rand(2, tokens, block.head_dim // 2, generator=generator) * 6.28
-    freqs_cis = torch.polar(torch.ones_like(angles), angles)
-    attn_mask = torch.arange(tokens)[None] < torch.tensor([[tokens], [17]]) if mask else None
-    adaln = torch.randn(2, block.adaLN_modulation[0].in_features, generator=generator)
-    return block(x, attn_mask, freqs_cis, adaln)
-
-
 @pytest.mark.parametrize("mask", [False, True])
 def test_zimage_processor_without_autocast_equals_diffusers(mask):
     """The Z-Image processor of fast mode (RoPE without diffusers' no-op autocast context) computes
@@ -118,13 +108,13 @@ def test_zimage_processor_without_autocast_equals_diffusers(mask):
     transformer = build_pipeline("z-image", "tiny", device="cpu").transformer
     block = transformer.layers[0]
     with torch.no_grad():
-        expected = _zimage_block_call(block, torch.Generator().manual_seed(0), mask)
+        expected = zimage_block_call(block, torch.Generator().manual_seed(0), mask)
         patches = MethodPatches()
         assert ZIMAGE_ATTENTION_PATCH.apply(transformer, patches) == 0  # not on a GPU: the other one
         assert ZIMAGE_ROPE_PATCH.apply(transformer, patches) > 0
         try:
             assert type(block.attention.processor).__call__ is not ZSingleStreamAttnProcessor.__call__
-            got = _zimage_block_call(block, torch.Generator().manual_seed(0), mask)
+            got = zimage_block_call(block, torch.Generator().manual_seed(0), mask)
         finally:
             patches.undo()
     assert torch.equal(got, expected)

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _cases import CFG_CASE, run_case, tiny_pipeline
+from _cases import CFG_CASE, run_case, tiny_pipeline, zimage_block_call
 from _checks import assert_graphs_ran, needs_compiler
 
 from bcg_diffusion import accelerate, eager, restore, stats
@@ -225,14 +225,7 @@ def test_zimage_processor_with_the_switch_on_is_near_it_off(mask, monkeypatch):
         with torch.no_grad():
             for switch in ("compiled", "fused"):
                 setattr(block.attention, QK_PROLOGUE_ATTRIBUTE, switch)
-                generator = torch.Generator().manual_seed(0)
-                tokens, dim = 24, block.dim
-                x = torch.randn(2, tokens, dim, generator=generator)
-                angles = torch.rand(2, tokens, block.head_dim // 2, generator=generator) * 6.28
-                freqs_cis = torch.polar(torch.ones_like(angles), angles)
-                attn_mask = torch.arange(tokens)[None] < torch.tensor([[tokens], [17]]) if mask else None
-                adaln = torch.randn(2, block.adaLN_modulation[0].in_features, generator=generator)
-                outputs[switch] = block(x, attn_mask, freqs_cis, adaln)
+                outputs[switch] = zimage_block_call(block, torch.Generator().manual_seed(0), mask)
     finally:
         patches.undo()
         delattr(block.attention, QK_PROLOGUE_ATTRIBUTE)
