@@ -195,7 +195,9 @@ def time_block(base: torch.nn.Module, inputs: dict[str, tuple], patches_: tuple,
         torch.cuda.empty_cache()
 
 
-def qwen_block() -> None:
+def _qwen_block_case() -> tuple[torch.nn.Module, dict[str, tuple], tuple]:
+    """A random full-width Qwen-Image block, its inputs at 1024² in fast mode's CFG batch (two prompts of 64 and
+    40 valid text tokens, attended per prompt), and the processor patches fast mode applies to it."""
     from diffusers.models.transformers.transformer_qwenimage import QwenImageTransformerBlock
 
     from bcg_diffusion.patches.rope import QWEN_REAL_ROPE_PATCH
@@ -203,15 +205,12 @@ def qwen_block() -> None:
     torch.manual_seed(0)
     with torch.device("cuda"):
         base = random_block(QwenImageTransformerBlock(QWEN_DIM, QWEN_HEADS, QWEN_DIM // QWEN_HEADS))
-    args = qwen_block_inputs(4096, 64, batch=2)
-    # Fast mode's CFG batch: two prompts of 64 and 40 valid text tokens, attended per prompt.
-    inputs = {"1024² CFG": (*args, {attention.TEXT_LENGTHS_KWARG: (64, 40)})}
-    variants = [("dispatch", "dispatch", False), ("fp8", "fp8", False)]
-    variants += [("dispatch + GELU epilogue", "dispatch", True), ("fp8 + GELU epilogue", "fp8", True)]
-    time_block(base, inputs, (QWEN_REAL_ROPE_PATCH, attention.QWEN_ATTENTION_PATCH), variants)
+    inputs = {"1024² CFG": (*qwen_block_inputs(4096, 64, batch=2), {attention.TEXT_LENGTHS_KWARG: (64, 40)})}
+    return base, inputs, (QWEN_REAL_ROPE_PATCH, attention.QWEN_ATTENTION_PATCH)
 
 
-def z_block() -> None:
+def _z_block_case() -> tuple[torch.nn.Module, dict[str, tuple], tuple]:
+    """A random full-width Z-Image block, its inputs at 1024² and 512², and fast mode's processor patch."""
     from diffusers.models.transformers.transformer_z_image import ZImageTransformerBlock
 
     torch.manual_seed(0)
@@ -226,10 +225,19 @@ def z_block() -> None:
             torch.polar(torch.ones_like(angles), angles),
             torch.randn(1, 256, device="cuda", dtype=torch.bfloat16),
         )
+    return base, inputs, (attention.ZIMAGE_ATTENTION_PATCH,)
+
+
+def qwen_block() -> None:
+    variants = [("dispatch", "dispatch", False), ("fp8", "fp8", False)]
+    variants += [("dispatch + GELU epilogue", "dispatch", True), ("fp8 + GELU epilogue", "fp8", True)]
+    time_block(*_qwen_block_case(), variants)
+
+
+def z_block() -> None:
     # The Z-Image patch's dispatch takes diffusers' cuDNN backend on Hopper (copies into its layout);
     # "cudnn" is SDPA's cuDNN kernel on the tensors as they are.
-    variants = [(kernel, kernel, False) for kernel in ("dispatch", "cudnn", "fp8")]
-    time_block(base, inputs, (attention.ZIMAGE_ATTENTION_PATCH,), variants)
+    time_block(*_z_block_case(), [(kernel, kernel, False) for kernel in ("dispatch", "cudnn", "fp8")])
 
 
 PROLOGUE_CONFIGS = [(16, 2), (32, 4), (32, 8), (64, 4), (64, 8), (128, 8)]  # (rows of D per program, warps)
@@ -247,6 +255,17 @@ def _difference(got: list[torch.Tensor], expected: list[torch.Tensor]) -> str:
     relative = max(((g.float() - e.float()).norm() / e.float().norm()).item() for g, e in zip(got, expected))
     moved = sum((g != e).sum().item() for g, e in zip(got, expected)) / sum(e.numel() for e in expected)
     return f"max abs difference {worst:.4g}, relative {relative:.2e}, elements that differ {moved:.2%}"
+
+
+def _sweep_configs(fused: Callable[[], list[torch.Tensor]], nbytes: int) -> None:
+    """``fused`` timed under each launch setting of :data:`PROLOGUE_CONFIGS`, the kernel's own put back after."""
+    saved = qk_prologue._CONFIG
+    try:
+        for config in PROLOGUE_CONFIGS:
+            qk_prologue._CONFIG = config
+            _prologue_report(f"fused, config {config}", fused, nbytes)
+    finally:
+        qk_prologue._CONFIG = saved
 
 
 def prologue() -> None:
@@ -293,13 +312,7 @@ def prologue() -> None:
     ]
     print(f"   fused against the eager reference: {_difference(got, reference)}")
     print(f"   inductor against the eager reference: {_difference(expected, reference)}")
-    saved = qk_prologue._CONFIG
-    try:
-        for config in PROLOGUE_CONFIGS:
-            qk_prologue._CONFIG = config
-            _prologue_report(f"fused, config {config}", fused_joint, nbytes)
-    finally:
-        qk_prologue._CONFIG = saved
+    _sweep_configs(fused_joint, nbytes)
 
     # Z-Image 1024²: the query and key normed and rotated (complex RoPE in the compiled path).
     tokens, heads = 4160, Z_HEADS
@@ -322,43 +335,14 @@ def prologue() -> None:
     _, expected = _prologue_report("inductor (fast mode's compiled path)", torch.compile(compiled_norm_rope), nbytes)
     _, got = _prologue_report(f"fused Triton kernel {qk_prologue._CONFIG}", fused_norm_rope, nbytes)
     print(f"   fused against inductor: {_difference(got, expected)}")
-    try:
-        for config in PROLOGUE_CONFIGS:
-            qk_prologue._CONFIG = config
-            _prologue_report(f"fused, config {config}", fused_norm_rope, nbytes)
-    finally:
-        qk_prologue._CONFIG = saved
+    _sweep_configs(fused_norm_rope, nbytes)
 
 
 def prologue_blocks() -> None:
     """One Qwen-Image and one Z-Image block as fast mode runs them, attention's prologue compiled or fused."""
-    from diffusers.models.transformers.transformer_qwenimage import QwenImageTransformerBlock
-    from diffusers.models.transformers.transformer_z_image import ZImageTransformerBlock
-
-    from bcg_diffusion.patches.rope import QWEN_REAL_ROPE_PATCH
-
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        base = random_block(QwenImageTransformerBlock(QWEN_DIM, QWEN_HEADS, QWEN_DIM // QWEN_HEADS))
-    inputs = {"1024² CFG": (*qwen_block_inputs(4096, 64, batch=2), {attention.TEXT_LENGTHS_KWARG: (64, 40)})}
-    variants = [(f"qwen, prologue {p}", "dispatch", True, p) for p in attention.QK_PROLOGUES]
-    time_block(base, inputs, (QWEN_REAL_ROPE_PATCH, attention.QWEN_ATTENTION_PATCH), variants)
-    del base
+    time_block(*_qwen_block_case(), [(f"qwen, prologue {p}", "dispatch", True, p) for p in attention.QK_PROLOGUES])
     torch.cuda.empty_cache()
-
-    with torch.device("cuda"):
-        base = random_block(ZImageTransformerBlock(0, Z_DIM, Z_HEADS, Z_HEADS, 1e-5, qk_norm=True, modulation=True))
-    inputs = {}
-    for size, tokens in {"1024²": 4160, "512²": 1088}.items():
-        angles = torch.rand(1, tokens, Z_DIM // Z_HEADS // 2, device="cuda") * 6.28
-        inputs[size] = (
-            torch.randn(1, tokens, Z_DIM, device="cuda", dtype=torch.bfloat16),
-            None,
-            torch.polar(torch.ones_like(angles), angles),
-            torch.randn(1, 256, device="cuda", dtype=torch.bfloat16),
-        )
-    variants = [(f"z, prologue {p}", "cudnn", False, p) for p in attention.QK_PROLOGUES]
-    time_block(base, inputs, (attention.ZIMAGE_ATTENTION_PATCH,), variants)
+    time_block(*_z_block_case(), [(f"z, prologue {p}", "cudnn", False, p) for p in attention.QK_PROLOGUES])
 
 
 SECTIONS = {
