@@ -135,9 +135,7 @@ def eager_blocks(module: torch.nn.Module) -> str | None:
     manager = _manager(module)
     if manager is None:
         return None
-    from cache_dit.caching.cache_contexts.cache_manager import CachedContextManager
-
-    if type(manager) is not CachedContextManager:
+    if type(manager) is not _dbcache_manager():
         return (
             f"Cache-DiT's {type(manager).__name__} (DBPrune) decides per block; only DBCache is carried inside "
             "the graphs: its blocks run eagerly, the rest of the transformer in the graphs"
@@ -151,6 +149,14 @@ def eager_blocks(module: torch.nn.Module) -> str | None:
                 f"{', '.join(CARRIED_CALIBRATORS)}): its blocks run eagerly, the rest of the transformer in the graphs"
             )
     return None
+
+
+@functools.cache
+def _dbcache_manager() -> type:
+    """Cache-DiT's DBCache context manager class (imported once: :func:`eager_blocks` runs at every call)."""
+    from cache_dit.caching.cache_contexts.cache_manager import CachedContextManager
+
+    return CachedContextManager
 
 
 def _cached_blocks(module: torch.nn.Module) -> list[torch.nn.Module]:
