@@ -50,6 +50,7 @@ from ..core.graphs import call_untracked
 from ..core.hooks import MethodPatches
 from ..core.python_state import through_compiled
 from ..core.runner import BCGWarning
+from . import persistent_reductions
 from .base import Feature, Setup, Target
 
 __all__ = [
@@ -117,8 +118,9 @@ _CACHEABLE_SDPA_FUNCTIONS = ("torch.nn.attention._backend_from_string", "torch.n
 
 
 def _compile_settings(floats_as_constants: bool) -> contextlib.AbstractContextManager[Any]:
-    """Dynamo settings for our blocks' compiles: a higher recompile limit, no duck sizing, and Python
-    floats traced as constants or not (:func:`_floats_as_constants` decides).
+    """Dynamo settings for our blocks' compiles: a higher recompile limit, no duck sizing, Python
+    floats traced as constants or not (:func:`_floats_as_constants` decides), and inductor's persistent
+    reductions widened to the models' widths (:mod:`~bcg_diffusion.features.persistent_reductions`).
 
     Duck sizing makes two sizes that happen to be equal at the first compile equal by guard, so a later
     call where they differ compiles a second, more general entry; which entry then serves a call would
@@ -136,6 +138,7 @@ def _compile_settings(floats_as_constants: bool) -> contextlib.AbstractContextMa
 
     if hasattr(shape_config, "use_duck_shape"):
         stack.enter_context(shape_config.patch(use_duck_shape=False))
+    stack.enter_context(persistent_reductions.widened())
     return stack
 
 
@@ -168,14 +171,16 @@ def _floats_as_constants(holds_lora: bool, args: tuple[Any, ...], kwargs: dict[s
 def _inductor_options() -> dict[str, Any]:
     """Inductor settings for our blocks' compiles, passed to ``torch.compile`` so that they apply
     while it compiles and cost nothing per call: the SDPA backend choice marked cacheable
-    (:data:`_CACHEABLE_SDPA_FUNCTIONS`), beside any functions the user marked."""
+    (:data:`_CACHEABLE_SDPA_FUNCTIONS`), beside any functions the user marked, and the widened
+    persistent reductions named for the caches' key (:func:`persistent_reductions.inductor_options`)."""
     import torch._inductor.config as inductor
 
+    options = persistent_reductions.inductor_options()
     marked = getattr(inductor, "unsafe_marked_cacheable_functions", None)
     if marked is None:  # a torch without the setting: its cache is left as it is
-        return {}
+        return options
     marks = dict(marked) | {name: torch.__version__ for name in _CACHEABLE_SDPA_FUNCTIONS}
-    return {"unsafe_marked_cacheable_functions": marks}
+    return options | {"unsafe_marked_cacheable_functions": marks}
 
 
 def _private_copy(function: types.FunctionType) -> types.FunctionType:

@@ -20,7 +20,12 @@
   Z-Image block (cuDNN on the tensors as they are) with the switch ``patches.attention.QK_PROLOGUE_ATTRIBUTE``
   "compiled" against "fused": time per block replayed from a graph, the kernel table by kind.
 
-    python -m bench.probes.probe_attention_kernels [--sections kernels,qwen-block,z-block,prologue,prologue-blocks]
+* ``reductions``: the same blocks (fused prologue), in bf16 and in FP8 (``quantize="fp8"``'s config and
+  filter), compiled with inductor's persistent reductions as it chooses them (rows up to 1,024 elements)
+  and widened to rows of up to 16,384: the blocks' LayerNorms and FP8 row scales reduce over 3,072 to
+  12,288 elements, which inductor otherwise loops over, reading each row twice.
+
+    python -m bench.probes.probe_attention_kernels [--sections kernels,qwen-block,z-block,prologue,prologue-blocks,reductions]
 """
 
 from __future__ import annotations
@@ -145,16 +150,25 @@ def attention_kernels() -> None:
                 kernels._CONFIGS[kind] = saved
 
 
-def time_block(base: torch.nn.Module, inputs: dict[str, tuple], patches_: tuple, variants: list[tuple]) -> None:
+def time_block(
+    base: torch.nn.Module,
+    inputs: dict[str, tuple],
+    patches_: tuple,
+    variants: list[tuple],
+    prepare: Callable[[torch.nn.Module], None] | None = None,
+) -> None:
     """For each (label, attention kernel, GELU in the epilogue[, attention prologue]): compile a copy of
     ``base`` as fast mode does, time it per size, print its error against the first variant and the
     kernel table of the first size. The prologue ("compiled" or "fused"), where given, is set on every
-    attention module (``patches.attention.QK_PROLOGUE_ATTRIBUTE``)."""
+    attention module (``patches.attention.QK_PROLOGUE_ATTRIBUTE``). ``prepare`` (optional) changes the
+    copy's holder before anything else (quantization)."""
     references: dict[str, torch.Tensor] = {}
     for label, kernel, gelu_epilogue, *prologue in variants:
         holder = torch.nn.Module()
         holder.block = copy.deepcopy(base)
         holder._repeated_blocks = [type(base).__name__]
+        if prepare is not None:
+            prepare(holder)
         patches, compile_patches = MethodPatches(), MethodPatches()
         for patch in patches_:
             patch.apply(holder.block, patches)
@@ -345,12 +359,71 @@ def prologue_blocks() -> None:
     time_block(*_z_block_case(), [(f"z, prologue {p}", "cudnn", False, p) for p in attention.QK_PROLOGUES])
 
 
+@contextlib.contextmanager
+def persistent_reductions(limit: int | None) -> Any:
+    """Inductor's choice of a persistent reduction (the whole row in one program, read once) for row
+    reductions of up to ``limit`` elements, where its default stops at 1,024 and loops over the row
+    (reading it twice for a norm); None: inductor's default. Fast mode's own widening
+    (``features.persistent_reductions``) is off meanwhile, and the caches too, so no kernel compiled
+    under another setting is loaded."""
+    from torch._inductor import config as inductor
+    from torch._inductor.choices import InductorChoices
+    from torch._inductor.runtime.hints import ReductionHint
+    from torch._inductor.virtualized import V
+
+    from bcg_diffusion.features import persistent_reductions as ours
+
+    original = InductorChoices.__dict__.get("should_use_persistent_reduction")
+    if not isinstance(original, staticmethod):
+        raise RuntimeError("this torch's inductor has no InductorChoices.should_use_persistent_reduction to widen")
+
+    def wider(features: Any, cooperative_reduction: bool) -> bool:
+        if original.__func__(features, cooperative_reduction):
+            return True
+        if limit is None or cooperative_reduction or not inductor.triton.persistent_reductions:
+            return False
+        if features.get_reduction_hint() != ReductionHint.INNER:
+            return False
+        return V.graph.sizevars.statically_known_leq(features.reduction_numel, limit)
+
+    InductorChoices.should_use_persistent_reduction = staticmethod(wider)
+    widened, ours.widened = ours.widened, contextlib.nullcontext
+    options, ours.inductor_options = ours.inductor_options, dict
+    try:
+        with inductor.patch(force_disable_caches=True):
+            yield
+    finally:
+        InductorChoices.should_use_persistent_reduction = original
+        ours.widened, ours.inductor_options = widened, options
+
+
+def _fp8(holder: torch.nn.Module) -> None:
+    from bcg_diffusion.features.quantization import FP8, default_filter, quantize_transformer, torchao_config
+
+    quantize_transformer(holder, torchao_config(FP8), default_filter(holder))
+
+
+def reductions() -> None:
+    """One Qwen-Image and one Z-Image block as fast mode runs them (fused prologue), in bf16 and in FP8,
+    with inductor's persistent reductions up to 1,024 elements (its default), 4,096 (fast mode's) and 16,384."""
+    for limit in (None, 4096, 16384):
+        label = "default" if limit is None else f"persistent <= {limit}"
+        with persistent_reductions(limit):
+            time_block(*_qwen_block_case(), [(f"qwen bf16, {label}", "dispatch", True, "fused")])
+            time_block(*_qwen_block_case(), [(f"qwen fp8, {label}", "dispatch", False, "fused")], prepare=_fp8)
+            torch.cuda.empty_cache()
+            time_block(*_z_block_case(), [(f"z bf16, {label}", "cudnn", False, "fused")])
+            time_block(*_z_block_case(), [(f"z fp8, {label}", "cudnn", False, "fused")], prepare=_fp8)
+            torch.cuda.empty_cache()
+
+
 SECTIONS = {
     "kernels": ("attention kernels", attention_kernels),
     "qwen-block": ("Qwen-Image block at 1024² CFG, per attention kernel", qwen_block),
     "z-block": ("Z-Image block, per attention kernel", z_block),
     "prologue": ("attention's prologue alone: inductor against the fused kernel", prologue),
     "prologue-blocks": ("one block per model, attention's prologue compiled against fused", prologue_blocks),
+    "reductions": ("one block per model, bf16 and FP8, inductor's persistent reductions widened", reductions),
 }
 
 if __name__ == "__main__":
