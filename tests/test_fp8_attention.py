@@ -93,3 +93,23 @@ def test_gelu_epilogue_applies_to_cuda_half_precision_modules_only():
     # (checked against diffusers' module in test_attention_kernels_cuda.py): only CUDA modules in half
     # precision are patched.
     assert patch_gelu_epilogues(torch.nn.Sequential(module, module.to(torch.bfloat16)), MethodPatches()) == 0
+
+
+def test_gelu_epilogue_follows_a_projection_replaced_after_it_was_patched():
+    # A LoRA loaded after accelerate wraps the GELU's projection; the patched forward kept calling the
+    # projection it was made with, so the LoRA was silently missing from fast mode's feed-forwards.
+    peft = pytest.importorskip("peft")
+    from diffusers.models.activations import GELU
+
+    from bcg_diffusion.patches.gelu import gelu_in_epilogue
+
+    torch.manual_seed(0)
+    module = GELU(16, 64, approximate="tanh")
+    forward = gelu_in_epilogue(module)  # on a CPU its product computes the erf GELU: compare the structure
+    x = torch.randn(3, 16)
+    torch.testing.assert_close(forward(x), torch.nn.functional.gelu(module.proj(x)))
+    holder = torch.nn.Module()
+    holder.act = module
+    peft.inject_adapter_in_model(peft.LoraConfig(r=4, lora_alpha=4, target_modules=["proj"]), holder)
+    torch.nn.init.normal_(module.proj.lora_B["default"].weight)
+    assert torch.equal(forward(x), module(x))  # the module's own forward, with the LoRA

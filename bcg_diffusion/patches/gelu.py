@@ -27,10 +27,14 @@ GELU_EPILOGUE_PATCH = "GELU in the matrix product's epilogue"
 
 def gelu_in_epilogue(module: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
     """A forward for diffusers' ``GELU`` ``module`` (tanh approximation) that computes
-    ``gelu(proj(x))`` as one cuBLASLt product with the activation in its epilogue."""
+    ``gelu(proj(x))`` as one cuBLASLt product with the activation in its epilogue. Should ``module.proj``
+    be replaced later (a LoRA layer wrapping it), the module's own forward runs instead."""
     proj = module.proj
+    original = type(module).forward
 
     def forward(hidden_states: torch.Tensor) -> torch.Tensor:
+        if module.proj is not proj:
+            return original(module, hidden_states)
         flat = hidden_states.flatten(0, -2)
         out = torch._addmm_activation(proj.bias, flat, proj.weight.t(), use_gelu=True)
         return out.unflatten(0, hidden_states.shape[:-1])
