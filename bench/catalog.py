@@ -26,6 +26,7 @@ MODES: tuple[str, ...] = (
     "bcg-fp8",
     "fast-fp8",
     "fast-fp8-attn",
+    "fast-fp8-gelu",
     "eager-fp8+cache",
     "fast-fp8+cache",
     "eager+cachedit",
@@ -47,7 +48,15 @@ CACHED: tuple[str, ...] = (
 )
 # The modes with the transformer quantized to row-wise FP8 (bcg_diffusion.features.quantization): they compare with
 # eager-fp8 (the same quantization by hand, eager) as the others with eager.
-FP8_MODES: tuple[str, ...] = ("eager-fp8", "bcg-fp8", "fast-fp8", "fast-fp8-attn", "eager-fp8+cache", "fast-fp8+cache")
+FP8_MODES: tuple[str, ...] = (
+    "eager-fp8",
+    "bcg-fp8",
+    "fast-fp8",
+    "fast-fp8-attn",
+    "fast-fp8-gelu",
+    "eager-fp8+cache",
+    "fast-fp8+cache",
+)
 # Ablations of what our defaults add: the text encoder's graphs, automatic breaks and fast mode's CFG batching.
 ABLATIONS: tuple[str, ...] = ("bcg-no-te", "bcg-no-auto", "fast-no-te", "fast-no-auto", "fast-unbatched")
 # What a run without --modes compares on a GPU: ours as a user gets them, and the peers.
@@ -78,6 +87,8 @@ DESCRIPTIONS = {
     "bcg-fp8": 'accelerate(pipe, quantize="fp8"): the same FP8 model in exact graphs',
     "fast-fp8": 'accelerate(pipe, mode="fast", quantize="fp8"): the same FP8 model, compiled blocks in graphs',
     "fast-fp8-attn": 'fast-fp8 with attention="fp8": the attention in FP8 too (our Triton kernel)',
+    "fast-fp8-gelu": "fast-fp8 with the feed-forwards' GELU and FP8 input scales in one kernel of ours "
+    "(patches.fp8_feed_forward, off by default until measured)",
     "eager-fp8+cache": "eager-fp8 with the step cache (--cache)",
     "fast-fp8+cache": "fast-fp8 with the same step cache inside its graphs",
     "compile+cache": "regional compile (compile_repeated_blocks, fullgraph=False: the cache's hooks break graphs) "
@@ -92,13 +103,15 @@ EXACT.update({"fast": False, "fast-no-te": False, "fast-no-auto": False, "fast-u
 EXACT.update({"compile": False, "compile-max": False})
 EXACT.update({"eager+cache": True, "bcg+cache": True, "fast+cache": False, "compile+cache": False})
 EXACT.update({"fast-unbatched+cache": False})
-EXACT.update({"eager-fp8": True, "bcg-fp8": True, "fast-fp8": False, "fast-fp8-attn": False})
+EXACT.update({"eager-fp8": True, "bcg-fp8": True, "fast-fp8": False, "fast-fp8-attn": False, "fast-fp8-gelu": False})
 EXACT.update({"eager-fp8+cache": True, "fast-fp8+cache": False})
 EXACT.update({"eager+cachedit": True, "bcg+cachedit": True, "fast+cachedit": False})
 OURS = ("bcg", "bcg-no-te", "bcg-no-auto", "fast", "fast-no-te", "fast-no-auto", "fast-unbatched")
 OURS += ("bcg+cachedit", "fast+cachedit")
 OURS += ("bcg+cache", "fast+cache", "fast-unbatched+cache", "bcg-fp8", "fast-fp8", "fast-fp8-attn", "fast-fp8+cache")
+OURS += ("fast-fp8-gelu",)
 FAST = ("fast", "fast-no-te", "fast-no-auto", "fast-unbatched", "fast+cache", "fast-fp8", "fast-fp8-attn")
+FAST += ("fast-fp8-gelu",)
 FAST += ("fast-fp8+cache", "fast+cachedit", "fast-unbatched+cache")
 
 

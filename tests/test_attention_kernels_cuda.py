@@ -3,6 +3,8 @@
 * The Triton kernels (bf16 and FP8, both tile readers) against float32 attention at the shapes fast
   mode meets (odd token counts included), and deterministic: the same bytes on every call.
 * The GELU epilogue computes diffusers' tanh GELU.
+* The GELU-to-FP8 kernel (``kernels/gelu_fp8.py``) against its reference (diffusers' GELU, then torchao's
+  row scales and cast) at Qwen-Image's feed-forward width, and deterministic.
 * ``accelerate(pipe, mode="fast", attention="fp8")`` on full-size Z-Image (tiny models have heads of
   16, which the kernels do not take): the attention modules use the FP8 kernel, the graphs give the same
   bytes as the compiled blocks without graphs, and the image stays near bf16 fast mode's.
@@ -17,6 +19,7 @@ from _cases import cuda_pipeline, run_case
 
 from bcg_diffusion import accelerate, eager, restore, stats
 from bcg_diffusion.kernels import attention as kernels
+from bcg_diffusion.kernels import gelu_fp8
 from bcg_diffusion.patches.attention import KERNEL_ATTRIBUTE
 from bcg_diffusion.patches.gelu import gelu_in_epilogue
 
@@ -189,3 +192,24 @@ def test_qwen_processor_compiled_with_the_fused_prologue_stays_near_the_compiled
             )
     print(f"\nrelative error against the uncompiled processor: {errors}")
     assert errors["fused"] < 2e-2 and errors["compiled"] < 2e-2, errors
+
+
+@needs_fp8
+@pytest.mark.parametrize("rows", [1, 333, 8192])
+def test_gelu_fp8_kernel_matches_its_reference_and_is_deterministic(rows):
+    torch.manual_seed(0)
+    wide = torch.randn(rows, 12288 + 64, device="cuda", dtype=torch.bfloat16) * 3
+    hidden = wide[:, :12288]  # rows strided like a slice of a wider output
+    assert gelu_fp8.unavailable(hidden.device) is None
+    data, scale = gelu_fp8.gelu_fp8(hidden)
+    expected_data, expected_scale = gelu_fp8.reference_gelu_fp8(hidden)
+    # The GELU's tanh is libdevice's here and PyTorch's CUDA kernel's in the reference: an ulp of float32
+    # apart at most, which can move the rounded GELU by one bf16 step and the float8 value by one step.
+    torch.testing.assert_close(scale, expected_scale, rtol=2**-7, atol=0)
+    got, want = (data.float() * scale), (expected_data.float() * expected_scale)
+    bound = torch.maximum(got.abs(), want.abs()) * 2**-3 + 1e-6
+    assert torch.all((got - want).abs() <= bound)
+    equal = (data.view(torch.uint8) == expected_data.view(torch.uint8)).float().mean().item()
+    assert equal > 0.99, equal
+    again = gelu_fp8.gelu_fp8(hidden)
+    assert torch.equal(again[0].view(torch.uint8), data.view(torch.uint8)) and torch.equal(again[1], scale)

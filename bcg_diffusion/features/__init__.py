@@ -3,8 +3,8 @@
 :func:`~bcg_diffusion.accelerate` walks :data:`FEATURES` in order; that order is the order of their
 hooks (context parallelism decides about the collectives before fast mode decides whether to compile,
 step caching takes a cache's hooks off the blocks before they compile, quantization replaces
-the weights before they compile (and before the GELU epilogue looks for plain projections), FP8
-attention marks the attention modules before they compile,
+the weights before they compile (and before the GELU epilogue looks for plain projections and the
+FP8 feed-forward for FP8 ones), FP8 attention marks the attention modules before they compile,
 compiled blocks patch the attention processors before CFG batching asks what they accept; CFG across
 GPUs wraps the transformer's call last, outside everything else).
 """
@@ -17,6 +17,7 @@ from .cfg_parallel import CfgParallel
 from .compiled_blocks import CompiledBlocks
 from .context_parallel import ContextParallel
 from .fp8_attention import Fp8Attention
+from .fp8_feed_forward import Fp8FeedForward
 from .gelu_epilogue import GeluEpilogue
 from .quantization import Quantization
 from .step_caching import StepCaching
@@ -31,6 +32,7 @@ FEATURES: list[type[Feature]] = [
     StepCaching,
     Quantization,
     GeluEpilogue,
+    Fp8FeedForward,
     Fp8Attention,
     CompiledBlocks,
     CfgBatching,

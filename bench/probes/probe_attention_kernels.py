@@ -25,7 +25,12 @@
   and widened to rows of up to 16,384: the blocks' LayerNorms and FP8 row scales reduce over 3,072 to
   12,288 elements, which inductor otherwise loops over, reading each row twice.
 
-    python -m bench.probes.probe_attention_kernels [--sections kernels,qwen-block,z-block,prologue,prologue-blocks,reductions]
+* ``fp8-gelu``: one Qwen-Image block in FP8 with the feed-forward's GELU and its down projection's FP8
+  input as inductor compiles them, then with our kernel (``patches.fp8_feed_forward``); then the kernel
+  alone at the block's shape (2 x 4,160 rows of 12,288) against the same arithmetic compiled, and its
+  launch settings.
+
+    python -m bench.probes.probe_attention_kernels [--sections kernels,qwen-block,z-block,prologue,prologue-blocks,reductions,fp8-gelu]
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import functools
 import time
 from collections.abc import Callable
 from typing import Any
@@ -417,6 +423,37 @@ def reductions() -> None:
             torch.cuda.empty_cache()
 
 
+def _fp8_fused_gelu(holder: torch.nn.Module) -> None:
+    from bcg_diffusion.patches import fp8_feed_forward
+
+    _fp8(holder)
+    for module in holder.modules():
+        if type(module).__name__ == "FeedForward":
+            setattr(module, fp8_feed_forward.FP8_GELU_ATTRIBUTE, "fused")
+    assert fp8_feed_forward.patch_fp8_feed_forwards(holder, MethodPatches()) > 0  # the copy is dropped after
+
+
+def fp8_gelu() -> None:
+    """One Qwen-Image block in FP8 (fused prologue) with the feed-forward's GELU and FP8 input scales as
+    inductor compiles them against our kernel (``patches.fp8_feed_forward``); then the kernel alone."""
+    from bcg_diffusion.kernels import gelu_fp8
+
+    time_block(*_qwen_block_case(), [("qwen fp8, GELU compiled", "dispatch", False, "fused")], prepare=_fp8)
+    time_block(*_qwen_block_case(), [("qwen fp8, GELU fused", "dispatch", False, "fused")], prepare=_fp8_fused_gelu)
+    hidden = torch.randn(2 * 4160, 12288, device="cuda", dtype=torch.bfloat16)
+    nbytes = hidden.numel() * 3 + hidden.shape[0] * 4  # bf16 read, float8 written, the scales
+    compiled = torch.compile(gelu_fp8.reference_gelu_fp8)
+    _, expected = _prologue_report("inductor (the reference compiled)", lambda: list(compiled(hidden)), nbytes)
+    _, got = _prologue_report(
+        f"fused Triton kernel {gelu_fp8._CONFIG}", lambda: list(gelu_fp8.gelu_fp8(hidden)), nbytes
+    )
+    equal = (got[0].view(torch.uint8) == expected[0].view(torch.uint8)).float().mean().item()
+    print(f"   float8 bytes equal to inductor's: {equal:.4%}; scales equal: {torch.equal(got[1], expected[1])}")
+    for config in [(1024, 4), (2048, 4), (2048, 8), (4096, 8), (4096, 16)]:
+        outputs = gelu_fp8._empty(hidden, torch.float8_e4m3fn)
+        _prologue_report(f"   config {config}", functools.partial(gelu_fp8._launch, hidden, *outputs, config), nbytes)
+
+
 SECTIONS = {
     "kernels": ("attention kernels", attention_kernels),
     "qwen-block": ("Qwen-Image block at 1024² CFG, per attention kernel", qwen_block),
@@ -424,6 +461,7 @@ SECTIONS = {
     "prologue": ("attention's prologue alone: inductor against the fused kernel", prologue),
     "prologue-blocks": ("one block per model, attention's prologue compiled against fused", prologue_blocks),
     "reductions": ("one block per model, bf16 and FP8, inductor's persistent reductions widened", reductions),
+    "fp8-gelu": ("Qwen-Image's FP8 feed-forward: GELU and input scales compiled against our kernel", fp8_gelu),
 }
 
 if __name__ == "__main__":

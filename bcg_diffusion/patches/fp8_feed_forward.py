@@ -1,0 +1,169 @@
+"""Fast mode under FP8: a feed-forward's tanh GELU and its down projection's FP8 input in one kernel.
+
+diffusers' ``FeedForward`` with ``activation_fn="gelu-approximate"`` (Qwen-Image's) runs its up projection,
+the GELU, then its down projection. With torchao's row-wise dynamic FP8 weights (``quantize="fp8"``), the
+down projection quantizes its input first: each row's scale from its largest magnitude, the row divided
+by it and cast to float8. Compiled, that GELU and quantization are one inductor kernel that reads each
+12,288-element row twice at about 0.8 TB/s: 0.371 ms of a 3.1 ms Qwen-Image block at 1024² with CFG (H200,
+run 93). The patched forward runs the up projection as torchao does, then our kernel
+(:func:`bcg_diffusion.kernels.gelu_fp8.gelu_fp8`), and hands its float8 rows and scales to torchao's own
+product for the down projection, which then quantizes nothing.
+
+The same arithmetic as the unpatched forward, step for step (diffusers' GELU, torchao's scale and cast,
+torchao's product): on a CPU, where the operator runs its PyTorch reference, the patched forward gives
+the unpatched one's bytes; on a GPU the kernel's tanh may differ from PyTorch's by an ulp, so bytes may
+differ there, which fast mode allows (its contract is with its own compiled blocks).
+
+Not measured on a GPU yet, so off by default (:data:`FP8_GELU_DEFAULT`); an attribute on a feed-forward
+module (:data:`FP8_GELU_ATTRIBUTE`, ``"fused"`` or ``"torchao"``) chooses for that module, read when
+``accelerate`` prepares the model. Applies only where torchao itself would run its PyTorch kernels
+(row-wise scales for weights and activations, float8_e4m3fn, no bounds on the scales, without the
+``mslk`` package): :func:`unfit` says why a module is left as it is.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from ..core.hooks import MethodPatches
+
+__all__ = [
+    "FP8_GELU_ATTRIBUTE",
+    "FP8_GELU_CHOICES",
+    "FP8_GELU_DEFAULT",
+    "FP8_GELU_PATCH",
+    "fused_forward",
+    "patch_fp8_feed_forwards",
+    "unfit",
+]
+
+FP8_GELU_PATCH = "FP8 feed-forward: GELU and the down projection's input in one kernel"
+FP8_GELU_ATTRIBUTE = "_bcg_fp8_gelu"
+FP8_GELU_CHOICES = ("torchao", "fused")
+FP8_GELU_DEFAULT = "torchao"  # "fused" once an H200 run has measured it (bench mode fast-fp8-gelu)
+
+
+def _mslk_installed() -> bool:
+    from torchao.utils import _is_mslk_available
+
+    return _is_mslk_available()
+
+
+def _row_wise_fp8(weight: Any) -> str | None:
+    """Why ``weight`` is not a torchao FP8 weight with row-wise scales whose activations torchao
+    quantizes row-wise with its PyTorch kernels (None: it is)."""
+    try:
+        from torchao.quantization import PerRow
+        from torchao.quantization.quantize_.workflows import Float8Tensor, QuantizeTensorToFloat8Kwargs
+        from torchao.quantization.quantize_.workflows.float8.float8_tensor import KernelPreference
+    except ImportError as error:
+        return f"torchao's FP8 tensors cannot be imported ({error})"
+    if not isinstance(weight, Float8Tensor):
+        return "the projection's weight is not a torchao Float8Tensor"
+    if tuple(weight.block_size) != (1, weight.shape[-1]) or weight.qdata.dtype != torch.float8_e4m3fn:
+        return "the weight is not float8_e4m3fn with one scale per row"
+    act = weight.act_quant_kwargs
+    if not isinstance(act, QuantizeTensorToFloat8Kwargs) or not isinstance(act.granularity, PerRow):
+        return "the activations are not quantized per row"
+    if act.float8_dtype != torch.float8_e4m3fn or act.hp_value_lb is not None or act.hp_value_ub is not None:
+        return "the activations' float8 dtype or scale bounds are not the defaults"
+    preferences = (weight.kernel_preference, act.kernel_preference)
+    if any(p not in (KernelPreference.AUTO, KernelPreference.TORCH) for p in preferences):
+        return "a kernel preference other than AUTO or TORCH"
+    if KernelPreference.AUTO in preferences and _mslk_installed():
+        return "torchao would run mslk's kernels (installed), not PyTorch's"
+    return None
+
+
+def unfit(module: torch.nn.Module) -> str | None:
+    """Why ``module`` does not take :func:`fused_forward` (None: it does): it must be diffusers'
+    ``FeedForward`` holding a tanh ``GELU`` whose projection has a bias, a dropout that drops nothing,
+    and a down projection, both projections with torchao row-wise FP8 weights (:func:`_row_wise_fp8`)."""
+    if type(module).__name__ != "FeedForward":
+        return "not a diffusers FeedForward"
+    net = getattr(module, "net", None)
+    if not isinstance(net, torch.nn.ModuleList) or len(net) != 3:
+        return "its net is not [activation, dropout, projection]"
+    gelu, dropout, down = net
+    if type(gelu).__name__ != "GELU" or getattr(gelu, "approximate", None) != "tanh":
+        return "its activation is not diffusers' tanh GELU"
+    if not isinstance(dropout, torch.nn.Dropout) or (dropout.p and dropout.training):
+        return "its dropout drops values"
+    if type(down) is not torch.nn.Linear or type(getattr(gelu, "proj", None)) is not torch.nn.Linear:
+        return "a projection is not a plain nn.Linear (LoRA or another wrapper)"
+    return _row_wise_fp8(gelu.proj.weight) or _row_wise_fp8(down.weight)
+
+
+def fused_forward(module: torch.nn.Module) -> Callable[..., torch.Tensor]:
+    """A forward for ``module`` (one that :func:`unfit` accepts) with the GELU and the down projection's
+    input quantization in one kernel; the projections' weights are read at each call. Should a
+    projection be replaced later (a LoRA layer wrapping it) or its weight stop being a torchao FP8
+    tensor, the module's own forward runs instead."""
+    from torchao.quantization.quantize_.workflows import Float8Tensor
+
+    from ..kernels.gelu_fp8 import gelu_fp8
+
+    gelu, _, down = module.net
+    up_proj = gelu.proj
+    original = type(module).forward
+
+    def forward(hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        weight = down.weight
+        if (
+            module.net[0] is not gelu
+            or gelu.proj is not up_proj
+            or module.net[2] is not down
+            or not isinstance(weight, Float8Tensor)
+            or not isinstance(up_proj.weight, Float8Tensor)
+        ):
+            return original(module, hidden_states, *args, **kwargs)
+        up = up_proj(hidden_states)  # torchao's FP8 product, its activation quantized as always
+        data, scale = gelu_fp8(up)
+        activation = Float8Tensor(
+            data,
+            scale,
+            block_size=[1] * (data.dim() - 1) + [data.shape[-1]],
+            mm_config=weight.mm_config,
+            kernel_preference=weight.kernel_preference,
+            dtype=up.dtype,
+        )
+        # torchao refuses an activation already quantized for a weight that quantizes its own: the same
+        # weight without its activation settings runs the same product on ours
+        bare = Float8Tensor(
+            weight.qdata,
+            weight.scale,
+            block_size=weight.block_size,
+            mm_config=weight.mm_config,
+            kernel_preference=weight.kernel_preference,
+            dtype=weight.dtype,
+        )
+        return F.linear(activation, bare, down.bias)
+
+    return forward
+
+
+def _choice(module: torch.nn.Module) -> str:
+    choice = getattr(module, FP8_GELU_ATTRIBUTE, FP8_GELU_DEFAULT)
+    if choice not in FP8_GELU_CHOICES:
+        raise ValueError(
+            f"{FP8_GELU_ATTRIBUTE}={choice!r} on {type(module).__name__}: expected one of {FP8_GELU_CHOICES}"
+        )
+    return choice
+
+
+def patch_fp8_feed_forwards(model: torch.nn.Module, patches: MethodPatches) -> int:
+    """Give every feed-forward of ``model`` that fits (:func:`unfit`) and chose ``"fused"``
+    (:data:`FP8_GELU_ATTRIBUTE`, else :data:`FP8_GELU_DEFAULT`) the forward of :func:`fused_forward`,
+    recorded in ``patches``; returns how many. Raises ValueError for a choice that is not one of
+    :data:`FP8_GELU_CHOICES`."""
+    patched = 0
+    for module in model.modules():
+        if type(module).__name__ != "FeedForward" or _choice(module) != "fused" or unfit(module) is not None:
+            continue
+        patches.replace(module, "forward", fused_forward(module))
+        patched += 1
+    return patched

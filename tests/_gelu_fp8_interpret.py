@@ -1,0 +1,64 @@
+"""The GELU-to-FP8 Triton kernel in Triton's interpreter, against its plain-PyTorch reference.
+
+Run as a script by ``test_gelu_fp8.py`` in a process of its own: ``TRITON_INTERPRET=1`` must be set
+before Triton is imported. fp16 and fp32 inputs only (the interpreter's bf16 is not reliable on this
+machine). Exits non-zero on the first case out of tolerance; prints one line per case.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"
+
+import types  # noqa: E402
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402 - after the environment Triton reads on import
+import triton.language as tl  # noqa: E402
+from triton.runtime.interpreter import TensorHandle  # noqa: E402
+
+from bcg_diffusion.kernels import _gelu_fp8_triton, gelu_fp8  # noqa: E402
+
+
+def _numpy_tanh(y: tl.tensor) -> tl.tensor:
+    return tl.tensor(TensorHandle(np.tanh(y.handle.data), y.handle.dtype), y.type)
+
+
+# The interpreter has no libdevice; numpy's float32 tanh stands in for it (the GPU's may differ by an ulp).
+_gelu_fp8_triton.libdevice = types.SimpleNamespace(tanh=_numpy_tanh)
+
+
+def case(dtype: torch.dtype, fp8: torch.dtype, shape: tuple[int, ...], config: tuple[int, int], strided: bool) -> None:
+    torch.manual_seed(len(shape) + shape[-1])
+    wide = (torch.randn(*shape[:-1], shape[-1] + (8 if strided else 0)) * 3).to(dtype)
+    hidden = wide[..., : shape[-1]]  # rows with a stride wider than the row (a slice of a wider output)
+    data, scale = gelu_fp8._empty(hidden, fp8)
+    gelu_fp8._launch(hidden, data, scale, config)
+    expected_data, expected_scale = gelu_fp8.reference_gelu_fp8(hidden, fp8)
+    # The GELU's tanh comes from numpy here and from PyTorch in the reference: where the two differ by
+    # an ulp of float32, the rounded GELU may differ by one step of the input's dtype, hence tolerances.
+    torch.testing.assert_close(scale, expected_scale, rtol=2e-3, atol=0, equal_nan=True)
+    got, want = data.float(), expected_data.float()
+    relative_step = 2.0**-3  # one step of float8_e4m3fn's mantissa
+    bound = torch.maximum(got.abs(), want.abs()) * relative_step + torch.finfo(fp8).tiny
+    # The interpreter's float32-to-float8 cast loses the carry when rounding up reaches the next power of
+    # two (124.3 becomes 64, not 128; the GPU's cast instruction does not): accept exactly that.
+    carried = (want.abs() == torch.exp2(torch.round(torch.log2(want.abs())))) & (got == want / 2)
+    assert torch.all(((got - want).abs() <= bound) | carried), (got - want).abs().max()
+    exact = (data.view(torch.uint8) == expected_data.view(torch.uint8)).float().mean().item()
+    assert exact > 0.9, exact
+    print(f"{dtype} -> {fp8}, {tuple(shape)}, config {config}, strided {strided}: {exact:.4%} of bytes equal")
+
+
+def main() -> None:
+    for dtype in (torch.float16, torch.float32):
+        case(dtype, torch.float8_e4m3fn, (5, 300), (128, 4), strided=True)  # rows longer than a chunk, ragged end
+        case(dtype, torch.float8_e4m3fn, (2, 3, 64), (2048, 8), strided=False)  # the library's config, one chunk
+        case(dtype, torch.float8_e4m3fn, (4, 200), (64, 2), strided=False)
+    # A row of zeros (scale 0, NaN data) is checked on the reference only: the interpreter casts NaN to -384.
+    print("all cases within tolerance")
+
+
+if __name__ == "__main__":
+    main()
