@@ -8,8 +8,13 @@ test that compares with eager calls :func:`assert_graphs_ran` on the calls it co
 from __future__ import annotations
 
 import contextlib
+import importlib.util
+import os
 import shutil
+import subprocess
+import sys
 from collections.abc import Iterable, Iterator
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -19,6 +24,18 @@ from bcg_diffusion import stats
 
 # Inductor compiles C++ on CPU: the tests that compile (fast mode on CPU) need a compiler.
 needs_compiler = pytest.mark.skipif(shutil.which("g++") is None, reason="inductor on CPU needs a C++ compiler (g++)")
+needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton (its interpreter)")
+
+
+def run_interpreted(script: str) -> None:
+    """Run ``tests/<script>`` in a process of its own with ``TRITON_INTERPRET=1`` (Triton reads it when it
+    is imported, which inductor may already have done in the test process) and assert it ended well:
+    exit 0 and its last line of success, ``all cases within tolerance``."""
+    path = Path(__file__).with_name(script)
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, str(path)], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "all cases within tolerance" in done.stdout
 
 
 def assert_graphs_ran(

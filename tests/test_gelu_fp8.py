@@ -7,15 +7,10 @@ Triton kernel to the reference in Triton's interpreter (a process of its own) an
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 import torch.nn.functional as F
+from _checks import needs_triton, run_interpreted
 
 from bcg_diffusion.kernels import gelu_fp8
 
@@ -67,10 +62,6 @@ def test_the_kernel_runs_only_where_triton_and_a_gpu_are():
     assert "not a CUDA GPU" in gelu_fp8.unavailable(torch.device("cpu"))
 
 
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton (its interpreter)")
+@needs_triton
 def test_kernel_matches_the_reference_in_tritons_interpreter():
-    script = Path(__file__).with_name("_gelu_fp8_interpret.py")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert "all cases within tolerance" in done.stdout
+    run_interpreted("_gelu_fp8_interpret.py")

@@ -15,16 +15,10 @@ The kernel on a GPU, at full size: ``test_attention_kernels_cuda.py``.
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 from _cases import CFG_CASE, run_case, tiny_pipeline, zimage_block_call
-from _checks import assert_graphs_ran, needs_compiler
+from _checks import assert_graphs_ran, needs_compiler, needs_triton, run_interpreted
 
 from bcg_diffusion import accelerate, eager, restore, stats
 from bcg_diffusion.kernels import qk_prologue
@@ -66,13 +60,9 @@ def _qwen_inputs(attn, lengths, rows, image_tokens=10, exact=True, dtype=torch.f
     return hidden, text, (make(image_tokens), make(text_tokens))
 
 
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton (its interpreter)")
+@needs_triton
 def test_kernel_matches_the_reference_in_tritons_interpreter():
-    script = Path(__file__).with_name("_qk_prologue_interpret.py")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert "all cases within tolerance" in done.stdout
+    run_interpreted("_qk_prologue_interpret.py")
 
 
 def _diffusers_joint(attn, hidden, text, rope, lengths, rows):

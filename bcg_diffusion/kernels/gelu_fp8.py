@@ -27,6 +27,8 @@ import contextlib
 import torch
 import torch.nn.functional as F
 
+from . import triton_unavailable
+
 __all__ = ["gelu_fp8", "reference_gelu_fp8", "unavailable", "unsupported"]
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -36,16 +38,7 @@ _FP8 = (torch.float8_e4m3fn,)  # torchao's default, what quantize="fp8" uses
 _CONFIG = (2048, 8)
 
 
-def unavailable(device: torch.device) -> str | None:
-    """Why the Triton kernel cannot run on ``device`` (None: it can): it needs Triton and a CUDA GPU.
-    Elsewhere the operator computes the plain-PyTorch reference."""
-    from . import triton_available
-
-    if device.type != "cuda":
-        return f"the tensor is on {device.type}, not a CUDA GPU"
-    if not triton_available():
-        return "Triton is not installed (it comes with PyTorch's CUDA builds)"
-    return None
+unavailable = triton_unavailable  # why the Triton kernel cannot run on a device (None: it can)
 
 
 def unsupported(hidden: torch.Tensor, fp8_dtype: torch.dtype) -> str | None:

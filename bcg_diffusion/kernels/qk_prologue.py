@@ -37,6 +37,8 @@ from collections.abc import Sequence
 
 import torch
 
+from . import triton_unavailable
+
 __all__ = [
     "MAX_GROUPS",
     "group_slices",
@@ -58,16 +60,7 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _CONFIG = (32, 4)
 
 
-def unavailable(device: torch.device) -> str | None:
-    """Why the Triton kernel cannot run on ``device`` (None: it can): it needs Triton and a CUDA GPU.
-    Elsewhere the operators compute the plain-PyTorch reference."""
-    from . import triton_available
-
-    if device.type != "cuda":
-        return f"the model is on {device.type}, not a CUDA GPU"
-    if not triton_available():
-        return "Triton is not installed (it comes with PyTorch's CUDA builds)"
-    return None
+unavailable = triton_unavailable  # why the Triton kernel cannot run on a device (None: it can)
 
 
 def _rows_unsupported(tensors: Sequence[torch.Tensor], like: torch.Tensor) -> str | None:
