@@ -130,3 +130,20 @@ def test_a_projection_replaced_after_patching_runs_the_modules_own_forward():
         assert torch.equal(module(x), type(module).forward(module, x))
     finally:
         patches.undo()
+
+
+def test_a_dropout_that_starts_dropping_runs_the_modules_own_forward():
+    module = _feed_forward()
+    module.net[1].p = 0.5
+    setattr(module, ff.FP8_GELU_ATTRIBUTE, "fused")
+    patches = MethodPatches()
+    assert ff.patch_fp8_feed_forwards(module, patches) == 1  # eval: the dropout drops nothing
+    try:
+        module.train()
+        x = torch.randn(4, 64, dtype=torch.bfloat16)
+        torch.manual_seed(1)
+        got = module(x)
+        torch.manual_seed(1)
+        assert torch.equal(got, type(module).forward(module, x))
+    finally:
+        patches.undo()

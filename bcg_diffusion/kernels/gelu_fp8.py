@@ -34,9 +34,8 @@ __all__ = ["gelu_fp8", "reference_gelu_fp8", "unavailable", "unsupported"]
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _FP8 = (torch.float8_e4m3fn,)  # torchao's default, what quantize="fp8" uses
 # (elements per chunk of a row, warps): fixed, not measured yet on the GPU (bench.probes.probe_attention_kernels
-# --sections reductions measures the kernel in a block)
+# --sections fp8-gelu times it in a block and alone, with other settings)
 _CONFIG = (2048, 8)
-
 
 unavailable = triton_unavailable  # why the Triton kernel cannot run on a device (None: it can)
 

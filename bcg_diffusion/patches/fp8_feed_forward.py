@@ -48,8 +48,14 @@ FP8_GELU_DEFAULT = "torchao"  # "fused" once an H200 run has measured it (bench 
 
 
 def _mslk_installed() -> bool:
-    from torchao.utils import _is_mslk_available
+    """Whether torchao would pick mslk's kernels where the preference is AUTO (its own check where it has
+    one; else whether the package is there)."""
+    try:
+        from torchao.utils import _is_mslk_available
+    except ImportError:
+        import importlib.util
 
+        return importlib.util.find_spec("mslk") is not None
     return _is_mslk_available()
 
 
@@ -81,8 +87,7 @@ def _row_wise_fp8(weight: Any) -> str | None:
 
 def unfit(module: torch.nn.Module) -> str | None:
     """Why ``module`` does not take :func:`fused_forward` (None: it does): it must be diffusers'
-    ``FeedForward`` holding a tanh ``GELU`` whose projection has a bias, a dropout that drops nothing,
-    and a down projection, both projections with torchao row-wise FP8 weights (:func:`_row_wise_fp8`)."""
+    ``FeedForward`` holding a tanh ``GELU``, a dropout that drops nothing, and a down projection, both projections with torchao row-wise FP8 weights (:func:`_row_wise_fp8`)."""
     if type(module).__name__ != "FeedForward":
         return "not a diffusers FeedForward"
     net = getattr(module, "net", None)
@@ -101,13 +106,13 @@ def unfit(module: torch.nn.Module) -> str | None:
 def fused_forward(module: torch.nn.Module) -> Callable[..., torch.Tensor]:
     """A forward for ``module`` (one that :func:`unfit` accepts) with the GELU and the down projection's
     input quantization in one kernel; the projections' weights are read at each call. Should a
-    projection be replaced later (a LoRA layer wrapping it) or its weight stop being a torchao FP8
-    tensor, the module's own forward runs instead."""
+    projection be replaced later (a LoRA layer wrapping it), its weight stop being a torchao FP8 tensor
+    or the dropout start dropping (training), the module's own forward runs instead."""
     from torchao.quantization.quantize_.workflows import Float8Tensor
 
     from ..kernels.gelu_fp8 import gelu_fp8
 
-    gelu, _, down = module.net
+    gelu, dropout, down = module.net
     up_proj = gelu.proj
     original = type(module).forward
 
@@ -117,6 +122,7 @@ def fused_forward(module: torch.nn.Module) -> Callable[..., torch.Tensor]:
             module.net[0] is not gelu
             or gelu.proj is not up_proj
             or module.net[2] is not down
+            or (dropout.p and dropout.training)
             or not isinstance(weight, Float8Tensor)
             or not isinstance(up_proj.weight, Float8Tensor)
         ):
