@@ -370,36 +370,20 @@ def persistent_reductions(limit: int | None) -> Any:
     """Inductor's choice of a persistent reduction (the whole row in one program, read once) for row
     reductions of up to ``limit`` elements, where its default stops at 1,024 and loops over the row
     (reading it twice for a norm); None: inductor's default. Fast mode's own widening
-    (``features.persistent_reductions``) is off meanwhile, and the caches too, so no kernel compiled
-    under another setting is loaded."""
+    (``features.persistent_reductions``) takes this limit meanwhile, and the caches are off, so no
+    kernel compiled under another setting is loaded."""
     from torch._inductor import config as inductor
-    from torch._inductor.choices import InductorChoices
-    from torch._inductor.runtime.hints import ReductionHint
-    from torch._inductor.virtualized import V
 
     from bcg_diffusion.features import persistent_reductions as ours
 
-    original = InductorChoices.__dict__.get("should_use_persistent_reduction")
-    if not isinstance(original, staticmethod):
-        raise RuntimeError("this torch's inductor has no InductorChoices.should_use_persistent_reduction to widen")
-
-    def wider(features: Any, cooperative_reduction: bool) -> bool:
-        if original.__func__(features, cooperative_reduction):
-            return True
-        if limit is None or cooperative_reduction or not inductor.triton.persistent_reductions:
-            return False
-        if features.get_reduction_hint() != ReductionHint.INNER:
-            return False
-        return V.graph.sizevars.statically_known_leq(features.reduction_numel, limit)
-
-    InductorChoices.should_use_persistent_reduction = staticmethod(wider)
-    widened, ours.widened = ours.widened, contextlib.nullcontext
-    options, ours.inductor_options = ours.inductor_options, dict
+    widened, options = ours.widened, ours.inductor_options
+    # The blocks compile inside fast mode's own widening: point it at this limit (or at nothing)
+    ours.widened = contextlib.nullcontext if limit is None else functools.partial(widened, limit)
+    ours.inductor_options = dict
     try:
         with inductor.patch(force_disable_caches=True):
             yield
     finally:
-        InductorChoices.should_use_persistent_reduction = original
         ours.widened, ours.inductor_options = widened, options
 
 
