@@ -159,11 +159,11 @@ def prepare(
         base_name = base_name.removesuffix("+cachedit")
     attention = "fp8" if base_name.endswith("-attn") else None
     base_name = base_name.removesuffix("-attn")
-    if base_name.endswith("-gelu"):
+    if base_name.endswith("-torchao-gelu"):
         for module in pipe.transformer.modules():  # the copy's modules: the other modes keep the default
             if type(module).__name__ == "FeedForward":
-                setattr(module, FP8_GELU_ATTRIBUTE, "fused")
-        base_name = base_name.removesuffix("-gelu")
+                setattr(module, FP8_GELU_ATTRIBUTE, "torchao")
+        base_name = base_name.removesuffix("-torchao-gelu")
     quantize = FP8 if base_name.endswith("-fp8") else None
     base_name = base_name.removesuffix("-fp8")
     if base_name == "eager" and quantize is not None:

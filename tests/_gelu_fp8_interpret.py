@@ -29,7 +29,9 @@ def _numpy_tanh(y: tl.tensor) -> tl.tensor:
 _gelu_fp8_triton.libdevice = types.SimpleNamespace(tanh=_numpy_tanh)
 
 
-def case(dtype: torch.dtype, fp8: torch.dtype, shape: tuple[int, ...], config: tuple[int, int], strided: bool) -> None:
+def case(
+    dtype: torch.dtype, fp8: torch.dtype, shape: tuple[int, ...], config: tuple[int, int, bool], strided: bool
+) -> None:
     torch.manual_seed(len(shape) + shape[-1])
     wide = (torch.randn(*shape[:-1], shape[-1] + (8 if strided else 0)) * 3).to(dtype)
     hidden = wide[..., : shape[-1]]  # rows with a stride wider than the row (a slice of a wider output)
@@ -53,9 +55,12 @@ def case(dtype: torch.dtype, fp8: torch.dtype, shape: tuple[int, ...], config: t
 
 def main() -> None:
     for dtype in (torch.float16, torch.float32):
-        case(dtype, torch.float8_e4m3fn, (5, 300), (128, 4), strided=True)  # rows longer than a chunk, ragged end
-        case(dtype, torch.float8_e4m3fn, (2, 3, 64), (2048, 8), strided=False)  # the library's config, one chunk
-        case(dtype, torch.float8_e4m3fn, (4, 200), (64, 2), strided=False)
+        case(dtype, torch.float8_e4m3fn, (5, 300), (128, 4, False), strided=True)  # two passes, ragged end
+        case(dtype, torch.float8_e4m3fn, (5, 300), (512, 4, False), strided=True)  # one pass, the row masked
+        case(dtype, torch.float8_e4m3fn, (2, 3, 64), (2048, 8, False), strided=False)  # one chunk of the row's size
+        case(dtype, torch.float8_e4m3fn, (4, 200), (64, 2, False), strided=False)
+        case(dtype, torch.float8_e4m3fn, (5, 300), (128, 4, True), strided=True)  # approximate, two passes
+        case(dtype, torch.float8_e4m3fn, (5, 300), (16384, 16, True), strided=True)  # the library's setting
     # A row of zeros (scale 0, NaN data) is checked on the reference only: the interpreter casts NaN to -384.
     print("all cases within tolerance")
 

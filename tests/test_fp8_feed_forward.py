@@ -74,9 +74,11 @@ def test_the_fused_forward_is_traced_whole_by_dynamo():
         patches.undo()
 
 
-def test_off_by_default_and_a_bad_choice_is_an_error():
+def test_on_by_default_a_module_can_opt_out_and_a_bad_choice_is_an_error():
     module = _feed_forward()
-    assert ff.FP8_GELU_DEFAULT == "torchao"
+    assert ff.FP8_GELU_DEFAULT == "fused"
+    assert ff.patch_fp8_feed_forwards(module, MethodPatches()) == 1
+    setattr(module, ff.FP8_GELU_ATTRIBUTE, "torchao")
     assert ff.patch_fp8_feed_forwards(module, MethodPatches()) == 0
     setattr(module, ff.FP8_GELU_ATTRIBUTE, "fast")
     with pytest.raises(ValueError, match="expected one of"):
@@ -98,7 +100,7 @@ def test_modules_that_do_not_fit_are_left_with_the_reason():
     assert ff.patch_fp8_feed_forwards(module, MethodPatches()) == 0
 
 
-def test_fast_mode_applies_it_to_chosen_feed_forwards_and_restore_takes_it_back():
+def test_fast_mode_applies_it_where_not_opted_out_exact_mode_never_and_restore_takes_it_back():
     from bcg_diffusion import accelerate, restore, stats
     from bcg_diffusion.models import build_pipeline
 
@@ -107,15 +109,21 @@ def test_fast_mode_applies_it_to_chosen_feed_forwards_and_restore_takes_it_back(
     for module in feed_forwards:
         _fp8(module.net[0].proj)
         _fp8(module.net[2])
-    setattr(feed_forwards[0], ff.FP8_GELU_ATTRIBUTE, "fused")  # one module chooses it; the rest keep torchao's
+    setattr(feed_forwards[0], ff.FP8_GELU_ATTRIBUTE, "torchao")  # one module opts out; the rest take the default
     accelerate(pipe, mode="fast", debug=True)
     try:
         assert ff.FP8_GELU_PATCH in stats(pipe)["patches"]
-        assert "forward" in feed_forwards[0].__dict__
-        assert all("forward" not in m.__dict__ for m in feed_forwards[1:])
+        assert "forward" not in feed_forwards[0].__dict__
+        assert all("forward" in m.__dict__ for m in feed_forwards[1:])
     finally:
         restore(pipe)
     assert all("forward" not in m.__dict__ for m in feed_forwards)
+    accelerate(pipe, debug=True)  # exact mode: eager's bytes, so torchao's own path
+    try:
+        assert ff.FP8_GELU_PATCH not in stats(pipe)["patches"]
+        assert all("forward" not in m.__dict__ for m in feed_forwards)
+    finally:
+        restore(pipe)
 
 
 def test_a_projection_replaced_after_patching_runs_the_modules_own_forward():

@@ -7,6 +7,7 @@ a toy block compiled on the CPU shows the setting is in place while it compiles 
 from __future__ import annotations
 
 import contextlib
+import pickle
 import types
 
 import pytest
@@ -114,3 +115,26 @@ def test_blocks_compile_with_the_widened_heuristics_and_leave_them_after(monkeyp
         assert V.choices is before
     finally:
         patches.undo()
+
+
+@needs_compiler
+def test_blocks_compiled_under_the_setting_keep_inductors_graph_cache(monkeypatch, tmp_path):
+    """The compile caches' key pickles inductor's settings, the choices class with them: a class that does
+    not pickle makes inductor bypass its graph cache, and every later process compile again."""
+    from torch._dynamo.utils import counters
+    from torch._inductor import config
+
+    if not hasattr(config, "inductor_choices_class"):
+        pytest.skip("this torch's compile caches do not key on a choices class")
+    # torch 2.11 pickles the class itself into the key (2.13 asks an instance's uuid()): by reference, so
+    # a class defined inside a function made the H200's runs bypass the cache (run 94's log)
+    assert pickle.loads(pickle.dumps(persistent_reductions.choices_class())) is persistent_reductions.choices_class()
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    counters.clear()
+    torch._dynamo.reset()
+    with config.patch(fx_graph_cache=True), persistent_reductions.widened():
+        compiled = torch.compile(_NormBlock(), options=compiled_blocks._inductor_options())
+        x = torch.randn(2, 8, 16)
+        torch.testing.assert_close(compiled(x), torch.nn.functional.layer_norm(x, (16,)))
+    assert counters["inductor"]["fxgraph_cache_bypass"] == 0
+    assert counters["inductor"]["fxgraph_cache_miss"] == 1

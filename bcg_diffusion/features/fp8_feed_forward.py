@@ -1,9 +1,9 @@
 """Fast mode under FP8: a feed-forward's GELU and its down projection's FP8 input in one kernel.
 
-The patch is :mod:`bcg_diffusion.patches.fp8_feed_forward` (off by default until measured on a GPU; an
-attribute on a feed-forward module turns it on for that module); this feature applies it to the
-accelerated transformer after quantization (which gives the projections their FP8 weights) and before
-the blocks compile.
+The patch is :mod:`bcg_diffusion.patches.fp8_feed_forward` (on by default; an attribute on a feed-forward
+module turns it off for that module); this feature applies it to the accelerated transformer after
+quantization (which gives the projections their FP8 weights) and before the blocks compile. Exact mode
+never applies it: its kernel's bytes are not eager's.
 """
 
 from __future__ import annotations

@@ -56,10 +56,27 @@ def _choices_class(row_limit: int) -> type:
                 return False
             return V.graph.sizevars.statically_known_leq(features.reduction_numel, row_limit)
 
-        def uuid(self) -> str:  # what compile caches key on (inductor_choices_class)
+        def uuid(self) -> str:  # what torch 2.13's compile caches key on (inductor_choices_class)
             return f"bcg-diffusion-persistent-reductions-{row_limit}"
 
+    # torch 2.11 pickles the class itself into its compile caches' key, by reference: a class that cannot
+    # be found by its module and name makes inductor bypass its graph cache (every process compiles again)
+    name = f"{_CLASS_PREFIX}{row_limit}"
+    WiderPersistentReductions.__name__ = WiderPersistentReductions.__qualname__ = name
+    WiderPersistentReductions.__module__ = __name__
+    globals()[name] = WiderPersistentReductions
     return WiderPersistentReductions
+
+
+_CLASS_PREFIX = "WiderPersistentReductions"
+
+
+def __getattr__(name: str) -> type:
+    """A choices class by its pickled name (``WiderPersistentReductions4096``), built on first use."""
+    limit = name.removeprefix(_CLASS_PREFIX)
+    if name.startswith(_CLASS_PREFIX) and limit.isdigit():
+        return _choices_class(int(limit))
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @functools.cache

@@ -1,11 +1,17 @@
 """The Triton kernel behind :mod:`bcg_diffusion.kernels.gelu_fp8` (imported on its first call: importing
 Triton costs about a second and needs a CUDA build of PyTorch, or ``TRITON_INTERPRET=1`` on a CPU).
 
-One program takes one row of the feature dimension in chunks of ``BLOCK`` elements, twice: the first pass
-computes the tanh GELU, rounds it to the input's dtype and keeps the row's largest magnitude; the second
-computes it again and stores it divided by the row's scale, as float8. The row is read twice and its
-second read mostly comes from L2; the float8 row is written once, the scale once. The row length is a
-compile-time constant: a model has one or two feed-forward widths.
+One program takes one row of the feature dimension. When ``BLOCK`` covers the row, it is read once and
+its GELU stays in registers until the row's scale is known. Otherwise the row is taken in chunks of
+``BLOCK`` elements, twice: the first pass computes the GELU and keeps the row's largest magnitude, the
+second computes it again and stores it divided by the row's scale (its second read mostly comes from
+L2). Either way the float8 row is written once, the scale once. The row length is a compile-time
+constant: a model has one or two feed-forward widths.
+
+``APPROXIMATE`` trades the last float32 bits for speed: the GELU as ``x / (1 + exp(-2u))`` with the GPU's
+fast exp2 and division instead of libdevice's tanh, and a product with the row scale's reciprocal instead
+of a rounded division, each a few float32 ulps from exact (a bf16 step is 2^16 of them). At Qwen-Image's
+width the exact kernel spends its time in those instructions, not in memory.
 """
 
 import triton
@@ -14,33 +20,62 @@ from triton.language.extra import libdevice
 
 
 @triton.jit
-def _gelu_tanh(x):
-    """PyTorch's tanh GELU as its CUDA kernel computes it, in float32: ``0.5 x (1 + tanh(β (x + κ x³)))``."""
+def _gelu(x, HP_TY: tl.constexpr, APPROXIMATE: tl.constexpr):
+    """PyTorch's tanh GELU, ``0.5 x (1 + tanh(u))`` with ``u = β (x + κ x³)``, in float32, rounded to the
+    input's dtype as the GELU's output is, and back to float32."""
     beta: tl.constexpr = 0.7978845608028654  # sqrt(2 / pi)
     kappa: tl.constexpr = 0.044715
-    cube = x * x * x
-    return 0.5 * x * (1.0 + libdevice.tanh(beta * (x + kappa * cube)))
+    if APPROXIMATE:
+        # The same function as x / (1 + e^(-2u)) = x / (1 + 2^(-2 u log2(e))): one exp2 and one fast
+        # division, a few float32 ulps from exact everywhere. (The one-instruction tanh.approx is not
+        # used: its error is absolute, which the GELU's negative tail, 1 + tanh(u) near 0, magnifies.)
+        minus_two_log2e_beta: tl.constexpr = -2.0 * 1.4426950408889634 * 0.7978845608028654
+        gelu = x / (1.0 + tl.exp2(minus_two_log2e_beta * x * (1.0 + kappa * x * x)))
+    else:
+        gelu = 0.5 * x * (1.0 + libdevice.tanh(beta * (x + kappa * x * x * x)))  # PyTorch's CUDA kernel's steps
+    return gelu.to(HP_TY).to(tl.float32)
 
 
 @triton.jit
-def gelu_fp8_rows(X, OUT, SCALE, stride_x, stride_out, fp8_max,
-                  COLUMNS: tl.constexpr, BLOCK: tl.constexpr, HP_TY: tl.constexpr, FP8_TY: tl.constexpr):  # fmt: skip
+def _max_keeping_nan(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)  # as torch's amax: a NaN anywhere gives NaN
+
+
+@triton.jit
+def _store_scaled(out_row, offsets, mask, gelu, scale, inverse, fp8_max,
+                  FP8_TY: tl.constexpr, APPROXIMATE: tl.constexpr):  # fmt: skip
+    scaled = gelu * inverse if APPROXIMATE else tl.math.div_rn(gelu, scale)
+    scaled = tl.clamp(scaled, -fp8_max, fp8_max, propagate_nan=tl.PropagateNan.ALL)
+    tl.store(out_row + offsets, scaled.to(FP8_TY), mask=mask)
+
+
+@triton.jit
+def gelu_fp8_rows(X, OUT, SCALE, stride_x, stride_out, fp8_max, COLUMNS: tl.constexpr, BLOCK: tl.constexpr,
+                  HP_TY: tl.constexpr, FP8_TY: tl.constexpr, APPROXIMATE: tl.constexpr):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     x_row, out_row = X + row * stride_x, OUT + row * stride_out
-    largest = tl.zeros([BLOCK], dtype=tl.float32)
-    for start in range(0, COLUMNS, BLOCK):
-        offsets = start + tl.arange(0, BLOCK)
-        x = tl.load(x_row + offsets, mask=offsets < COLUMNS, other=0.0).to(tl.float32)
-        gelu = _gelu_tanh(x).to(HP_TY).to(tl.float32)
-        largest = tl.maximum(largest, tl.abs(gelu), propagate_nan=tl.PropagateNan.ALL)
+    if BLOCK >= COLUMNS:
+        offsets = tl.arange(0, BLOCK)
+        mask = offsets < COLUMNS
+        gelu = _gelu(tl.load(x_row + offsets, mask=mask, other=0.0).to(tl.float32), HP_TY, APPROXIMATE)
+        largest = tl.reduce(tl.abs(gelu), 0, _max_keeping_nan)
+    else:
+        partial = tl.zeros([BLOCK], dtype=tl.float32)
+        for start in range(0, COLUMNS, BLOCK):
+            offsets = start + tl.arange(0, BLOCK)
+            x = tl.load(x_row + offsets, mask=offsets < COLUMNS, other=0.0).to(tl.float32)
+            partial = tl.maximum(partial, tl.abs(_gelu(x, HP_TY, APPROXIMATE)), propagate_nan=tl.PropagateNan.ALL)
+        largest = tl.reduce(partial, 0, _max_keeping_nan)
     # torchao's row scale: the largest magnitude over the format's largest value, rounded to the
     # activation's dtype (its division runs in that dtype), then float32
-    scale = tl.math.div_rn(tl.max(largest, axis=0), fp8_max).to(HP_TY).to(tl.float32)
+    scale = tl.math.div_rn(largest, fp8_max).to(HP_TY).to(tl.float32)
+    inverse = tl.math.div_rn(1.0, scale)
     tl.store(SCALE + row, scale)
-    for start in range(0, COLUMNS, BLOCK):
-        offsets = start + tl.arange(0, BLOCK)
-        mask = offsets < COLUMNS
-        x = tl.load(x_row + offsets, mask=mask, other=0.0).to(tl.float32)
-        gelu = _gelu_tanh(x).to(HP_TY).to(tl.float32)
-        scaled = tl.clamp(tl.math.div_rn(gelu, scale), -fp8_max, fp8_max, propagate_nan=tl.PropagateNan.ALL)
-        tl.store(out_row + offsets, scaled.to(FP8_TY), mask=mask)
+    if BLOCK >= COLUMNS:
+        _store_scaled(out_row, offsets, mask, gelu, scale, inverse, fp8_max, FP8_TY, APPROXIMATE)
+    else:
+        for start in range(0, COLUMNS, BLOCK):
+            offsets = start + tl.arange(0, BLOCK)
+            mask = offsets < COLUMNS
+            gelu = _gelu(tl.load(x_row + offsets, mask=mask, other=0.0).to(tl.float32), HP_TY, APPROXIMATE)
+            _store_scaled(out_row, offsets, mask, gelu, scale, inverse, fp8_max, FP8_TY, APPROXIMATE)

@@ -33,9 +33,10 @@ __all__ = ["gelu_fp8", "reference_gelu_fp8", "unavailable", "unsupported"]
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _FP8 = (torch.float8_e4m3fn,)  # torchao's default, what quantize="fp8" uses
-# (elements per chunk of a row, warps): fixed, not measured yet on the GPU (bench.probes.probe_attention_kernels
-# --sections fp8-gelu times it in a block and alone, with other settings)
-_CONFIG = (2048, 8)
+# (elements per chunk of a row, warps, approximate tanh and reciprocal): fixed, so that the bytes never depend
+# on a timing; bench.probes.probe_attention_kernels --sections fp8-gelu times it in a block and alone, with
+# other settings
+_CONFIG = (16384, 8, True)
 
 unavailable = triton_unavailable  # why the Triton kernel cannot run on a device (None: it can)
 
@@ -80,7 +81,7 @@ def reference_gelu_fp8(
 
 
 def _launch(
-    hidden: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, config: tuple[int, int] | None = None
+    hidden: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, config: tuple[int, int, bool] | None = None
 ) -> None:
     """Run the kernel over the rows of ``hidden`` (``[..., K]``, last dimension contiguous) into
     ``data`` (contiguous, like ``hidden``) and ``scale`` (contiguous ``[..., 1]``). On CPU tensors it
@@ -89,8 +90,9 @@ def _launch(
 
     from . import _gelu_fp8_triton as kernels
 
-    block, warps = config or _CONFIG
+    block, warps, approximate = config or _CONFIG
     columns = hidden.shape[-1]
+    block = min(block, 1 << (columns - 1).bit_length())  # a row shorter than a chunk: one chunk of its size
     rows = hidden.reshape(-1, columns)  # a view wherever the rows have one stride (a copy otherwise)
     tl_types = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32,
                 torch.float8_e4m3fn: tl.float8e4nv}  # fmt: skip
@@ -98,7 +100,8 @@ def _launch(
     with device:
         kernels.gelu_fp8_rows[(rows.shape[0],)](
             rows, data, scale, rows.stride(0), columns, float(torch.finfo(data.dtype).max),
-            COLUMNS=columns, BLOCK=block, HP_TY=tl_types[hidden.dtype], FP8_TY=tl_types[data.dtype], num_warps=warps,
+            COLUMNS=columns, BLOCK=block, HP_TY=tl_types[hidden.dtype], FP8_TY=tl_types[data.dtype],
+            APPROXIMATE=approximate, num_warps=warps,
         )  # fmt: skip
 
 

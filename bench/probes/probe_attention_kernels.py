@@ -433,7 +433,9 @@ def fp8_gelu() -> None:
     )
     equal = (got[0].view(torch.uint8) == expected[0].view(torch.uint8)).float().mean().item()
     print(f"   float8 bytes equal to inductor's: {equal:.4%}; scales equal: {torch.equal(got[1], expected[1])}")
-    for config in [(1024, 4), (2048, 4), (2048, 8), (4096, 8), (4096, 16)]:
+    configs = [(2048, 8, False), (16384, 16, False), (2048, 8, True), (4096, 8, True)]
+    configs += [(16384, warps, True) for warps in (8, 16, 32)]  # one pass, the row in registers
+    for config in configs:
         outputs = gelu_fp8._empty(hidden, torch.float8_e4m3fn)
         _prologue_report(f"   config {config}", functools.partial(gelu_fp8._launch, hidden, *outputs, config), nbytes)
 
