@@ -26,7 +26,7 @@ MODES: tuple[str, ...] = (
     "bcg-fp8",
     "fast-fp8",
     "fast-fp8-attn",
-    "fast-fp8-torchao-gelu",
+    "fast-fp8-torchao-ff",
     "eager-fp8+cache",
     "fast-fp8+cache",
     "eager+cachedit",
@@ -53,7 +53,7 @@ FP8_MODES: tuple[str, ...] = (
     "bcg-fp8",
     "fast-fp8",
     "fast-fp8-attn",
-    "fast-fp8-torchao-gelu",
+    "fast-fp8-torchao-ff",
     "eager-fp8+cache",
     "fast-fp8+cache",
 )
@@ -87,8 +87,8 @@ DESCRIPTIONS = {
     "bcg-fp8": 'accelerate(pipe, quantize="fp8"): the same FP8 model in exact graphs',
     "fast-fp8": 'accelerate(pipe, mode="fast", quantize="fp8"): the same FP8 model, compiled blocks in graphs',
     "fast-fp8-attn": 'fast-fp8 with attention="fp8": the attention in FP8 too (our Triton kernel)',
-    "fast-fp8-torchao-gelu": "fast-fp8 without our FP8 feed-forward kernel: the GELU and the down projection's FP8 "
-    "input scales as torchao writes them, compiled by inductor (patches.fp8_feed_forward)",
+    "fast-fp8-torchao-ff": "fast-fp8 without our FP8 feed-forward kernel: the activation and the down projection's "
+    "FP8 input scales as torchao writes them, compiled by inductor (patches.fp8_feed_forward)",
     "eager-fp8+cache": "eager-fp8 with the step cache (--cache)",
     "fast-fp8+cache": "fast-fp8 with the same step cache inside its graphs",
     "compile+cache": "regional compile (compile_repeated_blocks, fullgraph=False: the cache's hooks break graphs) "
@@ -104,16 +104,16 @@ EXACT.update({"compile": False, "compile-max": False})
 EXACT.update({"eager+cache": True, "bcg+cache": True, "fast+cache": False, "compile+cache": False})
 EXACT.update({"fast-unbatched+cache": False})
 EXACT.update(
-    {"eager-fp8": True, "bcg-fp8": True, "fast-fp8": False, "fast-fp8-attn": False, "fast-fp8-torchao-gelu": False}
+    {"eager-fp8": True, "bcg-fp8": True, "fast-fp8": False, "fast-fp8-attn": False, "fast-fp8-torchao-ff": False}
 )
 EXACT.update({"eager-fp8+cache": True, "fast-fp8+cache": False})
 EXACT.update({"eager+cachedit": True, "bcg+cachedit": True, "fast+cachedit": False})
 OURS = ("bcg", "bcg-no-te", "bcg-no-auto", "fast", "fast-no-te", "fast-no-auto", "fast-unbatched")
 OURS += ("bcg+cachedit", "fast+cachedit")
 OURS += ("bcg+cache", "fast+cache", "fast-unbatched+cache", "bcg-fp8", "fast-fp8", "fast-fp8-attn", "fast-fp8+cache")
-OURS += ("fast-fp8-torchao-gelu",)
+OURS += ("fast-fp8-torchao-ff",)
 FAST = ("fast", "fast-no-te", "fast-no-auto", "fast-unbatched", "fast+cache", "fast-fp8", "fast-fp8-attn")
-FAST += ("fast-fp8-torchao-gelu",)
+FAST += ("fast-fp8-torchao-ff",)
 FAST += ("fast-fp8+cache", "fast+cachedit", "fast-unbatched+cache")
 
 

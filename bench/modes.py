@@ -22,7 +22,7 @@ from diffusers.utils import BaseOutput
 from bcg_diffusion import accelerate, eager, restore, stats
 from bcg_diffusion.features.quantization import FP8, quantize_transformer
 from bcg_diffusion.features.step_caching import enable_cache
-from bcg_diffusion.patches.fp8_feed_forward import FP8_GELU_ATTRIBUTE
+from bcg_diffusion.patches.fp8_feed_forward import FP8_FEED_FORWARD_ATTRIBUTE
 
 from .catalog import (  # noqa: F401 - the names, re-exported for the modules that import them from here
     ABLATIONS,
@@ -162,7 +162,7 @@ def prepare(
     if base_name.endswith("-torchao-gelu"):
         for module in pipe.transformer.modules():  # the copy's modules: the other modes keep the default
             if type(module).__name__ == "FeedForward":
-                setattr(module, FP8_GELU_ATTRIBUTE, "torchao")
+                setattr(module, FP8_FEED_FORWARD_ATTRIBUTE, "torchao")
         base_name = base_name.removesuffix("-torchao-gelu")
     quantize = FP8 if base_name.endswith("-fp8") else None
     base_name = base_name.removesuffix("-fp8")

@@ -14,13 +14,14 @@
 #                    (bench/probes/probe_attention_kernels.py)
 #   tests-kernels    our attention kernels against float32, the GELU epilogue, attention="fp8" on full-size Z-Image
 #   bench-kernels-qwen  Qwen-Image 1024², 50 steps, true CFG 4: eager, fast, fast-fp8, fast-fp8-attn, fast-fp8+cache
-#   bench-kernels-z  Z-Image-Turbo 512² and 1024², 8 steps: eager, fast, eager-fp8, fast-fp8, fast-fp8-attn, with the
-#                    loop profile (kernel time by class)
+#   bench-kernels-z  Z-Image-Turbo 512² and 1024², 8 steps: eager, fast, eager-fp8, fast-fp8, fast-fp8-torchao-ff,
+#                    fast-fp8-attn, with the loop profile (kernel time by class)
 #   bench-cachedit-qwen Qwen-Image 1024², 50 steps, true CFG 4: eager, bcg, fast, eager+cachedit, bcg+cachedit,
 #                    fast+cachedit (Cache-DiT with a static mask computing about half of the steps)
-#   probe-fp8-gelu   the FP8 feed-forward kernel (kernels/gelu_fp8.py) against its reference on the GPU, then in one
-#                    Qwen-Image FP8 block against inductor's kernel, and alone with its launch settings
-#   bench-fp8-gelu-qwen  Qwen-Image 1024², 50 steps, true CFG 4: eager, fast-fp8, fast-fp8-gelu (the kernel on)
+#   probe-fp8-ff     the FP8 feed-forward kernels (kernels/activation_fp8.py) against their references on the GPU, then
+#                    one Qwen-Image and one Z-Image FP8 block with inductor's kernel and with ours, each kernel alone
+#                    with its launch settings; then the bf16 blocks (probe section prologue-blocks)
+#   bench-fp8-ff-qwen  Qwen-Image 1024², 50 steps, true CFG 4: eager, fast-fp8, fast-fp8-torchao-ff (our kernel off)
 #   tests-state Python state read by captures and object arguments, exact and fast (tiny)
 #   bench-state the per-call check of the Python state: Z-Image-Turbo 512² and Qwen-Image 512² 10 steps CFG 4
 #   tests       core + reliability + tiny-pipeline GPU tests (incl. LoRA re-capture, warm-up, buckets, eviction)
@@ -87,7 +88,7 @@
 #                    for `python scripts/screenshot_replay.py DIR OUT.png` here (the GPU machine has no browser)
 # Everything it writes is under $OUT (logs, results.json/.md/.png); copy it to bench/results/<date>-h200/.
 set -uo pipefail
-[ $# -gt 0 ] || { echo "usage: scripts/gpu_session.sh probe-attention|tests-kernels|probe-fp8-gelu|bench-fp8-gelu-qwen|bench-kernels-qwen|bench-kernels-z|bench-cachedit-qwen|tests-state|bench-state|tests|tests-full|tests-fast|tests-coexist|tests-shared|tests-cache|bench-cache-qwen-1024|bench-cache-qwen-512|bench-cache-z|bench-cfg-cache-qwen|bench-cfg-cache-qwen-1024|bench-cfg-cache-qwen-512|tests-quant|tests-auto|probe-hand-patches|bench-auto|coverage|bench-fp8-z|bench-fp8-qwen|warm-start-fp8-z|probe-fp8-groups|probe-fp8-block|hotswap-z|tests-z|te-z|fast-check|profile-qwen|profile-z|fast-qwen-50|ab-attention|probe-floor|probe-norms|probe-blocks|compile-max-qwen|memory-z|bench-z|warm-start-z|first-call-qwen-none|first-call-qwen-magcache|first-call-qwen-cachedit|bench-qwen|bench-qwen-512|bench-qwen-1024|issue2|parallel|parallel-cfg|serving|demo ..." >&2; exit 2; }
+[ $# -gt 0 ] || { echo "usage: scripts/gpu_session.sh probe-attention|tests-kernels|probe-fp8-ff|bench-fp8-ff-qwen|bench-kernels-qwen|bench-kernels-z|bench-cachedit-qwen|tests-state|bench-state|tests|tests-full|tests-fast|tests-coexist|tests-shared|tests-cache|bench-cache-qwen-1024|bench-cache-qwen-512|bench-cache-z|bench-cfg-cache-qwen|bench-cfg-cache-qwen-1024|bench-cfg-cache-qwen-512|tests-quant|tests-auto|probe-hand-patches|bench-auto|coverage|bench-fp8-z|bench-fp8-qwen|warm-start-fp8-z|probe-fp8-groups|probe-fp8-block|hotswap-z|tests-z|te-z|fast-check|profile-qwen|profile-z|fast-qwen-50|ab-attention|probe-floor|probe-norms|probe-blocks|compile-max-qwen|memory-z|bench-z|warm-start-z|first-call-qwen-none|first-call-qwen-magcache|first-call-qwen-cachedit|bench-qwen|bench-qwen-512|bench-qwen-1024|issue2|parallel|parallel-cfg|serving|demo ..." >&2; exit 2; }
 out=${OUT:-/tmp/bcg-out}
 mkdir -p "$out"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -144,16 +145,16 @@ case "$phase" in
     timeout 300 python3 -m pytest -m cuda -q -rs -s -p no:cacheprovider --tb=short tests/test_attention_kernels_cuda.py 2>&1 \
       | grep -v "Warning\|warnings.warn" | tee "$out/pytest-attention-kernels.log" | tail -20
     ;;
-  probe-fp8-gelu)
-    timeout 120 python3 -m pytest -m cuda -q -rs -p no:cacheprovider --tb=short -k gelu_fp8 \
-      tests/test_attention_kernels_cuda.py 2>&1 | grep -v "Warning\|warnings.warn" | tee "$out/pytest-gelu-fp8.log" | tail -6
-    timeout 240 python3 -m bench.probes.probe_attention_kernels --sections fp8-gelu 2>&1 \
-      | grep -v "Warning\|warnings.warn\|_warn_once" | tee "$out/probe-fp8-gelu.log" | grep -v "^ *[0-9.]* ms  x" | tail -30
+  probe-fp8-ff)
+    timeout 120 python3 -m pytest -m cuda -q -rs -p no:cacheprovider --tb=short -k activation_fp8 \
+      tests/test_attention_kernels_cuda.py 2>&1 | grep -v "Warning\|warnings.warn" | tee "$out/pytest-activation-fp8.log" | tail -6
+    timeout 300 python3 -m bench.probes.probe_attention_kernels --sections fp8-ff,prologue-blocks 2>&1 \
+      | grep -v "Warning\|warnings.warn\|_warn_once\|^W[0-9]" | tee "$out/probe-fp8-ff.log" | grep -v "^ *[0-9.]* ms  x" | tail -40
     ;;
-  bench-fp8-gelu-qwen)
+  bench-fp8-ff-qwen)
     timeout 480 python3 -m bench --pipeline qwen-image --weights random-full --resolutions 1024x1024 --steps 50 \
-      --guidance 4 --modes eager,fast-fp8,fast-fp8-gelu --runs 3 --warmup 0 --no-progress \
-      --out "$out/fp8-gelu-qwen-1024" 2>&1 | grep -v "Warning\|warnings.warn" | tee "$out/fp8-gelu-qwen-1024.log" | tail -12
+      --guidance 4 --modes eager,fast-fp8,fast-fp8-torchao-ff --runs 3 --warmup 0 --no-progress \
+      --out "$out/fp8-ff-qwen-1024" 2>&1 | grep -v "Warning\|warnings.warn" | tee "$out/fp8-ff-qwen-1024.log" | tail -12
     ;;
   bench-kernels-qwen)
     timeout 570 python3 -m bench --pipeline qwen-image --weights random-full --resolutions 1024x1024 --steps 50 \
@@ -162,7 +163,7 @@ case "$phase" in
     ;;
   bench-kernels-z)
     timeout 420 python3 -m bench --pipeline z-image --weights random-full --resolutions 512x512,1024x1024 --steps 8 \
-      --modes eager,fast,eager-fp8,fast-fp8,fast-fp8-attn --runs 5 --warmup 0 --profile --no-progress \
+      --modes eager,fast,eager-fp8,fast-fp8,fast-fp8-torchao-ff,fast-fp8-attn --runs 5 --warmup 0 --profile --no-progress \
       --out "$out/kernels-z" 2>&1 | grep -v "Warning\|warnings.warn" | tee "$out/kernels-z.log" | tail -20
     ;;
   bench-cachedit-qwen)

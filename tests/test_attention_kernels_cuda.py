@@ -3,8 +3,8 @@
 * The Triton kernels (bf16 and FP8, both tile readers) against float32 attention at the shapes fast
   mode meets (odd token counts included), and deterministic: the same bytes on every call.
 * The GELU epilogue computes diffusers' tanh GELU.
-* The GELU-to-FP8 kernel (``kernels/gelu_fp8.py``) against its reference (diffusers' GELU, then torchao's
-  row scales and cast) at Qwen-Image's feed-forward width, and deterministic.
+* The activation-to-FP8 kernels (``kernels/activation_fp8.py``) against their references (diffusers' GELU or
+  Z-Image's SwiGLU, then torchao's row scales and cast) at the models' feed-forward widths, and deterministic.
 * ``accelerate(pipe, mode="fast", attention="fp8")`` on full-size Z-Image (tiny models have heads of
   16, which the kernels do not take): the attention modules use the FP8 kernel, the graphs give the same
   bytes as the compiled blocks without graphs, and the image stays near bf16 fast mode's.
@@ -18,8 +18,8 @@ import torch.nn.functional as F
 from _cases import cuda_pipeline, run_case
 
 from bcg_diffusion import accelerate, eager, restore, stats
+from bcg_diffusion.kernels import activation_fp8
 from bcg_diffusion.kernels import attention as kernels
-from bcg_diffusion.kernels import gelu_fp8
 from bcg_diffusion.patches.attention import KERNEL_ATTRIBUTE
 from bcg_diffusion.patches.gelu import gelu_in_epilogue
 
@@ -195,16 +195,23 @@ def test_qwen_processor_compiled_with_the_fused_prologue_stays_near_the_compiled
 
 
 @needs_fp8
+@pytest.mark.parametrize("activation", ["gelu", "swiglu"])
 @pytest.mark.parametrize("rows", [1, 333, 8192])
-def test_gelu_fp8_kernel_matches_its_reference_and_is_deterministic(rows):
+def test_activation_fp8_kernels_match_their_references_and_are_deterministic(rows, activation):
     torch.manual_seed(0)
-    wide = torch.randn(rows, 12288 + 64, device="cuda", dtype=torch.bfloat16) * 3
-    hidden = wide[:, :12288]  # rows strided like a slice of a wider output
-    assert gelu_fp8.unavailable(hidden.device) is None
-    data, scale = gelu_fp8.gelu_fp8(hidden)
-    expected_data, expected_scale = gelu_fp8.reference_gelu_fp8(hidden)
-    # The kernel's GELU and its division by the scale are a few float32 ulps from the reference's, which can
-    # move the rounded GELU by one bf16 step and the float8 value by one step.
+    columns = 12288 if activation == "gelu" else 10240  # Qwen-Image's feed-forward width, Z-Image's
+    wide = torch.randn(2, rows, columns + 64, device="cuda", dtype=torch.bfloat16) * 3
+    tensors = [wide[0, :, :columns], wide[1, :, :columns]]  # rows strided like a slice of a wider output
+    if activation == "gelu":
+        tensors = tensors[:1]
+        kernel, reference = activation_fp8.gelu_fp8, activation_fp8.reference_gelu_fp8
+    else:
+        kernel, reference = activation_fp8.swiglu_fp8, activation_fp8.reference_swiglu_fp8
+    assert activation_fp8.unavailable(tensors[0].device) is None
+    data, scale = kernel(*tensors)
+    expected_data, expected_scale = reference(*tensors)
+    # The kernel's activation and its division by the scale are a few float32 ulps from the reference's,
+    # which can move the rounded activation by one bf16 step and the float8 value by one step.
     torch.testing.assert_close(scale, expected_scale, rtol=2**-7, atol=0)
     got, want = (data.float() * scale), (expected_data.float() * expected_scale)
     # one float8 step: 2^-3 of the value, or the smallest subnormal's 2^-9 of the scale below the normals
@@ -212,5 +219,5 @@ def test_gelu_fp8_kernel_matches_its_reference_and_is_deterministic(rows):
     assert torch.all((got - want).abs() <= bound), ((got - want).abs() - bound).max()
     equal = (data.view(torch.uint8) == expected_data.view(torch.uint8)).float().mean().item()
     assert equal > 0.99, equal
-    again = gelu_fp8.gelu_fp8(hidden)
+    again = kernel(*tensors)
     assert torch.equal(again[0].view(torch.uint8), data.view(torch.uint8)) and torch.equal(again[1], scale)

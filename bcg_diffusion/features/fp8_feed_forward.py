@@ -1,4 +1,4 @@
-"""Fast mode under FP8: a feed-forward's GELU and its down projection's FP8 input in one kernel.
+"""Fast mode under FP8: a feed-forward's activation and its down projection's FP8 input in one kernel.
 
 The patch is :mod:`bcg_diffusion.patches.fp8_feed_forward` (on by default; an attribute on a feed-forward
 module turns it off for that module); this feature applies it to the accelerated transformer after
@@ -9,7 +9,7 @@ never applies it: its kernel's bytes are not eager's.
 from __future__ import annotations
 
 from ..core.hooks import MethodPatches
-from ..patches.fp8_feed_forward import FP8_GELU_PATCH, patch_fp8_feed_forwards
+from ..patches.fp8_feed_forward import FP8_FEED_FORWARD_PATCH, patch_fp8_feed_forwards
 from .base import Feature, Setup
 
 __all__ = ["Fp8FeedForward"]
@@ -30,4 +30,4 @@ class Fp8FeedForward(Feature):
         self.patched = patch_fp8_feed_forwards(setup.modules["transformer"], patches)
 
     def patch_names(self) -> list[str]:
-        return [FP8_GELU_PATCH] if self.patched else []
+        return [FP8_FEED_FORWARD_PATCH] if self.patched else []

@@ -1,23 +1,24 @@
-"""Fast mode under FP8: a feed-forward's tanh GELU and its down projection's FP8 input in one kernel.
+"""Fast mode under FP8: a feed-forward's activation and its down projection's FP8 input in one kernel.
 
-diffusers' ``FeedForward`` with ``activation_fn="gelu-approximate"`` (Qwen-Image's) runs its up projection,
-the GELU, then its down projection. With torchao's row-wise dynamic FP8 weights (``quantize="fp8"``), the
-down projection quantizes its input first: each row's scale from its largest magnitude, the row divided
-by it and cast to float8. Compiled, that GELU and quantization are one inductor kernel that spends its
-time in float32 arithmetic (libdevice's tanh, a rounded division per element): 0.31 ms of a 3.0 ms
-Qwen-Image FP8 block at 1024² with CFG, about 1 TB/s (H200, runs 95–97). The patched forward runs the up
-projection as torchao does, then our kernel (:func:`bcg_diffusion.kernels.gelu_fp8.gelu_fp8`: 0.11 ms,
-2.9 TB/s), and hands its float8 rows and scales to torchao's own product for the down projection, which
-then quantizes nothing. Qwen-Image 1024², 50 steps, CFG 4: 9.71 → 9.19 s (run 97).
+A feed-forward runs its up projection(s), the activation, then its down projection: diffusers'
+``FeedForward`` with ``activation_fn="gelu-approximate"`` (Qwen-Image's) a tanh GELU, Z-Image's
+``FeedForward`` ``silu(w1(x)) * w3(x)``. With torchao's row-wise dynamic FP8 weights (``quantize="fp8"``),
+the down projection quantizes its input first: each row's scale from its largest magnitude, the row
+divided by it and cast to float8. Compiled, that activation and quantization are one inductor kernel that
+spends its time in float32 arithmetic (libdevice's tanh, a rounded division per element): 0.31 ms of a
+3.0 ms Qwen-Image FP8 block at 1024² with CFG, about 1 TB/s (H200, runs 95–97). The patched forward runs
+the up projections as torchao does, then our kernel (:mod:`bcg_diffusion.kernels.activation_fp8`; for
+Qwen-Image 0.11 ms, 2.9 TB/s), and hands its float8 rows and scales to torchao's own product for the down
+projection, which then quantizes nothing. Qwen-Image 1024², 50 steps, CFG 4: 9.71 → 9.19 s (run 97).
 
-The same steps as the unpatched forward (diffusers' GELU, torchao's scale and cast, torchao's product): on
-a CPU, where the operator runs its PyTorch reference, the patched forward gives the unpatched one's bytes.
-On a GPU the kernel's GELU and its division by the scale are a few float32 ulps from PyTorch's, which moves
-about one float8 value in a hundred by one step (PSNR against eager unchanged, 45.0 dB); fast mode allows
-it, its contract being with its own compiled blocks, which use the same kernel.
+The same steps as the unpatched forward (the model's activation, torchao's scale and cast, torchao's
+product): on a CPU, where the operators run their PyTorch references, the patched forward gives the
+unpatched one's bytes. On a GPU the kernel's arithmetic is a few float32 ulps from PyTorch's, which moves
+about one float8 value in a hundred by one step (Qwen-Image's PSNR against eager unchanged, 45.0 dB); fast
+mode allows it, its contract being with its own compiled blocks, which use the same kernel.
 
-On by default (:data:`FP8_GELU_DEFAULT`); an attribute on a feed-forward module
-(:data:`FP8_GELU_ATTRIBUTE`, ``"fused"`` or ``"torchao"``) chooses for that module, read when
+On by default (:data:`FP8_FEED_FORWARD_DEFAULT`); an attribute on a feed-forward module
+(:data:`FP8_FEED_FORWARD_ATTRIBUTE`, ``"fused"`` or ``"torchao"``) chooses for that module, read when
 ``accelerate`` prepares the model. Applies only where torchao itself would run its PyTorch kernels
 (row-wise scales for weights and activations, float8_e4m3fn, no bounds on the scales, without the
 ``mslk`` package): :func:`unfit` says why a module is left as it is.
@@ -26,6 +27,7 @@ On by default (:data:`FP8_GELU_DEFAULT`); an attribute on a feed-forward module
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -34,19 +36,20 @@ import torch.nn.functional as F
 from ..core.hooks import MethodPatches
 
 __all__ = [
-    "FP8_GELU_ATTRIBUTE",
-    "FP8_GELU_CHOICES",
-    "FP8_GELU_DEFAULT",
-    "FP8_GELU_PATCH",
+    "FP8_FEED_FORWARD_ATTRIBUTE",
+    "FP8_FEED_FORWARD_CHOICES",
+    "FP8_FEED_FORWARD_DEFAULT",
+    "FP8_FEED_FORWARD_PATCH",
     "fused_forward",
     "patch_fp8_feed_forwards",
     "unfit",
 ]
 
-FP8_GELU_PATCH = "FP8 feed-forward: GELU and the down projection's input in one kernel"
-FP8_GELU_ATTRIBUTE = "_bcg_fp8_gelu"
-FP8_GELU_CHOICES = ("torchao", "fused")
-FP8_GELU_DEFAULT = "fused"  # bench mode fast-fp8-torchao-gelu runs without it
+FP8_FEED_FORWARD_PATCH = "FP8 feed-forward: the activation and the down projection's input in one kernel"
+FP8_FEED_FORWARD_ATTRIBUTE = "_bcg_fp8_feed_forward"
+FP8_FEED_FORWARD_CHOICES = ("torchao", "fused")
+FP8_FEED_FORWARD_DEFAULT = "fused"  # bench mode fast-fp8-torchao-ff runs without it
+_Z_IMAGE = "diffusers.models.transformers.transformer_z_image"
 
 
 def _mslk_installed() -> bool:
@@ -87,57 +90,102 @@ def _row_wise_fp8(weight: Any) -> str | None:
     return None
 
 
-def unfit(module: torch.nn.Module) -> str | None:
-    """Why ``module`` does not take :func:`fused_forward` (None: it does): it must be diffusers'
-    ``FeedForward`` holding a tanh ``GELU``, a dropout that drops nothing, and a down projection, both projections with torchao row-wise FP8 weights (:func:`_row_wise_fp8`)."""
+@dataclass(frozen=True)
+class _Parts:
+    """Where a feed-forward keeps what the fused forward runs: its up projections (the activation's input
+    first, then SwiGLU's other factor), its dropout (None: it has none) and its down projection."""
+
+    swiglu: bool
+    projections: tuple[torch.nn.Module, ...]
+    dropout: torch.nn.Module | None
+    down: torch.nn.Module
+
+    def dropping(self) -> bool:
+        return bool(self.dropout is not None and self.dropout.p and self.dropout.training)
+
+    def held_by(self, module: torch.nn.Module) -> bool:
+        """Whether ``module`` still holds these very parts (identity checks only, which dynamo traces
+        into guards)."""
+        if self.swiglu:
+            held = (module.w1, module.w3, module.w2)
+            return held[0] is self.projections[0] and held[1] is self.projections[1] and held[2] is self.down
+        net = module.net
+        return net[0].proj is self.projections[0] and net[1] is self.dropout and net[2] is self.down
+
+
+def _locate(module: torch.nn.Module) -> _Parts | str:
+    """The parts of diffusers' ``FeedForward`` with a tanh GELU or of Z-Image's SwiGLU ``FeedForward``, or
+    why ``module`` is neither."""
     if type(module).__name__ != "FeedForward":
         return "not a diffusers FeedForward"
+    if type(module).__module__ == _Z_IMAGE:
+        parts = tuple(getattr(module, name, None) for name in ("w1", "w3", "w2"))
+        if not all(isinstance(part, torch.nn.Module) for part in parts):
+            return "Z-Image's FeedForward without its w1, w2 and w3"
+        return _Parts(swiglu=True, projections=parts[:2], dropout=None, down=parts[2])
     net = getattr(module, "net", None)
     if not isinstance(net, torch.nn.ModuleList) or len(net) != 3:
         return "its net is not [activation, dropout, projection]"
     gelu, dropout, down = net
     if type(gelu).__name__ != "GELU" or getattr(gelu, "approximate", None) != "tanh":
         return "its activation is not diffusers' tanh GELU"
-    if not isinstance(dropout, torch.nn.Dropout) or (dropout.p and dropout.training):
+    if not isinstance(dropout, torch.nn.Dropout):
+        return "its net's second module is not a dropout"
+    return _Parts(swiglu=False, projections=(getattr(gelu, "proj", None),), dropout=dropout, down=down)
+
+
+def unfit(module: torch.nn.Module) -> str | None:
+    """Why ``module`` does not take :func:`fused_forward` (None: it does): it must be diffusers'
+    ``FeedForward`` holding a tanh ``GELU``, or Z-Image's SwiGLU ``FeedForward``, with a dropout (if any)
+    that drops nothing, its projections plain ``nn.Linear`` with torchao row-wise FP8 weights
+    (:func:`_row_wise_fp8`)."""
+    parts = _locate(module)
+    if isinstance(parts, str):
+        return parts
+    if parts.dropping():
         return "its dropout drops values"
-    if type(down) is not torch.nn.Linear or type(getattr(gelu, "proj", None)) is not torch.nn.Linear:
+    linears = (*parts.projections, parts.down)
+    if any(type(linear) is not torch.nn.Linear for linear in linears):
         return "a projection is not a plain nn.Linear (LoRA or another wrapper)"
-    return _row_wise_fp8(gelu.proj.weight) or _row_wise_fp8(down.weight)
+    for linear in linears:
+        reason = _row_wise_fp8(linear.weight)
+        if reason is not None:
+            return reason
+    return None
 
 
 def fused_forward(module: torch.nn.Module) -> Callable[..., torch.Tensor]:
-    """A forward for ``module`` (one that :func:`unfit` accepts) with the GELU and the down projection's
-    input quantization in one kernel; the projections' weights are read at each call. Should a
-    projection be replaced later (a LoRA layer wrapping it), its weight stop being a torchao FP8 tensor
-    or the dropout start dropping (training), the module's own forward runs instead."""
+    """A forward for ``module`` (one that :func:`unfit` accepts) with the activation and the down
+    projection's input quantization in one kernel; the projections' weights are read at each call.
+    Should a projection be replaced later (a LoRA layer wrapping it), a weight stop being a torchao FP8
+    tensor or the dropout start dropping (training), the module's own forward runs instead."""
     from torchao.quantization.quantize_.workflows import Float8Tensor
 
-    from ..kernels.gelu_fp8 import gelu_fp8
+    from ..kernels.activation_fp8 import gelu_fp8, swiglu_fp8
 
-    gelu, dropout, down = module.net
-    up_proj = gelu.proj
+    parts = _locate(module)
+    kernel = swiglu_fp8 if parts.swiglu else gelu_fp8
     original = type(module).forward
 
     def forward(hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        weight = down.weight
+        weight = parts.down.weight
         if (
-            module.net[0] is not gelu
-            or gelu.proj is not up_proj
-            or module.net[2] is not down
-            or (dropout.p and dropout.training)
+            not parts.held_by(module)
+            or parts.dropping()
             or not isinstance(weight, Float8Tensor)
-            or not isinstance(up_proj.weight, Float8Tensor)
+            or not all(isinstance(projection.weight, Float8Tensor) for projection in parts.projections)
         ):
             return original(module, hidden_states, *args, **kwargs)
-        up = up_proj(hidden_states)  # torchao's FP8 product, its activation quantized as always
-        data, scale = gelu_fp8(up)
+        # torchao's FP8 products, their activation quantized as always
+        ups = [projection(hidden_states) for projection in parts.projections]
+        data, scale = kernel(*ups)
         activation = Float8Tensor(
             data,
             scale,
             block_size=[1] * (data.dim() - 1) + [data.shape[-1]],
             mm_config=weight.mm_config,
             kernel_preference=weight.kernel_preference,
-            dtype=up.dtype,
+            dtype=ups[0].dtype,
         )
         # torchao refuses an activation already quantized for a weight that quantizes its own: the same
         # weight without its activation settings runs the same product on ours
@@ -149,25 +197,26 @@ def fused_forward(module: torch.nn.Module) -> Callable[..., torch.Tensor]:
             kernel_preference=weight.kernel_preference,
             dtype=weight.dtype,
         )
-        return F.linear(activation, bare, down.bias)
+        return F.linear(activation, bare, parts.down.bias)
 
     return forward
 
 
 def _choice(module: torch.nn.Module) -> str:
-    choice = getattr(module, FP8_GELU_ATTRIBUTE, FP8_GELU_DEFAULT)
-    if choice not in FP8_GELU_CHOICES:
+    choice = getattr(module, FP8_FEED_FORWARD_ATTRIBUTE, FP8_FEED_FORWARD_DEFAULT)
+    if choice not in FP8_FEED_FORWARD_CHOICES:
         raise ValueError(
-            f"{FP8_GELU_ATTRIBUTE}={choice!r} on {type(module).__name__}: expected one of {FP8_GELU_CHOICES}"
+            f"{FP8_FEED_FORWARD_ATTRIBUTE}={choice!r} on {type(module).__name__}: "
+            f"expected one of {FP8_FEED_FORWARD_CHOICES}"
         )
     return choice
 
 
 def patch_fp8_feed_forwards(model: torch.nn.Module, patches: MethodPatches) -> int:
     """Give every feed-forward of ``model`` that fits (:func:`unfit`) and chose ``"fused"``
-    (:data:`FP8_GELU_ATTRIBUTE`, else :data:`FP8_GELU_DEFAULT`) the forward of :func:`fused_forward`,
-    recorded in ``patches``; returns how many. Raises ValueError for a choice that is not one of
-    :data:`FP8_GELU_CHOICES`."""
+    (:data:`FP8_FEED_FORWARD_ATTRIBUTE`, else :data:`FP8_FEED_FORWARD_DEFAULT`) the forward of
+    :func:`fused_forward`, recorded in ``patches``; returns how many. Raises ValueError for a choice that is
+    not one of :data:`FP8_FEED_FORWARD_CHOICES`."""
     patched = 0
     for module in model.modules():
         if type(module).__name__ != "FeedForward" or _choice(module) != "fused" or unfit(module) is not None:

@@ -25,12 +25,12 @@
   and widened to rows of up to 16,384: the blocks' LayerNorms and FP8 row scales reduce over 3,072 to
   12,288 elements, which inductor otherwise loops over, reading each row twice.
 
-* ``fp8-gelu``: one Qwen-Image block in FP8 with the feed-forward's GELU and its down projection's FP8
-  input as inductor compiles them, then with our kernel (``patches.fp8_feed_forward``); then the kernel
-  alone at the block's shape (2 x 4,160 rows of 12,288) against the same arithmetic compiled, and its
-  launch settings.
+* ``fp8-ff``: one Qwen-Image block (tanh GELU) and one Z-Image block (SwiGLU) in FP8 with the feed-forward's
+  activation and its down projection's FP8 input as inductor compiles them, then with our kernel
+  (``patches.fp8_feed_forward``); then each kernel alone at its block's shape (Qwen-Image: 2 x 4,160 rows of
+  12,288; Z-Image: 4,160 rows of 10,240) against the same arithmetic compiled, and its launch settings.
 
-    python -m bench.probes.probe_attention_kernels [--sections kernels,qwen-block,z-block,prologue,prologue-blocks,reductions,fp8-gelu]
+    python -m bench.probes.probe_attention_kernels [--sections kernels,qwen-block,z-block,prologue,prologue-blocks,reductions,fp8-ff]
 """
 
 from __future__ import annotations
@@ -407,37 +407,62 @@ def reductions() -> None:
             torch.cuda.empty_cache()
 
 
-def _fp8_fused_gelu(holder: torch.nn.Module) -> None:
+def _fp8_feed_forward(choice: str) -> Callable[[torch.nn.Module], None]:
+    """A ``prepare`` for :func:`time_block`: FP8 as fast mode quantizes, then every feed-forward set to ``choice``
+    ("fused": our kernel, patched here as fast mode patches it; "torchao": inductor compiles torchao's steps)."""
     from bcg_diffusion.patches import fp8_feed_forward
 
-    _fp8(holder)
-    for module in holder.modules():
-        if type(module).__name__ == "FeedForward":
-            setattr(module, fp8_feed_forward.FP8_GELU_ATTRIBUTE, "fused")
-    assert fp8_feed_forward.patch_fp8_feed_forwards(holder, MethodPatches()) > 0  # the copy is dropped after
+    def prepare(holder: torch.nn.Module) -> None:
+        _fp8(holder)
+        for module in holder.modules():
+            if type(module).__name__ == "FeedForward":
+                setattr(module, fp8_feed_forward.FP8_FEED_FORWARD_ATTRIBUTE, choice)
+        if choice == "fused":
+            assert fp8_feed_forward.patch_fp8_feed_forwards(holder, MethodPatches()) > 0  # dropped with the copy
+
+    return prepare
 
 
-def fp8_gelu() -> None:
-    """One Qwen-Image block in FP8 (fused prologue) with the feed-forward's GELU and FP8 input scales as
-    inductor compiles them against our kernel (``patches.fp8_feed_forward``); then the kernel alone."""
-    from bcg_diffusion.kernels import gelu_fp8
+def fp8_feed_forward() -> None:
+    """One Qwen-Image block (tanh GELU) and one Z-Image block (SwiGLU) in FP8 (fused prologue) with the
+    feed-forward's activation and FP8 input scales as inductor compiles them, then with our kernel
+    (``patches.fp8_feed_forward``); then each kernel alone at its block's shape, with launch settings."""
+    from bcg_diffusion.kernels import activation_fp8
 
-    time_block(*_qwen_block_case(), [("qwen fp8, GELU compiled", "dispatch", False, "fused")], prepare=_fp8)
-    time_block(*_qwen_block_case(), [("qwen fp8, GELU fused", "dispatch", False, "fused")], prepare=_fp8_fused_gelu)
-    hidden = torch.randn(2 * 4160, 12288, device="cuda", dtype=torch.bfloat16)
-    nbytes = hidden.numel() * 3 + hidden.shape[0] * 4  # bf16 read, float8 written, the scales
-    compiled = torch.compile(gelu_fp8.reference_gelu_fp8)
-    _, expected = _prologue_report("inductor (the reference compiled)", lambda: list(compiled(hidden)), nbytes)
-    _, got = _prologue_report(
-        f"fused Triton kernel {gelu_fp8._CONFIG}", lambda: list(gelu_fp8.gelu_fp8(hidden)), nbytes
-    )
-    equal = (got[0].view(torch.uint8) == expected[0].view(torch.uint8)).float().mean().item()
-    print(f"   float8 bytes equal to inductor's: {equal:.4%}; scales equal: {torch.equal(got[1], expected[1])}")
-    configs = [(2048, 8, False), (16384, 16, False), (2048, 8, True), (4096, 8, True)]
-    configs += [(16384, warps, True) for warps in (8, 16, 32)]  # one pass, the row in registers
-    for config in configs:
-        outputs = gelu_fp8._empty(hidden, torch.float8_e4m3fn)
-        _prologue_report(f"   config {config}", functools.partial(gelu_fp8._launch, hidden, *outputs, config), nbytes)
+    for choice in ("torchao", "fused"):
+        label = "compiled" if choice == "torchao" else "fused"
+        time_block(*_qwen_block_case(), [(f"qwen fp8, FF {label}", "dispatch", False, "fused")],
+                   prepare=_fp8_feed_forward(choice))  # fmt: skip
+        time_block(
+            *_z_block_case(), [(f"z fp8, FF {label}", "cudnn", False, "fused")], prepare=_fp8_feed_forward(choice)
+        )
+        torch.cuda.empty_cache()
+    cases = {
+        "GELU, Qwen-Image 1024² CFG": (
+            [torch.randn(2 * 4160, 12288, device="cuda", dtype=torch.bfloat16)],
+            activation_fp8.reference_gelu_fp8,
+            activation_fp8.gelu_fp8,
+        ),
+        "SwiGLU, Z-Image 1024²": (
+            [torch.randn(4160, 10240, device="cuda", dtype=torch.bfloat16) for _ in range(2)],
+            activation_fp8.reference_swiglu_fp8,
+            activation_fp8.swiglu_fp8,
+        ),
+    }
+    for name, (tensors, reference, kernel) in cases.items():
+        print(f"   {name}:")
+        nbytes = sum(t.numel() * 2 for t in tensors) + tensors[0].numel() + tensors[0].shape[0] * 4  # read, written
+        compiled = functools.partial(torch.compile(reference), *tensors)
+        _, expected = _prologue_report("inductor (the reference compiled)", compiled, nbytes)
+        _, got = _prologue_report(f"our kernel {activation_fp8._CONFIG}", functools.partial(kernel, *tensors), nbytes)
+        equal = (got[0].view(torch.uint8) == expected[0].view(torch.uint8)).float().mean().item()
+        print(f"   float8 bytes equal to inductor's: {equal:.4%}; scales equal: {torch.equal(got[1], expected[1])}")
+        configs = [(4096, 8, True)] + [(16384, warps, True) for warps in (4, 8, 16)]  # one pass: the row in registers
+        for config in configs:
+            outputs = activation_fp8._empty(tensors[0], torch.float8_e4m3fn)
+            up = tensors[1] if len(tensors) > 1 else None
+            launch = functools.partial(activation_fp8._launch, tensors[0], *outputs, config, up=up)
+            _prologue_report(f"   config {config}", launch, nbytes)
 
 
 SECTIONS = {
@@ -447,7 +472,7 @@ SECTIONS = {
     "prologue": ("attention's prologue alone: inductor against the fused kernel", prologue),
     "prologue-blocks": ("one block per model, attention's prologue compiled against fused", prologue_blocks),
     "reductions": ("one block per model, bf16 and FP8, inductor's persistent reductions widened", reductions),
-    "fp8-gelu": ("Qwen-Image's FP8 feed-forward: GELU and input scales compiled against our kernel", fp8_gelu),
+    "fp8-ff": ("FP8 feed-forwards: the activation and input scales compiled against our kernel", fp8_feed_forward),
 }
 
 if __name__ == "__main__":
