@@ -130,6 +130,44 @@ class PreparedMode:
         return out
 
 
+# The modes that the options below modify: what is left of a mode's name once they are taken off
+BASES = ("eager", "bcg", "bcg-no-te", "bcg-no-auto", "fast", "fast-no-te", "fast-no-auto", "fast-unbatched")
+BASES += ("compile", "compile-max")
+
+
+@dataclass(frozen=True)
+class ModeOptions:
+    """What a mode's name asks for: its base mode (one of :data:`BASES`) and the options its suffixes add."""
+
+    base: str
+    cache: bool = False  # +cache: the step cache given by --cache
+    cachedit: bool = False  # +cachedit: Cache-DiT's DBCache
+    fp8: bool = False  # -fp8: the transformer's block linears in row-wise FP8
+    fp8_attention: bool = False  # -attn: attention="fp8"
+    torchao_feed_forward: bool = False  # -torchao-ff: our FP8 feed-forward kernel off
+
+
+def parse(name: str) -> ModeOptions:
+    """The options of mode ``name``. Raises ValueError for a name that is not one of :data:`MODES`, or one
+    whose suffixes leave something other than a base mode (a suffix this function does not know)."""
+    if name not in MODES:
+        raise ValueError(f"unknown mode {name!r}; choose from {MODES}")
+    rest = name
+    options: dict[str, bool] = {}
+    for suffix, option in (
+        ("+cache", "cache"),
+        ("+cachedit", "cachedit"),
+        ("-attn", "fp8_attention"),
+        ("-torchao-ff", "torchao_feed_forward"),
+        ("-fp8", "fp8"),
+    ):
+        options[option] = rest.endswith(suffix)
+        rest = rest.removesuffix(suffix)
+    if rest not in BASES:
+        raise ValueError(f"mode {name!r} leaves {rest!r} once its known options are taken off: not a base mode")
+    return ModeOptions(rest, **options)
+
+
 def prepare(
     name: str,
     base: Any,
@@ -141,31 +179,25 @@ def prepare(
     ``+cache`` modes (enabled on the copy before it is accelerated or compiled), ``cachedit(pipe)`` the
     ``cache_dit.enable_cache`` options of the ``+cachedit`` modes. Raises ValueError for an unknown mode, or
     a cached mode without its config."""
-    if name not in MODES:
-        raise ValueError(f"unknown mode {name!r}; choose from {MODES}")
+    options = parse(name)
+    if options.cache and cache is None:
+        raise ValueError(f"mode {name} needs a cache config")
+    if options.cachedit and cachedit is None:
+        raise ValueError(f"mode {name} needs Cache-DiT options")
     pipe = pipeline_copy(base)
-    base_name = name
-    if name in CACHED:
-        if cache is None:
-            raise ValueError(f"mode {name} needs a cache config")
+    if options.cache:
         enable_cache(pipe, cache())  # before quantizing or accelerating, as a user would
-        base_name = base_name.removesuffix("+cache")
-    if name in CACHEDIT:
-        if cachedit is None:
-            raise ValueError(f"mode {name} needs Cache-DiT options")
+    if options.cachedit:
         import cache_dit
 
         cache_dit.enable_cache(pipe, **cachedit(pipe))  # before accelerating, as a user would
-        base_name = base_name.removesuffix("+cachedit")
-    attention = "fp8" if base_name.endswith("-attn") else None
-    base_name = base_name.removesuffix("-attn")
-    if base_name.endswith("-torchao-gelu"):
+    attention = "fp8" if options.fp8_attention else None
+    if options.torchao_feed_forward:
         for module in pipe.transformer.modules():  # the copy's modules: the other modes keep the default
             if type(module).__name__ == "FeedForward":
                 setattr(module, FP8_FEED_FORWARD_ATTRIBUTE, "torchao")
-        base_name = base_name.removesuffix("-torchao-gelu")
-    quantize = FP8 if base_name.endswith("-fp8") else None
-    base_name = base_name.removesuffix("-fp8")
+    quantize = FP8 if options.fp8 else None
+    base_name = options.base
     if base_name == "eager" and quantize is not None:
         quantize_transformer(pipe.transformer, FP8)
         quantize = None

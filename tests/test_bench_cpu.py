@@ -524,3 +524,27 @@ def test_warm_start_children_enable_the_benchmark_cache_before_accelerate(cache)
         assert cache_dit_enabled(pipe.transformer)
     else:
         assert cache_hooks(pipe.transformer)
+
+
+def test_every_mode_name_parses_to_a_base_mode_and_its_options():
+    """A suffix that prepare() did not know once made fast-fp8-torchao-ff run as plain bf16 fast mode (run 99):
+    every name must leave a base mode, and each FP8 mode must quantize."""
+    from bench import modes
+
+    for name in modes.MODES:
+        options = modes.parse(name)
+        assert options.base in modes.BASES
+        assert options.fp8 == (name in modes.FP8_MODES), name
+        assert options.cache == (name in modes.CACHED) and options.cachedit == (name in modes.CACHEDIT), name
+    assert modes.parse("fast-fp8-torchao-ff") == modes.ModeOptions("fast", fp8=True, torchao_feed_forward=True)
+    assert modes.parse("fast-fp8-attn") == modes.ModeOptions("fast", fp8=True, fp8_attention=True)
+    with pytest.raises(ValueError, match="unknown mode"):
+        modes.parse("fast-fp9")
+
+
+def test_a_catalogued_mode_with_an_unknown_suffix_is_refused(monkeypatch):
+    from bench import modes
+
+    monkeypatch.setattr(modes, "MODES", (*modes.MODES, "fast-fp8-torchao-gelu"))
+    with pytest.raises(ValueError, match="not a base mode"):
+        modes.parse("fast-fp8-torchao-gelu")

@@ -38,7 +38,7 @@ __all__ = ["gelu_fp8", "reference_gelu_fp8", "reference_swiglu_fp8", "swiglu_fp8
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _FP8 = (torch.float8_e4m3fn,)  # torchao's default, what quantize="fp8" uses
 # (elements per chunk of a row, warps, approximate arithmetic): fixed, so that the bytes never depend on a
-# timing; bench.probes.probe_attention_kernels --sections fp8-gelu times it in a block and alone, with other
+# timing; bench.probes.probe_attention_kernels --sections fp8-ff times it in a block and alone, with other
 # settings (run 96: one pass of 16,384 elements with 8 warps, 107.5 µs; the exact arithmetic, 310.6 µs)
 _CONFIG = (16384, 8, True)
 

@@ -349,11 +349,7 @@ def qwen_joint_attention_per_group(
         out = out.flatten(2, 3).to(query.dtype)
         text_outputs.append(F.pad(out[:, :length], (0, 0, 0, text_tokens - length)))
         image_outputs.append(out[:, length:])
-    # Each group's image rows are a contiguous slice of its attention output, which the projection reads as
-    # they are; projecting before joining the groups saves a copy of the attention output (inductor writes
-    # the products into the joined tensor, or joins them inside the next kernel)
-    projected = [attn.to_out[0](output) for output in image_outputs]
-    image_output = projected[0] if len(projected) == 1 else torch.cat(projected)
+    image_output = attn.to_out[0](torch.cat(image_outputs))
     if len(attn.to_out) > 1:
         image_output = attn.to_out[1](image_output)  # dropout
     text_output = attn.to_add_out(torch.cat(text_outputs))
