@@ -107,8 +107,7 @@ class _Parts:
         """Whether ``module`` still holds these very parts (identity checks only, which dynamo traces
         into guards)."""
         if self.swiglu:
-            held = (module.w1, module.w3, module.w2)
-            return held[0] is self.projections[0] and held[1] is self.projections[1] and held[2] is self.down
+            return module.w1 is self.projections[0] and module.w3 is self.projections[1] and module.w2 is self.down
         net = module.net
         return net[0].proj is self.projections[0] and net[1] is self.dropout and net[2] is self.down
 
