@@ -177,3 +177,16 @@ def test_a_dropout_that_starts_dropping_runs_the_modules_own_forward():
         assert torch.equal(got, type(module).forward(module, x))
     finally:
         patches.undo()
+
+
+def test_an_activation_replaced_by_a_module_without_a_projection_runs_the_modules_own_forward():
+    module = _feed_forward()
+    x = torch.randn(4, 64, dtype=torch.bfloat16)
+    setattr(module, ff.FP8_FEED_FORWARD_ATTRIBUTE, "fused")
+    patches = MethodPatches()
+    ff.patch_fp8_feed_forwards(module, patches)
+    try:
+        module.net[0] = torch.nn.Linear(64, 256).to(torch.bfloat16)  # another up projection, no GELU module
+        assert torch.equal(module(x), type(module).forward(module, x))
+    finally:
+        patches.undo()

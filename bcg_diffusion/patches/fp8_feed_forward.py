@@ -108,8 +108,8 @@ class _Parts:
         into guards)."""
         if self.swiglu:
             return module.w1 is self.projections[0] and module.w3 is self.projections[1] and module.w2 is self.down
-        net = module.net
-        return net[0].proj is self.projections[0] and net[1] is self.dropout and net[2] is self.down
+        net = module.net  # its activation may have been replaced by a module without a projection
+        return getattr(net[0], "proj", None) is self.projections[0] and net[1] is self.dropout and net[2] is self.down
 
 
 def _locate(module: torch.nn.Module) -> _Parts | str:
