@@ -22,7 +22,7 @@ from diffusers.utils import BaseOutput
 from bcg_diffusion import accelerate, eager, restore, stats
 from bcg_diffusion.features.quantization import FP8, quantize_transformer
 from bcg_diffusion.features.step_caching import enable_cache
-from bcg_diffusion.patches.fp8_feed_forward import FP8_FEED_FORWARD_ATTRIBUTE
+from bcg_diffusion.patches import fp8_feed_forward
 
 from .catalog import (  # noqa: F401 - the names, re-exported for the modules that import them from here
     ABLATIONS,
@@ -193,9 +193,7 @@ def prepare(
         cache_dit.enable_cache(pipe, **cachedit(pipe))  # before accelerating, as a user would
     attention = "fp8" if options.fp8_attention else None
     if options.torchao_feed_forward:
-        for module in pipe.transformer.modules():  # the copy's modules: the other modes keep the default
-            if type(module).__name__ == "FeedForward":
-                setattr(module, FP8_FEED_FORWARD_ATTRIBUTE, "torchao")
+        fp8_feed_forward.choose(pipe.transformer, "torchao")  # the copy's modules: the other modes keep the default
     quantize = FP8 if options.fp8 else None
     base_name = options.base
     if base_name == "eager" and quantize is not None:

@@ -96,6 +96,10 @@ def test_on_by_default_a_module_can_opt_out_and_a_bad_choice_is_an_error():
     setattr(module, ff.FP8_FEED_FORWARD_ATTRIBUTE, "fast")
     with pytest.raises(ValueError, match="expected one of"):
         ff.patch_fp8_feed_forwards(module, MethodPatches())
+    assert ff.choose(torch.nn.Sequential(module, _z_image_feed_forward()), "torchao") == 2
+    assert getattr(module, ff.FP8_FEED_FORWARD_ATTRIBUTE) == "torchao"
+    with pytest.raises(ValueError, match="expected one of"):
+        ff.choose(module, "fast")
 
 
 def test_modules_that_do_not_fit_are_left_with_the_reason():

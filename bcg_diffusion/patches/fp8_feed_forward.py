@@ -40,6 +40,7 @@ __all__ = [
     "FP8_FEED_FORWARD_CHOICES",
     "FP8_FEED_FORWARD_DEFAULT",
     "FP8_FEED_FORWARD_PATCH",
+    "choose",
     "fused_forward",
     "patch_fp8_feed_forwards",
     "unfit",
@@ -209,6 +210,22 @@ def _choice(module: torch.nn.Module) -> str:
             f"expected one of {FP8_FEED_FORWARD_CHOICES}"
         )
     return choice
+
+
+def choose(model: torch.nn.Module, choice: str) -> int:
+    """Set ``choice`` (one of :data:`FP8_FEED_FORWARD_CHOICES`) on every feed-forward of ``model``, read when
+    ``accelerate`` prepares it; returns how many. Raises ValueError for another choice.
+
+    >>> choose(pipe.transformer, "torchao")  # doctest: +SKIP
+    """
+    if choice not in FP8_FEED_FORWARD_CHOICES:
+        raise ValueError(f"FP8 feed-forward choice {choice!r}: expected one of {FP8_FEED_FORWARD_CHOICES}")
+    chosen = 0
+    for module in model.modules():
+        if type(module).__name__ == "FeedForward":
+            setattr(module, FP8_FEED_FORWARD_ATTRIBUTE, choice)
+            chosen += 1
+    return chosen
 
 
 def patch_fp8_feed_forwards(model: torch.nn.Module, patches: MethodPatches) -> int:

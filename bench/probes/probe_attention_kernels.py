@@ -410,15 +410,13 @@ def reductions() -> None:
 def _fp8_feed_forward(choice: str) -> Callable[[torch.nn.Module], None]:
     """A ``prepare`` for :func:`time_block`: FP8 as fast mode quantizes, then every feed-forward set to ``choice``
     ("fused": our kernel, patched here as fast mode patches it; "torchao": inductor compiles torchao's steps)."""
-    from bcg_diffusion.patches import fp8_feed_forward
+    from bcg_diffusion.patches import fp8_feed_forward as patch  # this module's fp8_feed_forward is a section
 
     def prepare(holder: torch.nn.Module) -> None:
         _fp8(holder)
-        for module in holder.modules():
-            if type(module).__name__ == "FeedForward":
-                setattr(module, fp8_feed_forward.FP8_FEED_FORWARD_ATTRIBUTE, choice)
+        patch.choose(holder, choice)
         if choice == "fused":
-            assert fp8_feed_forward.patch_fp8_feed_forwards(holder, MethodPatches()) > 0  # dropped with the copy
+            assert patch.patch_fp8_feed_forwards(holder, MethodPatches()) > 0  # dropped with the copy
 
     return prepare
 
