@@ -148,17 +148,19 @@ def test_fast_mode_applies_it_where_not_opted_out_exact_mode_never_and_restore_t
         restore(pipe)
 
 
-@pytest.mark.parametrize("make", [_feed_forward, _z_image_feed_forward], ids=["gelu", "swiglu"])
-def test_a_projection_replaced_after_patching_runs_the_modules_own_forward(make):
-    module = make()
+@pytest.mark.parametrize("replaced", ["gelu-down", "gelu-activation", "swiglu-up"])
+def test_a_projection_replaced_after_patching_runs_the_modules_own_forward(replaced):
+    module = _z_image_feed_forward() if replaced == "swiglu-up" else _feed_forward()
     x = torch.randn(4, 64, dtype=torch.bfloat16)
     setattr(module, ff.FP8_FEED_FORWARD_ATTRIBUTE, "fused")
     patches = MethodPatches()
     ff.patch_fp8_feed_forwards(module, patches)
     try:
         # e.g. a LoRA layer, or weights loaded unquantized
-        if make is _feed_forward:
+        if replaced == "gelu-down":
             module.net[2] = torch.nn.Linear(256, 64).to(torch.bfloat16)
+        elif replaced == "gelu-activation":  # another up projection, no GELU module holding it
+            module.net[0] = torch.nn.Linear(64, 256).to(torch.bfloat16)
         else:
             module.w3 = torch.nn.Linear(64, 192).to(torch.bfloat16)
         assert torch.equal(module(x), type(module).forward(module, x))
@@ -179,18 +181,5 @@ def test_a_dropout_that_starts_dropping_runs_the_modules_own_forward():
         got = module(x)
         torch.manual_seed(1)
         assert torch.equal(got, type(module).forward(module, x))
-    finally:
-        patches.undo()
-
-
-def test_an_activation_replaced_by_a_module_without_a_projection_runs_the_modules_own_forward():
-    module = _feed_forward()
-    x = torch.randn(4, 64, dtype=torch.bfloat16)
-    setattr(module, ff.FP8_FEED_FORWARD_ATTRIBUTE, "fused")
-    patches = MethodPatches()
-    ff.patch_fp8_feed_forwards(module, patches)
-    try:
-        module.net[0] = torch.nn.Linear(64, 256).to(torch.bfloat16)  # another up projection, no GELU module
-        assert torch.equal(module(x), type(module).forward(module, x))
     finally:
         patches.undo()
