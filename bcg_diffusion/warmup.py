@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 import warnings
@@ -79,21 +80,24 @@ def warm_up(
         for runner in runners.values():
             runner.capture_new = True
         try:
-            for width, height in pairs:
-                for use_cfg in dict.fromkeys(cfg):
-                    request = WarmupRequest(
-                        width, height, bool(use_cfg), prompts, state.config.text_buckets, call_kwargs
-                    )
-                    for kwargs in state.adapter.warmup_calls(pipe, request):
-                        # A call given embeddings takes no prompt text: the adapter encoded it already.
-                        kwargs.update(
-                            (key, value) for key, value in call_kwargs.items() if f"{key}_embeds" not in kwargs
+            with contextlib.ExitStack() as features_warming:
+                for feature in state.all_features():
+                    features_warming.enter_context(feature.warming_up())
+                for width, height in pairs:
+                    for use_cfg in dict.fromkeys(cfg):
+                        request = WarmupRequest(
+                            width, height, bool(use_cfg), prompts, state.config.text_buckets, call_kwargs
                         )
-                        kwargs.setdefault("generator", torch.Generator("cpu").manual_seed(0))
-                        pipe(**kwargs)
-                        calls += 1
-            for feature in state.all_features():
-                calls += feature.warm_up(pipe, call_kwargs)
+                        for kwargs in state.adapter.warmup_calls(pipe, request):
+                            # A call given embeddings takes no prompt text: the adapter encoded it already.
+                            kwargs.update(
+                                (key, value) for key, value in call_kwargs.items() if f"{key}_embeds" not in kwargs
+                            )
+                            kwargs.setdefault("generator", torch.Generator("cpu").manual_seed(0))
+                            pipe(**kwargs)
+                            calls += 1
+                for feature in state.all_features():
+                    calls += feature.warm_up(pipe, call_kwargs)
         finally:
             for name, runner in runners.items():
                 runner.capture_new = previous[name]

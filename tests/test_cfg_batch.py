@@ -16,7 +16,7 @@ from _checks import assert_graphs_ran
 
 from bcg_diffusion import AccelerateConfig, accelerate, restore, stats
 from bcg_diffusion.core.runner import BCGWarning
-from bcg_diffusion.features.cfg_batching import CfgBatcher
+from bcg_diffusion.features.cfg_batching import CfgBatcher, batcher_of
 from bcg_diffusion.models import build_pipeline
 from bcg_diffusion.pipelines.qwenimage import QwenImageAdapter
 
@@ -156,14 +156,77 @@ def _fast_without_compiling(pipe, **options) -> None:
 def test_fast_mode_batches_cfg_through_the_runner_and_restore_undoes_it(qwen):
     expected = run_case(qwen, "qwen-image", "true_cfg", height=64, width=64, steps=3)
     _fast_without_compiling(qwen)
+    assert "encode_prompt" in vars(qwen)  # the hints' wrapper
     got = run_case(qwen, "qwen-image", "true_cfg", height=64, width=64, steps=3)
     report = assert_graphs_ran(qwen, captures=True)
-    assert (report["cfg_batched"], report["cfg_batch_dropped"]) == (2, 0)
-    # Signatures: cond alone and uncond alone (step 0), then their batch (steps 1 and 2).
-    assert sum(record["component"] == "transformer" for record in report["signatures"]) == 3
+    # Every step batched, the first too (its negative prompt hinted by encode_prompt): one signature.
+    assert (report["cfg_batched"], report["cfg_batch_dropped"]) == (3, 0)
+    assert sum(record["component"] == "transformer" for record in report["signatures"]) == 1
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
     restore(qwen)
+    assert "encode_prompt" not in vars(qwen) and batcher_of(qwen.transformer) is None
     assert torch.equal(run_case(qwen, "qwen-image", "true_cfg", height=64, width=64, steps=3), expected)
+
+
+def _hinting(pipe, batcher: CfgBatcher) -> None:
+    """Hand ``batcher`` what the pipeline's ``encode_prompt`` returns, as :class:`CfgBatchHints` does."""
+    encode = pipe.encode_prompt
+
+    def encode_and_hint(*args, **kwargs):
+        result = encode(*args, **kwargs)
+        batcher.hint(*result)
+        return result
+
+    pipe.encode_prompt = encode_and_hint
+
+
+@pytest.mark.parametrize("case", ["true_cfg", "mask_two_lengths"])
+def test_hints_batch_the_first_step_too(qwen, case):
+    expected = run_case(qwen, "qwen-image", case, height=64, width=64, steps=4)
+    batcher, counting = _with_batcher(qwen)
+    _hinting(qwen, batcher)
+    got = run_case(qwen, "qwen-image", case, height=64, width=64, steps=4)
+    batch = 2 if case == "mask_two_lengths" else 1
+    assert counting.batches == [2 * batch] * 4 and (batcher.batched, batcher.dropped) == (4, 0)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+    # Without CFG one prompt is encoded: nothing to batch with, nothing wasted.
+    run_case(qwen, "qwen-image", "no_cfg", height=64, width=64, steps=2)
+    assert counting.batches[4:] == [1, 1] and batcher.dropped == 0
+
+
+@pytest.mark.parametrize("wrong", ["other_negative", "changed_in_place", "order", "one_hint"])
+def test_a_wrong_hint_costs_a_dropped_half_never_a_wrong_result(qwen, wrong):
+    transformer = qwen.transformer
+    original = transformer.forward
+    batcher, counting = _with_batcher(qwen)
+    cond = _direct_inputs(transformer, text_length=7, seed=2)
+    uncond = _direct_inputs(transformer, text_length=3, seed=3)
+    negative = uncond["encoder_hidden_states"]
+    latents = torch.randn(1, 16, transformer.config.in_channels, generator=torch.Generator().manual_seed(1))
+    timestep = torch.full((1,), 0.5)
+    with torch.no_grad():
+        hints = {
+            "other_negative": [cond, dict(uncond, encoder_hidden_states=negative.clone())],
+            "changed_in_place": [cond, uncond],
+            "order": [uncond, cond],
+            "one_hint": [cond],
+        }[wrong]
+        for hinted in hints:
+            batcher.hint(hinted["encoder_hidden_states"], None)
+        if wrong == "changed_in_place":
+            negative.mul_(2)
+        cond_out = transformer(hidden_states=latents, timestep=timestep, **cond)[0]
+        got = transformer(hidden_states=latents, timestep=timestep, **uncond)[0]
+        expected = original(hidden_states=latents, timestep=timestep, **uncond)[0]
+        cond_expected = original(hidden_states=latents, timestep=timestep, **cond)[0]
+    assert torch.equal(got, expected)  # computed as called
+    speculated = wrong == "other_negative"  # a live, unchanged hint of another tensor: batched, then dropped
+    if speculated:  # the cond half comes from the batch: only rounding differs
+        torch.testing.assert_close(cond_out, cond_expected, atol=1e-5, rtol=0)
+    else:
+        assert torch.equal(cond_out, cond_expected)
+    assert counting.batches == ([2, 1] if speculated else [1, 1])
+    assert (batcher.batched, batcher.dropped) == (0, int(speculated))
 
 
 def test_batch_cfg_off_and_unsupported_pipelines_run_cfg_one_by_one(qwen):
@@ -177,19 +240,30 @@ def test_batch_cfg_off_and_unsupported_pipelines_run_cfg_one_by_one(qwen):
     restore(z_image)
 
 
-def test_a_bucketed_fast_warm_up_covers_the_batched_cfg_calls(qwen):
-    # Warm-up calls run two steps: one by one, then batched, so the batch's signature is captured too.
+def test_a_bucketed_fast_warm_up_covers_the_batched_and_the_single_cfg_calls(qwen, monkeypatch):
+    # Warm-up calls run two steps without hints: one by one, then batched, so both signatures are captured.
     _fast_without_compiling(qwen, text_buckets=(32,), warmup=[(64, 64)], warmup_cfg=(True,), lazy_capture=False)
     try:
         warmed = stats(qwen)
         assert warmed["cfg_batched"] == 1, warmed["signatures"]
-        for prompt, negative in (("a fox", "ugly"), ("a red fox in the snow at dawn", " ")):
+        assert sum(record["component"] == "transformer" for record in warmed["signatures"]) == 2
+
+        def serve(prompt, negative):
             qwen(
                 prompt=prompt, negative_prompt=negative, true_cfg_scale=4.0, height=64, width=64, num_inference_steps=3
             )
+
+        for prompt, negative in (("a fox", "ugly"), ("a red fox in the snow at dawn", " ")):
+            serve(prompt, negative)  # hinted: every step batched
         served = stats(qwen)
         assert (served["captures"], served["misses"]) == (warmed["captures"], 0), served["signatures"]
-        assert (served["cfg_batched"], served["cfg_batch_dropped"]) == (1 + 2 * 2, 0)
+        assert (served["cfg_batched"], served["cfg_batch_dropped"]) == (1 + 2 * 3, 0)
+        # A call whose hints fail runs its first step one by one: those signatures were warmed up too.
+        monkeypatch.setattr(CfgBatcher, "hint", lambda self, text, mask: None)
+        serve("a fox", "ugly")
+        unhinted = stats(qwen)
+        assert (unhinted["captures"], unhinted["misses"]) == (warmed["captures"], 0), unhinted["signatures"]
+        assert unhinted["cfg_batched"] == served["cfg_batched"] + 2
     finally:
         restore(qwen)
 

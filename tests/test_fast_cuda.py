@@ -57,8 +57,7 @@ def test_fast_mode_equals_its_compiled_reference_and_stops_compiling(pipeline):
                 assert torch.equal(image, reference), (case, height, width)
                 difference = (image.float() - eager_images[(case, (height, width))].float()).abs().max().item()
                 assert difference < 0.1, f"fast mode strays from eager by {difference} on {case} {height}x{width}"
-        # Every call above ran graphs (no fallback, no miss), each a capture or a replay: Qwen-Image's
-        # CFG calls at a new resolution capture only (two steps: one by one, then batched).
+        # Every call above ran graphs (no fallback, no miss), each a capture or a replay.
         warm = assert_graphs_ran(pipe, captures=True)
         assert warm["compiled_blocks"] > 0 and warm["eager_fallbacks"] == 0, warm["signatures"]
         print(f"\n{name}/{weights}: compiles={warm['compiles']} captures={warm['captures']} replays={warm['replays']}")

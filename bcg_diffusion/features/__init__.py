@@ -6,13 +6,14 @@ step caching takes a cache's hooks off the blocks before they compile, quantizat
 the weights before they compile (and before the GELU epilogue looks for plain projections and the
 FP8 feed-forward for FP8 ones), FP8 attention marks the attention modules before they compile,
 compiled blocks patch the attention processors before CFG batching asks what they accept; CFG across
-GPUs wraps the transformer's call last, outside everything else).
+GPUs wraps the transformer's call last, outside everything else; CFG batch hints wrap the prompt
+encoder after text buckets pad its results).
 """
 
 from __future__ import annotations
 
 from .base import Feature, Setup, Target
-from .cfg_batching import CfgBatching
+from .cfg_batching import CfgBatchHints, CfgBatching
 from .cfg_parallel import CfgParallel
 from .compiled_blocks import CompiledBlocks
 from .context_parallel import ContextParallel
@@ -40,6 +41,7 @@ FEATURES: list[type[Feature]] = [
     TextTrimming,
     VaeGroupNorm,
     TextBuckets,
+    CfgBatchHints,
 ]
 
 

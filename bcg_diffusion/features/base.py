@@ -14,7 +14,8 @@ it applies (:meth:`Feature.create`) and calls the instances' hooks at fixed poin
    encoder around the accelerated one), patch what the runners call into.
 
 Later, :func:`~bcg_diffusion.stats` merges every instance's :meth:`~Feature.stats` over the class
-defaults, :func:`~bcg_diffusion.warm_up` lets each instance add calls (:meth:`~Feature.warm_up`),
+defaults, :func:`~bcg_diffusion.warm_up` lets each instance add calls (:meth:`~Feature.warm_up`)
+and runs every call in each instance's :meth:`~Feature.warming_up` context,
 and ``restore`` closes it (:meth:`~Feature.close`) after undoing the patches it recorded
 (:meth:`~Feature.before_undo` runs just before).
 
@@ -41,6 +42,7 @@ it is handed (its module's, or its pipeline's), which ``restore`` undoes.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
@@ -153,6 +155,10 @@ class Feature:
     def warm_up(self, pipe: Any, call_kwargs: dict[str, Any]) -> int:
         """Extra calls :func:`~bcg_diffusion.warm_up` makes for this feature; returns how many."""
         return 0
+
+    def warming_up(self) -> contextlib.AbstractContextManager[None]:
+        """The context every call of :func:`~bcg_diffusion.warm_up` runs in (default: none)."""
+        return contextlib.nullcontext()
 
     def before_undo(self) -> None:
         """Called just before ``restore`` undoes the patches of the module it lives on."""

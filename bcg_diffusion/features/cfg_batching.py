@@ -16,10 +16,18 @@ uncond call that follows gets that half only if its inputs are verifiably the on
 - equal timestep and guidance values (compared on the device: one small host sync per step);
 - equal values of every other argument (``img_shapes``, ``attention_kwargs``, ``return_dict``...).
 
-Anything else runs as called, and the speculated half is dropped (counted in ``stats()``). The first
-step of a call runs cond and uncond one by one, which teaches the batcher the negative prompt. Calls
+Anything else runs as called, and the speculated half is dropped (counted in ``stats()``). Calls
 under ``torch.inference_mode()`` run one by one: inference tensors keep no version counter, so a
 change in place could not be seen (diffusers' own ``torch.no_grad()`` is fine).
+
+The first step has no previous step to learn the negative prompt from. The pipeline encodes both
+prompts before it denoises (``encode_prompt`` for the prompt, then for the negative prompt), and
+:class:`CfgBatchHints` hands the batcher what that method returned (:meth:`CfgBatcher.hint`): when the
+first transformer call after two encodings carries the first one's text, its cond call batches with
+the second. A hint is only a guess, verified like any other speculation, so a wrong one costs a
+dropped half, never a wrong image. Without hints (another pipeline, a warm-up) the first step runs
+cond and uncond one by one, which teaches the batcher the negative prompt. With hints the first call
+also compiles and captures the batch alone, not the single calls besides it.
 
 When the two prompts have different token lengths, the shorter one is padded with zeros and both get
 a text mask: the model's masked path, as with ``text_buckets``. Batching and masking change rounding
@@ -30,11 +38,16 @@ Under a step cache, each of the two calls runs in a cache context of its own (``
 the batch in one joint context whose state is both contexts' states side by side, split back whenever a
 call runs alone (:mod:`bcg_diffusion.features.step_caching.cfg_join`): the decisions are the unbatched
 run's. Under any other cache (FirstBlockCache, which decides on the whole batch's data; Cache-DiT) the
-calls run one by one, and the reason is logged once at INFO.
+calls run one by one, and the reason is logged once at INFO. Under a cache the first step of every call
+runs one by one, hints or not: a joint context needs the uncond context's name, learned from an uncond
+call that ran alone, so with hints a process's first call would run its first step one by one and later
+calls would batch it: the same call would round differently depending on what ran before it.
 
 The :class:`CfgBatching` feature decides where it applies: asked for (or left at None), supported by
 the adapter for this very pipeline class (relatives that call the transformer differently, such as the
-Edit variants, do not batch), and not under context parallelism.
+Edit variants, do not batch), and not under context parallelism. :class:`CfgBatchHints`, a feature of
+each pipeline, passes the encoded prompts to the batcher of the transformer it calls; a warm-up runs
+without them, so it captures the first step's single calls too, which a call whose hint fails needs.
 """
 
 from __future__ import annotations
@@ -45,11 +58,12 @@ import inspect
 import logging
 import warnings
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
+from ..core.hooks import MethodPatches
 from ..core.runner import BCGWarning
 from ..core.tree import UnsupportedValue, flatten, unflatten
 from ..patches.attention import TEXT_LENGTHS_KWARG
@@ -57,9 +71,17 @@ from .base import Feature, Setup, Target
 from .step_caching import CfgJoin
 from .text_buckets import pad_to_bucket
 
-__all__ = ["CfgBatchSpec", "CfgBatcher", "CfgBatching"]
+__all__ = ["CfgBatchHints", "CfgBatchSpec", "CfgBatcher", "CfgBatching", "batcher_of"]
 
 logger = logging.getLogger(__name__)
+
+# A transformer module -> the batcher its calls go through (while CfgBatching is installed on it).
+_BATCHERS: weakref.WeakKeyDictionary[torch.nn.Module, CfgBatcher] = weakref.WeakKeyDictionary()
+
+
+def batcher_of(module: torch.nn.Module | None) -> CfgBatcher | None:
+    """The :class:`CfgBatcher` that ``module``'s calls go through, or None (not batched, or restored)."""
+    return None if module is None else _BATCHERS.get(module)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,6 +97,9 @@ class CfgBatchSpec:
         absent: arguments that must be None for a call to be batched (e.g. ControlNet residuals).
         attention_kwargs: the dict argument whose entries reach the attention processors, through
             which a batch of texts that differ in length can tell them each text's length.
+        encoder: the pipeline's method that returns ``(embeddings, mask)`` as the transformer receives
+            them, called for the prompt and then for the negative prompt before denoising (None: the
+            first step runs one by one). See :class:`CfgBatchHints`.
     """
 
     latents: str
@@ -84,6 +109,7 @@ class CfgBatchSpec:
     lists: tuple[str, ...] = ()
     absent: tuple[str, ...] = ()
     attention_kwargs: str | None = None
+    encoder: str | None = None
 
 
 class _Ref:
@@ -164,6 +190,9 @@ def _split_others(spec: CfgBatchSpec, arguments: dict[str, Any]) -> tuple[Any, l
 class _NoCache:
     """The :class:`~bcg_diffusion.features.step_caching.CfgJoin` of a model without a step cache."""
 
+    def stateful(self) -> bool:
+        return False
+
     def note_uncond(self) -> None: ...
 
     def in_uncond(self) -> bool:
@@ -194,7 +223,8 @@ class CfgBatcher:
     ``{text_lengths_key: (cond length, uncond length)}`` in ``spec.attention_kwargs`` besides the
     padding mask. Returns, for every call, what ``call`` would return for it; only rounding
     differs for batched calls. ``batched`` counts uncond calls served from a batch, ``dropped``
-    speculated halves that were not used (each a wasted half forward).
+    speculated halves that were not used (each a wasted half forward). :meth:`hint` tells it the texts
+    the pipeline encoded, so the first step of a call can batch too.
 
     Not thread-safe on its own: the caller holds the pipeline's lock.
     """
@@ -216,6 +246,7 @@ class CfgBatcher:
         self._last_text: _Ref | None = None
         self._negative: _Text | None = None  # the uncond text of the last pair: what cond calls batch with
         self._pending: _Pending | None = None
+        self._hints: list[_Text] = []  # the last two texts encoded since the last call, oldest first
         # The padded text batch of the last pair: prompt and negative prompt stay the same for every
         # step of a call, so the padding is done once per call (key: the cond text, the negative).
         self._text_batch: tuple[_Text, _Text, _TextBatch] | None = None
@@ -231,6 +262,7 @@ class CfgBatcher:
             return self._call(*args, **kwargs)  # the model raises its own error for a bad call
         bound.apply_defaults()
         arguments = dict(bound.arguments)
+        hints, self._hints = self._hints, []  # hints are for the first call after the encodings only
         pending, self._pending = self._pending, None
         if pending is not None:
             reason = self._mismatch(pending, arguments)
@@ -253,11 +285,31 @@ class CfgBatcher:
             self._forget()
             self._cache.note_uncond()
             return self._alone(*args, **kwargs)
+        # Under a cache the first step stays one by one in every call (see the module docstring).
+        hinted = (
+            None if self._cache.stateful() else self._hinted_negative(hints, text, arguments[self._spec.text_mask])
+        )
+        if hinted is not None:
+            self._negative = hinted
         negative = self._negative.tensors() if self._negative is not None else None
         if negative is not None and self._compatible(arguments, *negative):
             return self._batch(arguments, *negative)
         self._last_latents, self._last_text = _Ref(latents), _Ref(text)
         return self._alone(*args, **kwargs)
+
+    def hint(self, text: torch.Tensor, mask: torch.Tensor | None) -> None:
+        """The pipeline encoded a prompt: ``text`` ``[B, L, D]`` and ``mask`` (or None) are what it will
+        pass the transformer. When the next call carries the text hinted before this one, its cond call
+        batches with this one (verified as every speculation is). Other values are ignored."""
+        if isinstance(text, torch.Tensor) and (mask is None or isinstance(mask, torch.Tensor)):
+            self._hints = [*self._hints[-1:], _Text(_Ref(text), _Ref(mask))]
+
+    def _hinted_negative(self, hints: list[_Text], text: torch.Tensor, mask: Any) -> _Text | None:
+        """The negative prompt ``hints`` stand for when this call carries the first of two hinted texts,
+        both alive and unchanged (None otherwise)."""
+        if len(hints) != 2 or not hints[0].same(text, mask) or hints[1].tensors() is None:
+            return None
+        return hints[1]
 
     def pass_through(self, reason: str | None = None) -> None:
         """The caller runs this call unbatched (``reason``: why, logged once at INFO): drop what was
@@ -269,6 +321,7 @@ class CfgBatcher:
             self._pending = None
             self._drop("the next call ran unbatched")
         self._negative = None
+        self._hints = []
         self._forget()
         self._cache.separate()
 
@@ -473,6 +526,7 @@ class CfgBatching(Feature):
         batcher = self.batcher = CfgBatcher(
             call, target.signature, self.spec, text_lengths_key=lengths_key, cache=join
         )
+        _BATCHERS[target.module] = batcher
 
         def batched(*args: Any, **kwargs: Any) -> Any:
             with self.lock:  # the batcher keeps state between calls
@@ -489,3 +543,63 @@ class CfgBatching(Feature):
         if self.batcher is None:
             return {}
         return {"cfg_batched": self.batcher.batched, "cfg_batch_dropped": self.batcher.dropped}
+
+    def close(self) -> None:
+        for module, batcher in list(_BATCHERS.items()):
+            if batcher is self.batcher:
+                del _BATCHERS[module]
+
+
+class CfgBatchHints(Feature):
+    """Each encoded prompt of a pipeline call, passed to its transformer's batcher (:meth:`CfgBatcher.hint`).
+
+    Wraps the adapter's ``CfgBatchSpec.encoder`` method on the pipeline, outermost (after every
+    feature's ``prepare``, so after text buckets pad its results): the hints are what the transformer
+    receives. Applies where :class:`CfgBatching` batches the pipeline's transformer. A warm-up runs
+    without hints, so it captures the first step's single calls as well as the batch.
+    """
+
+    name = "CFG batch hints"
+    component = None
+
+    def __init__(self, encoder: str) -> None:
+        self.encoder = encoder
+        self.enabled = True
+
+    @classmethod
+    def create(cls, setup: Setup) -> CfgBatchHints | None:
+        spec = setup.adapter.cfg_batch
+        if (
+            setup.config.mode != "fast"
+            or spec is None
+            or spec.encoder is None
+            or not setup.adapter.is_tested(setup.pipe)
+        ):
+            return None
+        return cls(spec.encoder) if callable(getattr(setup.pipe, spec.encoder, None)) else None
+
+    def finish(self, setup: Setup, patches: MethodPatches) -> None:
+        # The batcher of the transformer this pipeline calls: installed by CfgBatching (now, or by the
+        # pipeline that took a shared transformer first); none where CFG is not batched.
+        batcher = batcher_of(getattr(setup.pipe, "transformer", None))
+        if batcher is None:
+            return
+        encode = getattr(setup.pipe, self.encoder)
+
+        def encode_and_hint(*args: Any, **kwargs: Any) -> Any:
+            result = encode(*args, **kwargs)
+            if self.enabled and isinstance(result, tuple) and len(result) == 2:
+                batcher.hint(*result)
+            return result
+
+        encode_and_hint.__wrapped__ = encode  # type: ignore[attr-defined]
+        encode_and_hint.__doc__ = encode.__doc__
+        patches.replace(setup.pipe, self.encoder, encode_and_hint)
+
+    @contextlib.contextmanager
+    def warming_up(self) -> Iterator[None]:
+        self.enabled = False
+        try:
+            yield
+        finally:
+            self.enabled = True

@@ -1,8 +1,8 @@
 """Qwen-Image (``QwenImagePipeline`` and its img2img / inpaint / edit relatives).
 
 Per denoising step the pipeline calls the transformer once, or twice with true CFG (cond and
-uncond, each with its own text length, so two signatures; fast mode batches the two from the second
-step on, see :mod:`bcg_diffusion.features.cfg_batching`). When prompts in a batch differ in length
+uncond, each with its own text length, so two signatures; fast mode batches the two, the first step
+too, from the prompts ``encode_prompt`` returned, see :mod:`bcg_diffusion.features.cfg_batching`). When prompts in a batch differ in length
 it passes a text mask: the masked path's only host copy (``compute_text_seq_len_from_mask``) is
 patched to a device-side fill. RoPE tables are built and cached during warm-up, before capture. In
 fast mode the blocks apply RoPE in real arithmetic (inductor does not compile complex multiplication),
@@ -43,6 +43,7 @@ class QwenImageAdapter(PipelineAdapter):
         lists=("img_shapes",),
         absent=("controlnet_block_samples", "additional_t_cond"),
         attention_kwargs="attention_kwargs",
+        encoder="encode_prompt",
     )
 
     def install_text_buckets(self, pipe: Any, buckets: tuple[int, ...], patches: MethodPatches) -> None:

@@ -192,6 +192,7 @@ class CfgJoin:
     The caller (the CFG batcher, holding the pipeline's lock) calls, per transformer call:
 
     * :meth:`refusal` first: a reason to run every call one by one under the cache that is on, or None;
+    * :meth:`stateful`: whether a cache keeps state per context (the first step of a call then runs one by one);
     * :meth:`note_uncond` when an uncond call runs alone (it learns the uncond context's name);
     * :meth:`join` then, inside :meth:`batch`, the batched call; :meth:`kept_cond` once its cond half is
       returned; :meth:`served` when its uncond half is returned for the uncond call, after
@@ -253,6 +254,10 @@ class CfgJoin:
             return CACHE_DIT_REFUSAL
         self._walk()
         return self._refusal
+
+    def stateful(self) -> bool:
+        """Whether cache hooks that keep a state per cache context are on the module."""
+        return bool(self._walk())
 
     def _context(self) -> Any:
         managers = self._walk()
