@@ -286,9 +286,9 @@ class CfgBatcher:
             self._cache.note_uncond()
             return self._alone(*args, **kwargs)
         # Under a cache the first step stays one by one in every call (see the module docstring).
-        hinted = (
-            None if self._cache.stateful() else self._hinted_negative(hints, text, arguments[self._spec.text_mask])
-        )
+        hinted = None
+        if hints and not self._cache.stateful():  # hints come once per pipeline call: no walk on other steps
+            hinted = self._hinted_negative(hints, text, arguments[self._spec.text_mask])
         if hinted is not None:
             self._negative = hinted
         negative = self._negative.tensors() if self._negative is not None else None
