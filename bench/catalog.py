@@ -26,9 +26,11 @@ MODES: tuple[str, ...] = (
     "bcg-fp8",
     "fast-fp8",
     "fast-fp8-attn",
+    "fast-fp8-attn-triton",
     "fast-fp8-torchao-ff",
     "eager-fp8+cache",
     "fast-fp8+cache",
+    "fast-fp8-attn+cache",
     "eager+cachedit",
     "bcg+cachedit",
     "fast+cachedit",
@@ -45,6 +47,7 @@ CACHED: tuple[str, ...] = (
     "compile+cache",
     "eager-fp8+cache",
     "fast-fp8+cache",
+    "fast-fp8-attn+cache",
 )
 # The modes with the transformer quantized to row-wise FP8 (bcg_diffusion.features.quantization): they compare with
 # eager-fp8 (the same quantization by hand, eager) as the others with eager.
@@ -53,9 +56,11 @@ FP8_MODES: tuple[str, ...] = (
     "bcg-fp8",
     "fast-fp8",
     "fast-fp8-attn",
+    "fast-fp8-attn-triton",
     "fast-fp8-torchao-ff",
     "eager-fp8+cache",
     "fast-fp8+cache",
+    "fast-fp8-attn+cache",
 )
 # Ablations of what our defaults add: the text encoder's graphs, automatic breaks and fast mode's CFG batching.
 ABLATIONS: tuple[str, ...] = ("bcg-no-te", "bcg-no-auto", "fast-no-te", "fast-no-auto", "fast-unbatched")
@@ -86,11 +91,15 @@ DESCRIPTIONS = {
     "bcg_diffusion.features.quantization's default filter)",
     "bcg-fp8": 'accelerate(pipe, quantize="fp8"): the same FP8 model in exact graphs',
     "fast-fp8": 'accelerate(pipe, mode="fast", quantize="fp8"): the same FP8 model, compiled blocks in graphs',
-    "fast-fp8-attn": 'fast-fp8 with attention="fp8": the attention in FP8 too (our Triton kernel)',
+    "fast-fp8-attn": 'fast-fp8 with attention="fp8": the attention in FP8 too (cuDNN\'s kernel where '
+    "nvidia-cudnn-frontend is installed, else ours in Triton)",
+    "fast-fp8-attn-triton": "fast-fp8-attn with our Triton FP8 attention kernel, cuDNN's or not "
+    "(features.fp8_attention.choose)",
     "fast-fp8-torchao-ff": "fast-fp8 without our FP8 feed-forward kernel: the activation and the down projection's "
     "FP8 input scales as torchao writes them, compiled by inductor (patches.fp8_feed_forward)",
     "eager-fp8+cache": "eager-fp8 with the step cache (--cache)",
     "fast-fp8+cache": "fast-fp8 with the same step cache inside its graphs",
+    "fast-fp8-attn+cache": "fast-fp8-attn with the same step cache inside its graphs",
     "compile+cache": "regional compile (compile_repeated_blocks, fullgraph=False: the cache's hooks break graphs) "
     "with the same step cache",
     "eager+cachedit": "diffusers with Cache-DiT's DBCache (cache_dit.enable_cache, a static computation mask: "
@@ -106,14 +115,15 @@ EXACT.update({"fast-unbatched+cache": False})
 EXACT.update(
     {"eager-fp8": True, "bcg-fp8": True, "fast-fp8": False, "fast-fp8-attn": False, "fast-fp8-torchao-ff": False}
 )
-EXACT.update({"eager-fp8+cache": True, "fast-fp8+cache": False})
+EXACT.update({"eager-fp8+cache": True, "fast-fp8+cache": False, "fast-fp8-attn+cache": False})
+EXACT.update({"fast-fp8-attn-triton": False})
 EXACT.update({"eager+cachedit": True, "bcg+cachedit": True, "fast+cachedit": False})
 OURS = ("bcg", "bcg-no-te", "bcg-no-auto", "fast", "fast-no-te", "fast-no-auto", "fast-unbatched")
 OURS += ("bcg+cachedit", "fast+cachedit")
 OURS += ("bcg+cache", "fast+cache", "fast-unbatched+cache", "bcg-fp8", "fast-fp8", "fast-fp8-attn", "fast-fp8+cache")
-OURS += ("fast-fp8-torchao-ff",)
+OURS += ("fast-fp8-torchao-ff", "fast-fp8-attn-triton", "fast-fp8-attn+cache")
 FAST = ("fast", "fast-no-te", "fast-no-auto", "fast-unbatched", "fast+cache", "fast-fp8", "fast-fp8-attn")
-FAST += ("fast-fp8-torchao-ff",)
+FAST += ("fast-fp8-torchao-ff", "fast-fp8-attn-triton", "fast-fp8-attn+cache")
 FAST += ("fast-fp8+cache", "fast+cachedit", "fast-unbatched+cache")
 
 

@@ -20,6 +20,7 @@ import torch
 from diffusers.utils import BaseOutput
 
 from bcg_diffusion import accelerate, eager, restore, stats
+from bcg_diffusion.features import fp8_attention
 from bcg_diffusion.features.quantization import FP8, quantize_transformer
 from bcg_diffusion.features.step_caching import enable_cache
 from bcg_diffusion.patches import fp8_feed_forward
@@ -122,7 +123,7 @@ class PreparedMode:
         cached = self.name in CACHED or self.name in CACHEDIT
         keys += ("cache_states", "cache_branches", "cache_branch_switches") if cached else ()
         keys += ("quantized", "quantized_linears") if self.name in FP8_MODES else ()
-        keys += ("attention",) if self.name.endswith("-attn") else ()
+        keys += ("attention", "fp8_attention_kernels") if parse(self.name).fp8_attention else ()
         out = {key: report[key] for key in keys}
         transformer = report.get("components", {}).get("transformer")
         if transformer is not None:  # graphs captured for the transformer, the cache's branch paths included
@@ -144,6 +145,7 @@ class ModeOptions:
     cachedit: bool = False  # +cachedit: Cache-DiT's DBCache
     fp8: bool = False  # -fp8: the transformer's block linears in row-wise FP8
     fp8_attention: bool = False  # -attn: attention="fp8"
+    triton_attention: bool = False  # -triton (after -attn): our Triton FP8 attention kernel, not cuDNN's
     torchao_feed_forward: bool = False  # -torchao-ff: our FP8 feed-forward kernel off
 
 
@@ -157,6 +159,7 @@ def parse(name: str) -> ModeOptions:
     for suffix, option in (
         ("+cache", "cache"),
         ("+cachedit", "cachedit"),
+        ("-triton", "triton_attention"),
         ("-attn", "fp8_attention"),
         ("-torchao-ff", "torchao_feed_forward"),
         ("-fp8", "fp8"),
@@ -194,6 +197,8 @@ def prepare(
     attention = "fp8" if options.fp8_attention else None
     if options.torchao_feed_forward:
         fp8_feed_forward.choose(pipe.transformer, "torchao")  # the copy's modules: the other modes keep the default
+    if options.triton_attention:
+        fp8_attention.choose(pipe.transformer, "triton")
     quantize = FP8 if options.fp8 else None
     base_name = options.base
     if base_name == "eager" and quantize is not None:

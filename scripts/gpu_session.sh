@@ -14,6 +14,12 @@
 #                    (bench/probes/probe_attention_kernels.py)
 #   tests-kernels    our attention kernels against float32, the GELU epilogue, attention="fp8" on full-size Z-Image
 #   bench-kernels-qwen  Qwen-Image 1024², 50 steps, true CFG 4: eager, fast, fast-fp8, fast-fp8-attn, fast-fp8+cache
+#   probe-cudnn-fp8  cuDNN's FP8 attention alone against SDPA's cuDNN bf16 kernel and our Triton FP8 kernel, what its
+#                    scales cost, its error (bench/probes/probe_cudnn_fp8_attention.py; needs the cudnn-frontend wheel)
+#   tests-cudnn-fp8  cuDNN's FP8 attention against its reference; attention="fp8" on full-size Z-Image with each kernel
+#   bench-cudnn-fp8-z  Z-Image-Turbo 512² and 1024², 8 steps: eager, fast-fp8, fast-fp8-attn (cuDNN), fast-fp8-attn-triton
+#   bench-cudnn-fp8-qwen  Qwen-Image 1024², 50 steps, true CFG 4: eager, fast-fp8, fast-fp8-attn (cuDNN), fast-fp8+cache,
+#                    fast-fp8-attn+cache
 #   bench-kernels-z  Z-Image-Turbo 512² and 1024², 8 steps: eager, fast, eager-fp8, fast-fp8, fast-fp8-torchao-ff,
 #                    fast-fp8-attn, with the loop profile (kernel time by class)
 #   bench-cachedit-qwen Qwen-Image 1024², 50 steps, true CFG 4: eager, bcg, fast, eager+cachedit, bcg+cachedit,
@@ -88,7 +94,7 @@
 #                    for `python scripts/screenshot_replay.py DIR OUT.png` here (the GPU machine has no browser)
 # Everything it writes is under $OUT (logs, results.json/.md/.png); copy it to bench/results/<date>-h200/.
 set -uo pipefail
-[ $# -gt 0 ] || { echo "usage: scripts/gpu_session.sh probe-attention|tests-kernels|probe-fp8-ff|bench-fp8-ff-qwen|bench-kernels-qwen|bench-kernels-z|bench-cachedit-qwen|tests-state|bench-state|tests|tests-full|tests-fast|tests-coexist|tests-shared|tests-cache|bench-cache-qwen-1024|bench-cache-qwen-512|bench-cache-z|bench-cfg-cache-qwen|bench-cfg-cache-qwen-1024|bench-cfg-cache-qwen-512|tests-quant|tests-auto|probe-hand-patches|bench-auto|coverage|bench-fp8-z|bench-fp8-qwen|warm-start-fp8-z|probe-fp8-groups|probe-fp8-block|hotswap-z|tests-z|te-z|fast-check|profile-qwen|profile-z|fast-qwen-50|ab-attention|probe-floor|probe-norms|probe-blocks|compile-max-qwen|memory-z|bench-z|warm-start-z|first-call-qwen-none|first-call-qwen-magcache|first-call-qwen-cachedit|bench-qwen|bench-qwen-512|bench-qwen-1024|issue2|parallel|parallel-cfg|serving|demo ..." >&2; exit 2; }
+[ $# -gt 0 ] || { echo "usage: scripts/gpu_session.sh probe-attention|probe-cudnn-fp8|tests-cudnn-fp8|bench-cudnn-fp8-z|bench-cudnn-fp8-qwen|tests-kernels|probe-fp8-ff|bench-fp8-ff-qwen|bench-kernels-qwen|bench-kernels-z|bench-cachedit-qwen|tests-state|bench-state|tests|tests-full|tests-fast|tests-coexist|tests-shared|tests-cache|bench-cache-qwen-1024|bench-cache-qwen-512|bench-cache-z|bench-cfg-cache-qwen|bench-cfg-cache-qwen-1024|bench-cfg-cache-qwen-512|tests-quant|tests-auto|probe-hand-patches|bench-auto|coverage|bench-fp8-z|bench-fp8-qwen|warm-start-fp8-z|probe-fp8-groups|probe-fp8-block|hotswap-z|tests-z|te-z|fast-check|profile-qwen|profile-z|fast-qwen-50|ab-attention|probe-floor|probe-norms|probe-blocks|compile-max-qwen|memory-z|bench-z|warm-start-z|first-call-qwen-none|first-call-qwen-magcache|first-call-qwen-cachedit|bench-qwen|bench-qwen-512|bench-qwen-1024|issue2|parallel|parallel-cfg|serving|demo ..." >&2; exit 2; }
 out=${OUT:-/tmp/bcg-out}
 mkdir -p "$out"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -160,6 +166,25 @@ case "$phase" in
     timeout 570 python3 -m bench --pipeline qwen-image --weights random-full --resolutions 1024x1024 --steps 50 \
       --guidance 4 --modes eager,fast,fast-fp8,fast-fp8-attn,fast-fp8+cache --runs 3 --warmup 0 --no-progress \
       --out "$out/kernels-qwen-1024" 2>&1 | grep -v "Warning\|warnings.warn" | tee "$out/kernels-qwen-1024.log" | tail -14
+    ;;
+  probe-cudnn-fp8)
+    timeout 240 python3 -m bench.probes.probe_cudnn_fp8_attention 2>&1 | grep -v "Warning\|warnings.warn" \
+      | tee "$out/probe-cudnn-fp8.log" | tail -40
+    ;;
+  tests-cudnn-fp8)
+    timeout 300 python3 -m pytest -q -p no:cacheprovider -s -k "cudnn or fast_mode_fp8" \
+      tests/test_attention_kernels_cuda.py 2>&1 | tee "$out/pytest-cudnn-fp8.log" | grep -v "warnings.warn" | tail -20
+    ;;
+  bench-cudnn-fp8-z)
+    timeout 330 python3 -m bench --pipeline z-image --weights random-full --resolutions 512x512,1024x1024 --steps 8 \
+      --modes eager,fast-fp8,fast-fp8-attn,fast-fp8-attn-triton --runs 5 --warmup 0 --no-progress \
+      --out "$out/cudnn-fp8-z" 2>&1 | grep -v "Warning\|warnings.warn" | tee "$out/cudnn-fp8-z.log" | tail -14
+    ;;
+  bench-cudnn-fp8-qwen)
+    timeout 590 python3 -m bench --pipeline qwen-image --weights random-full --resolutions 1024x1024 --steps 50 \
+      --guidance 4 --modes eager,fast-fp8,fast-fp8-attn,fast-fp8+cache,fast-fp8-attn+cache --runs 3 --warmup 0 \
+      --no-progress --out "$out/cudnn-fp8-qwen-1024" 2>&1 | grep -v "Warning\|warnings.warn" \
+      | tee "$out/cudnn-fp8-qwen-1024.log" | tail -14
     ;;
   bench-kernels-z)
     timeout 420 python3 -m bench --pipeline z-image --weights random-full --resolutions 512x512,1024x1024 --steps 8 \

@@ -5,9 +5,11 @@
 * The GELU epilogue computes diffusers' tanh GELU.
 * The activation-to-FP8 kernels (``kernels/activation_fp8.py``) against their references (diffusers' GELU or
   Z-Image's SwiGLU, then torchao's row scales and cast) at the models' feed-forward widths, and deterministic.
+* cuDNN's FP8 attention (``kernels/cudnn_fp8_attention.py``, where nvidia-cudnn-frontend is installed)
+  against its float32 reference and float32 attention, odd token counts included, and deterministic.
 * ``accelerate(pipe, mode="fast", attention="fp8")`` on full-size Z-Image (tiny models have heads of
-  16, which the kernels do not take): the attention modules use the FP8 kernel, the graphs give the same
-  bytes as the compiled blocks without graphs, and the image stays near bf16 fast mode's.
+  16, which the kernels do not take), with each FP8 kernel: the attention modules use it, the graphs
+  give the same bytes as the compiled blocks without graphs, and the image stays near bf16 fast mode's.
 """
 
 from __future__ import annotations
@@ -18,8 +20,10 @@ import torch.nn.functional as F
 from _cases import cuda_pipeline, run_case
 
 from bcg_diffusion import accelerate, eager, restore, stats
+from bcg_diffusion.features.fp8_attention import choose
 from bcg_diffusion.kernels import activation_fp8
 from bcg_diffusion.kernels import attention as kernels
+from bcg_diffusion.kernels import cudnn_fp8_attention as cudnn_fp8
 from bcg_diffusion.patches.attention import KERNEL_ATTRIBUTE
 from bcg_diffusion.patches.gelu import gelu_in_epilogue
 
@@ -58,6 +62,36 @@ def test_kernels_match_float32_attention_and_are_deterministic(shape, reader, mo
     assert error < 0.01
 
 
+def _cudnn_fp8_reason() -> str | None:
+    return cudnn_fp8.unavailable(torch.device("cuda")) if torch.cuda.is_available() else "no GPU"
+
+
+@pytest.mark.parametrize("shape", [(1, 4160, 24, 128), (1, 4133, 2, 128), (2, 1000, 3, 128)], ids=str)
+def test_cudnn_fp8_attention_matches_its_reference_and_is_deterministic(shape):
+    reason = _cudnn_fp8_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    torch.manual_seed(0)
+    weight = torch.rand(128, device="cuda") + 0.5
+    q, k = (F.normalize(torch.randn(shape, device="cuda"), dim=-1) * 128**0.5 * weight for _ in range(2))
+    q, k = q.to(torch.bfloat16), k.to(torch.bfloat16)
+    v = torch.randn(shape, device="cuda", dtype=torch.bfloat16) * 4
+    bound = cudnn_fp8.rms_norm_bound([weight], 128)
+    out = cudnn_fp8.attention(q, k, v, bound, bound)
+    assert out.shape == shape and out.dtype == torch.bfloat16
+    error = ((out.float() - _reference(q, k, v)).norm() / _reference(q, k, v).norm()).item()
+    assert error < 0.1, error
+    assert torch.equal(cudnn_fp8.attention(q, k, v, bound, bound), out), "not deterministic"
+    # The kernel alone against its float32 reference, on the same FP8 inputs.
+    quantized = [cudnn_fp8._quantize(t, b) for t, b in ((q, bound), (k, bound), (v, None))]
+    descales = torch.stack([d for _, d in quantized] + [quantized[2][1] * cudnn_fp8.OUTPUT_MARGIN])
+    inputs = [t for t, _ in quantized]
+    kernel = torch.ops.bcg_diffusion.cudnn_fp8_attention(*inputs, descales, 128**-0.5).float()
+    expected = cudnn_fp8.reference(*inputs, descales, 128**-0.5).float()
+    assert ((kernel - expected).norm() / expected.norm()).item() < 0.05
+    assert cudnn_fp8.refusals() == {}, "cuDNN refused a shape: its calls computed the reference, not the kernel"
+
+
 def test_gelu_epilogue_is_diffusers_tanh_gelu():
     from diffusers.models.activations import GELU
 
@@ -70,7 +104,10 @@ def test_gelu_epilogue_is_diffusers_tanh_gelu():
 
 
 @needs_fp8
-def test_fast_mode_fp8_attention_equals_its_compiled_blocks_and_stays_near_bf16():
+@pytest.mark.parametrize("kernel", ["cudnn", "triton"])
+def test_fast_mode_fp8_attention_equals_its_compiled_blocks_and_stays_near_bf16(kernel):
+    if kernel == "cudnn" and _cudnn_fp8_reason() is not None:
+        pytest.skip(_cudnn_fp8_reason())
     with cuda_pipeline("z-image", "random-full") as pipe:
         fast_bf16 = None
         accelerate(pipe, mode="fast")
@@ -78,11 +115,14 @@ def test_fast_mode_fp8_attention_equals_its_compiled_blocks_and_stays_near_bf16(
             fast_bf16 = run_case(pipe, "z-image", "no_cfg", height=512, width=512)
         finally:
             restore(pipe)
+        assert choose(pipe.transformer, kernel) > 0
         accelerate(pipe, mode="fast", attention="fp8")
         try:
             report = stats(pipe)
             assert report["attention"] == "fp8" and report["fp8_attention_modules"] > 0, report
-            assert sum(getattr(m, KERNEL_ATTRIBUTE, None) == "fp8" for m in pipe.transformer.modules()) > 0
+            assert report["fp8_attention_kernels"] == {kernel: report["fp8_attention_modules"]}, report
+            name = {"cudnn": "cudnn-fp8", "triton": "fp8"}[kernel]
+            assert sum(getattr(m, KERNEL_ATTRIBUTE, None) == name for m in pipe.transformer.modules()) > 0
             image = run_case(pipe, "z-image", "no_cfg", height=512, width=512)
             with eager(pipe):
                 reference = run_case(pipe, "z-image", "no_cfg", height=512, width=512)
@@ -90,8 +130,9 @@ def test_fast_mode_fp8_attention_equals_its_compiled_blocks_and_stays_near_bf16(
             assert torch.equal(run_case(pipe, "z-image", "no_cfg", height=512, width=512), image)
             mse = (image.float() - fast_bf16.float()).pow(2).mean().item()
             psnr = 10 * torch.log10(torch.tensor(1.0 / max(mse, 1e-12))).item()
-            print(f"\nZ-Image 512², FP8 attention against bf16 fast mode: PSNR {psnr:.1f} dB")
+            print(f"\nZ-Image 512², FP8 attention ({kernel}) against bf16 fast mode: PSNR {psnr:.1f} dB")
             assert psnr > 15, psnr  # a wrong kernel gives noise (under 10 dB); the figure is reported
+            assert cudnn_fp8.refusals() == {}, "cuDNN refused a shape: those calls computed the reference"
         finally:
             restore(pipe)
         assert not any(hasattr(m, KERNEL_ATTRIBUTE) for m in pipe.transformer.modules())

@@ -538,6 +538,10 @@ def test_every_mode_name_parses_to_a_base_mode_and_its_options():
         assert options.cache == (name in modes.CACHED) and options.cachedit == (name in modes.CACHEDIT), name
     assert modes.parse("fast-fp8-torchao-ff") == modes.ModeOptions("fast", fp8=True, torchao_feed_forward=True)
     assert modes.parse("fast-fp8-attn") == modes.ModeOptions("fast", fp8=True, fp8_attention=True)
+    assert modes.parse("fast-fp8-attn-triton") == modes.ModeOptions(
+        "fast", fp8=True, fp8_attention=True, triton_attention=True
+    )
+    assert modes.parse("fast-fp8-attn+cache") == modes.ModeOptions("fast", cache=True, fp8=True, fp8_attention=True)
     with pytest.raises(ValueError, match="unknown mode"):
         modes.parse("fast-fp9")
 

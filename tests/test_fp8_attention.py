@@ -113,3 +113,131 @@ def test_gelu_epilogue_follows_a_projection_replaced_after_it_was_patched():
     peft.inject_adapter_in_model(peft.LoraConfig(r=4, lora_alpha=4, target_modules=["proj"]), holder)
     torch.nn.init.normal_(module.proj.lora_B["default"].weight)
     assert torch.equal(forward(x), module(x))  # the module's own forward, with the LoRA
+
+
+# -- cuDNN's FP8 attention (kernels/cudnn_fp8_attention.py): on a CPU its operator computes the reference --
+
+
+@torch.no_grad()
+def _normed_rotated(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """What fast mode's processors hand attention: an RMS norm (diffusers'), then RoPE by random angles."""
+    from diffusers.models.normalization import RMSNorm
+
+    from bcg_diffusion.patches.rope import rotate_pairs
+
+    norm = RMSNorm(x.shape[-1], eps=1e-6)
+    norm.weight.data.copy_(weight)
+    angles = torch.rand(x.shape[1], x.shape[-1] // 2) * 6.28
+    frequencies = torch.view_as_real(torch.polar(torch.ones_like(angles), angles))
+    return rotate_pairs(norm(x), frequencies)
+
+
+def test_rms_norm_bound_bounds_normed_and_rotated_rows():
+    from bcg_diffusion.kernels.cudnn_fp8_attention import rms_norm_bound
+
+    torch.manual_seed(0)
+    x = torch.randn(1, 64, 2, 128)
+    x[0, 3, 1, 7] = 1e4  # one outlier: its row's element nears the bound itself
+    weight = torch.rand(128) * 3
+    bound = rms_norm_bound([weight, weight / 2], 128)
+    assert bound.dtype == torch.float32 and bound.dim() == 0
+    torch.testing.assert_close(bound, weight.abs().max() * 128**0.5)
+    rotated = _normed_rotated(x, weight)
+    assert float(rotated.abs().max()) <= float(bound) * (1 + 2**-7)  # rounding past it saturates
+    assert float(rotated.abs().max()) > 0.5 * float(bound)
+    with pytest.raises(ValueError, match="at least one"):
+        rms_norm_bound([], 128)
+
+
+def test_cudnn_fp8_attention_reference_is_near_attention_and_saturates():
+    from bcg_diffusion.kernels import cudnn_fp8_attention as cudnn_fp8
+
+    torch.manual_seed(0)
+    weight = torch.rand(128) + 0.5
+    q, k = (_normed_rotated(torch.randn(2, 75, 3, 128), weight).to(torch.bfloat16) for _ in range(2))
+    v = torch.randn(2, 75, 3, 128, dtype=torch.bfloat16) * 5
+    bound = cudnn_fp8.rms_norm_bound([weight], 128)
+    out = cudnn_fp8.attention(q, k, v, bound, bound)
+    assert out.shape == q.shape and out.dtype == torch.bfloat16
+    expected = torch.nn.functional.scaled_dot_product_attention(*(t.float().transpose(1, 2) for t in (q, k, v)))
+    error = ((out.float() - expected.transpose(1, 2)).norm() / expected.norm()).item()
+    assert error < 0.08, error  # e4m3's 3 mantissa bits, in four places
+    # Without bounds each tensor's largest magnitude is reduced instead: close to the same result.
+    unbounded = cudnn_fp8.attention(q, k, v)
+    assert ((unbounded.float() - out.float()).norm() / out.float().norm()).item() < 0.08
+    # A value past a bound (bf16 rounding of a bounded one) saturates rather than becoming NaN.
+    too_small = torch.tensor(0.1)
+    assert torch.isfinite(cudnn_fp8.attention(q, k, v, too_small, too_small)).all()
+
+
+def test_cudnn_fp8_attention_refuses_clearly():
+    from bcg_diffusion.kernels import cudnn_fp8_attention as cudnn_fp8
+
+    q = torch.zeros(1, 8, 2, 64, dtype=torch.bfloat16)
+    assert "head size 64" in cudnn_fp8.unsupported(q, q, q)
+    assert "dtype torch.float32" in cudnn_fp8.unsupported(q.float(), q.float(), q.float())
+    with pytest.raises(ValueError, match="cannot take these tensors: head size 64"):
+        cudnn_fp8.attention(q, q, q)
+    assert cudnn_fp8.unavailable(torch.device("cpu")) == "the model is on cpu, not a CUDA GPU"
+
+
+def test_attend_routes_cudnn_fp8_with_the_modules_norm_bounds():
+    from diffusers.models.normalization import RMSNorm
+
+    from bcg_diffusion.kernels import cudnn_fp8_attention as cudnn_fp8
+    from bcg_diffusion.patches.attention import _query_key_bounds
+
+    torch.manual_seed(0)
+    module = torch.nn.Module()
+    module.norm_q, module.norm_k = RMSNorm(128, eps=1e-6), RMSNorm(128, eps=1e-6)
+    module.norm_q.weight.data.fill_(2.0)
+    setattr(module, KERNEL_ATTRIBUTE, "cudnn-fp8")
+    q, k, v = (torch.randn(1, 40, 2, 128, dtype=torch.bfloat16) for _ in range(3))
+    bounds = _query_key_bounds(module, 128)
+    torch.testing.assert_close(bounds[0], torch.tensor(2.0 * 128**0.5))
+    torch.testing.assert_close(bounds[1], torch.tensor(128**0.5))
+    out = attend(module, q, k, v, lambda *a, **kw: pytest.fail("dispatched"), backend=None)
+    assert torch.equal(out, cudnn_fp8.attention(q, k, v, *bounds))
+    # A joint module (Qwen-Image's): the text stream's norms count too; a missing norm: no bound.
+    module.add_q_proj = torch.nn.Linear(4, 4)
+    module.norm_added_q, module.norm_added_k = RMSNorm(128, eps=1e-6), None
+    module.norm_added_q.weight.data.fill_(3.0)
+    bounds = _query_key_bounds(module, 128)
+    torch.testing.assert_close(bounds[0], torch.tensor(3.0 * 128**0.5))
+    assert bounds[1] is None
+
+
+def test_fp8_attention_kernel_choice():
+    from bcg_diffusion.features.fp8_attention import FP8_ATTENTION_KERNEL_ATTRIBUTE, Fp8Attention, choose
+
+    pipe = tiny_pipeline("z-image")
+    assert choose(pipe.transformer, "triton") > 0
+    with pytest.raises(ValueError, match="expected one of"):
+        choose(pipe.transformer, "flash")
+    module = next(m for m in pipe.transformer.modules() if hasattr(m, FP8_ATTENTION_KERNEL_ATTRIBUTE))
+    assert Fp8Attention(cudnn_reason=None)._kernel(module) == "triton"
+    setattr(module, FP8_ATTENTION_KERNEL_ATTRIBUTE, "auto")
+    assert Fp8Attention(cudnn_reason=None)._kernel(module) == "cudnn"
+    assert Fp8Attention(cudnn_reason="no frontend")._kernel(module) == "triton"
+    setattr(module, FP8_ATTENTION_KERNEL_ATTRIBUTE, "fast")
+    with pytest.raises(ValueError, match="is 'fast'; expected one of"):
+        Fp8Attention(cudnn_reason=None)._kernel(module)
+
+
+def test_a_shape_cudnn_refuses_is_warned_once_and_recorded(monkeypatch):
+    from bcg_diffusion.kernels import cudnn_fp8_attention as cudnn_fp8
+
+    def refuse(shape, scale, device_index):
+        raise RuntimeError("cudnnGraphNotSupportedError: no engine")
+
+    monkeypatch.setattr(cudnn_fp8, "_graph", refuse)
+    monkeypatch.setattr(cudnn_fp8, "_REFUSED", {})
+    cudnn_fp8._graph_or_reason.cache_clear()
+    try:
+        shape = (1, 77, 2, 77, 128)
+        with pytest.warns(UserWarning, match=r"cuDNN refuses FP8 attention of shape .*no engine.*float32 reference"):
+            assert "no engine" in cudnn_fp8._graph_or_reason(shape, 0.5, 0)
+        assert cudnn_fp8._graph_or_reason(shape, 0.5, 0) == cudnn_fp8.refusals()[(shape, 0.5, 0)]  # once
+        assert list(cudnn_fp8.refusals()) == [(shape, 0.5, 0)]
+    finally:
+        cudnn_fp8._graph_or_reason.cache_clear()

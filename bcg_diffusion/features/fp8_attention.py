@@ -1,10 +1,16 @@
 """Fast mode, opt-in: the transformer's attention in FP8 (``accelerate(pipe, mode="fast", attention="fp8")``).
 
 Query, key, value and the softmax probabilities are quantized to float8 e4m3 and both products of
-attention run on FP8 tensor cores, in our Triton kernel (:mod:`bcg_diffusion.kernels.attention`; no
-maintained package gives FP8 attention that installs with PyTorch and captures in CUDA graphs). The
-quantization is plain PyTorch inside the compiled blocks, so inductor fuses it into the kernels that
-produce the query, key and value.
+attention run on FP8 tensor cores. Two kernels can do it:
+
+* **cuDNN's** (:mod:`bcg_diffusion.kernels.cudnn_fp8_attention`), where NVIDIA's
+  ``nvidia-cudnn-frontend`` package is installed (``pip install bcg-diffusion[cudnn]``) on a GPU of
+  compute capability 9.0 or newer: the faster one at 1024² (one scale per tensor);
+* **ours, in Triton** (:mod:`bcg_diffusion.kernels.attention`; scales per token, head and channel):
+  used otherwise, with one INFO line saying why cuDNN's is not.
+
+Each module's choice can be set before ``accelerate`` (:func:`choose`, e.g. to compare the two). The
+quantization is plain PyTorch inside the compiled blocks, so inductor fuses it into the kernels around.
 
 It changes the image more than FP8 linears do (measured in ``docs/quantization.md``), so it is never a
 default, not even under ``quantize="fp8"``; fast mode's promise holds: with graphs, the same bytes as
@@ -29,16 +35,40 @@ import torch
 
 from ..core.hooks import MethodPatches
 from ..core.runner import BCGWarning
+from ..kernels import cudnn_fp8_attention
 from ..kernels.attention import unavailable
 from ..patches.attention import KERNEL_ATTRIBUTE
 from .base import Feature, Setup
 
-__all__ = ["Fp8Attention", "FP8_ATTENTION_PROCESSORS"]
+__all__ = ["FP8_ATTENTION_KERNELS", "FP8_ATTENTION_PROCESSORS", "Fp8Attention", "choose"]
 
 logger = logging.getLogger(__name__)
 
 # The processors whose fast-mode ``__call__`` routes attention through ``patches.attention.attend``.
 FP8_ATTENTION_PROCESSORS = ("QwenDoubleStreamAttnProcessor2_0", "ZSingleStreamAttnProcessor")
+# The attribute on an attention module naming which FP8 kernel it wants: "auto" (cuDNN's where it runs,
+# else ours), "cudnn" (cuDNN's; ours, with the INFO line, where it cannot run) or "triton" (ours).
+FP8_ATTENTION_KERNEL_ATTRIBUTE = "_bcg_fp8_attention_kernel"
+FP8_ATTENTION_KERNELS = ("auto", "cudnn", "triton")
+# patches.attention's kernel names for each
+_KERNEL_NAMES = {"cudnn": "cudnn-fp8", "triton": "fp8"}
+
+
+def choose(model: torch.nn.Module, kernel: str) -> int:
+    """Set ``kernel`` (one of :data:`FP8_ATTENTION_KERNELS`) on every attention module of ``model`` that
+    ``attention="fp8"`` applies to, read when ``accelerate`` prepares it; returns how many. Raises
+    ValueError for another kernel.
+
+    >>> choose(pipe.transformer, "triton")  # doctest: +SKIP
+    """
+    if kernel not in FP8_ATTENTION_KERNELS:
+        raise ValueError(f"FP8 attention kernel {kernel!r}: expected one of {FP8_ATTENTION_KERNELS}")
+    chosen = 0
+    for module in model.modules():
+        if type(getattr(module, "processor", None)).__name__ in FP8_ATTENTION_PROCESSORS:
+            setattr(module, FP8_ATTENTION_KERNEL_ATTRIBUTE, kernel)
+            chosen += 1
+    return chosen
 
 
 def _not_applied(reason: str) -> None:
@@ -50,10 +80,11 @@ def _not_applied(reason: str) -> None:
 class Fp8Attention(Feature):
     name = "FP8 attention"
     component = "transformer"
-    defaults = {"attention": None, "fp8_attention_modules": 0}
+    defaults = {"attention": None, "fp8_attention_modules": 0, "fp8_attention_kernels": {}}
 
-    def __init__(self) -> None:
-        self.modules = 0
+    def __init__(self, cudnn_reason: str | None) -> None:
+        self.cudnn_reason = cudnn_reason  # why cuDNN's kernel cannot run here (None: it can)
+        self.kernels: dict[str, int] = {}  # "cudnn" / "triton": how many modules use it
 
     @classmethod
     def create(cls, setup: Setup) -> Fp8Attention | None:
@@ -64,27 +95,51 @@ class Fp8Attention(Feature):
             _not_applied("the transformer is not among the accelerated components")
             return None
         parameter = next(transformer.parameters(), None)
-        reason = unavailable(parameter.device if parameter is not None else torch.device("cpu"))
+        device = parameter.device if parameter is not None else torch.device("cpu")
+        reason = unavailable(device)
         if reason is not None:
             _not_applied(reason)
             return None
-        return cls()
+        return cls(cudnn_fp8_attention.unavailable(device))
+
+    @property
+    def modules(self) -> int:
+        return sum(self.kernels.values())
+
+    def _kernel(self, module: torch.nn.Module) -> str:
+        """The kernel ``module`` gets: its choice (:func:`choose`), cuDNN's only where it can run."""
+        choice = getattr(module, FP8_ATTENTION_KERNEL_ATTRIBUTE, "auto")
+        if choice not in FP8_ATTENTION_KERNELS:
+            raise ValueError(
+                f"{type(module).__name__}.{FP8_ATTENTION_KERNEL_ATTRIBUTE} is {choice!r}; "
+                f"expected one of {FP8_ATTENTION_KERNELS}"
+            )
+        return "cudnn" if choice != "triton" and self.cudnn_reason is None else "triton"
 
     def prepare(self, setup: Setup, patches: MethodPatches) -> None:
+        wanted_cudnn = False
         for module in setup.modules["transformer"].modules():
             processor = getattr(module, "processor", None)
             if type(processor).__name__ in FP8_ATTENTION_PROCESSORS:
-                patches.replace(module, KERNEL_ATTRIBUTE, "fp8")
-                self.modules += 1
+                kernel = self._kernel(module)
+                wanted_cudnn |= getattr(module, FP8_ATTENTION_KERNEL_ATTRIBUTE, "auto") != "triton"
+                patches.replace(module, KERNEL_ATTRIBUTE, _KERNEL_NAMES[kernel])
+                self.kernels[kernel] = self.kernels.get(kernel, 0) + 1
         if self.modules == 0:
             _not_applied(
                 f"the transformer has none of the attention processors it supports ({FP8_ATTENTION_PROCESSORS})"
             )
-        else:
-            logger.info("FP8 attention in %d attention modules", self.modules)
+            return
+        logger.info("FP8 attention in %d attention modules: %s", self.modules, self.kernels)
+        if wanted_cudnn and self.cudnn_reason is not None:
+            logger.info("FP8 attention runs our Triton kernel, not cuDNN's: %s", self.cudnn_reason)
 
     def stats(self) -> dict[str, object]:
-        return {"attention": "fp8" if self.modules else None, "fp8_attention_modules": self.modules}
+        return {
+            "attention": "fp8" if self.modules else None,
+            "fp8_attention_modules": self.modules,
+            "fp8_attention_kernels": dict(self.kernels),
+        }
 
     def patch_names(self) -> list[str]:
         return ["fp8 attention"] if self.modules else []

@@ -16,8 +16,9 @@ processor calls SDPA's cuDNN kernel on them directly (:func:`_cudnn_attention`):
 714.7 against 759.8 µs at 512², 3026 against 3068 µs at 1024² (run 83). Qwen-Image's processors keep
 diffusers' dispatch, which PyTorch sends to the same kernel.
 
-The kernel of each attention module can be chosen (:data:`KERNEL_ATTRIBUTE`, :func:`attend`): our FP8
-kernel (:mod:`bcg_diffusion.kernels.attention`) is the opt-in of
+The kernel of each attention module can be chosen (:data:`KERNEL_ATTRIBUTE`, :func:`attend`): the FP8
+kernels, cuDNN's (:mod:`bcg_diffusion.kernels.cudnn_fp8_attention`, fed bounds on the query's and key's
+magnitudes from their RMS norms) and ours (:mod:`bcg_diffusion.kernels.attention`), are the opt-in of
 :mod:`bcg_diffusion.features.fp8_attention`.
 
 Attention's prologue (the query and key RMS norms, RoPE, Qwen-Image's joint text-and-image tensors)
@@ -46,7 +47,7 @@ from diffusers.models.attention_dispatch import AttentionBackendName, _Attention
 from diffusers.models.attention_dispatch import dispatch_attention_fn as _diffusers_dispatch
 
 from ..kernels import attention as kernels
-from ..kernels import qk_prologue, triton_available
+from ..kernels import cudnn_fp8_attention, qk_prologue, triton_available
 from .rope import rotate_pairs
 from .scoped import ProcessorPatch
 
@@ -161,8 +162,9 @@ def _default_backend_active() -> bool:
 # attribute, so that the check of the Python state a graph read sees it change.
 KERNEL_ATTRIBUTE = "_bcg_attention_kernel"
 # "dispatch": diffusers' dispatch (PyTorch's SDPA picks its kernel); "cudnn": SDPA's cuDNN kernel on
-# the [B, S, H, D] tensors as they are; "triton": our Triton kernel; "fp8": our FP8 kernel.
-KERNELS = ("dispatch", "cudnn", "triton", "fp8")
+# the [B, S, H, D] tensors as they are; "triton": our Triton kernel; "fp8": our FP8 kernel;
+# "cudnn-fp8": cuDNN's FP8 kernel (kernels/cudnn_fp8_attention.py).
+KERNELS = ("dispatch", "cudnn", "triton", "fp8", "cudnn-fp8")
 
 
 def attend(
@@ -186,7 +188,26 @@ def attend(
             return _cudnn_attention(query, key, value)
         if kernel in ("triton", "fp8") and kernels.unsupported(query, key, value) is None:
             return (kernels.fp8_attention if kernel == "fp8" else kernels.attention)(query, key, value)
+        if kernel == "cudnn-fp8" and cudnn_fp8_attention.unsupported(query, key, value) is None:
+            return cudnn_fp8_attention.attention(query, key, value, *_query_key_bounds(attn, query.shape[-1]))
     return dispatch(query, key, value, **dispatch_kwargs)
+
+
+def _query_key_bounds(attn: torch.nn.Module, head_dim: int) -> list[torch.Tensor | None]:
+    """Bounds on the magnitudes of the query and of the key that fast mode's processors give
+    :func:`attend`: RMS-normed (then rotated), so ``cudnn_fp8_attention.rms_norm_bound`` of their norms'
+    weights (the text stream's norms too where the module has one, as Qwen-Image's joint tensors do);
+    None where a norm is missing or not an RMS norm with a weight."""
+    joint = getattr(attn, "add_q_proj", None) is not None
+    bounds: list[torch.Tensor | None] = []
+    for names in (("norm_q", "norm_added_q"), ("norm_k", "norm_added_k")):
+        norms = tuple(getattr(attn, name, None) for name in (names if joint else names[:1]))
+        weights = _norm_weights(norms)
+        if weights is None or any(norm is None for norm in norms):
+            bounds.append(None)
+        else:
+            bounds.append(cudnn_fp8_attention.rms_norm_bound(weights[0], head_dim))
+    return bounds
 
 
 def _cudnn_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,288 @@
+"""FP8 attention through cuDNN's fused kernel, on diffusers' ``[batch, tokens, heads, dim]`` layout.
+
+cuDNN has an FP8 attention forward for Hopper (query, key, value and the softmax probabilities in
+float8 e4m3, one scale each, both products on FP8 tensor cores), reachable from Python through NVIDIA's
+``nvidia-cudnn-frontend`` package (an optional extra: ``pip install bcg-diffusion[cudnn]``). On an H200
+it runs at 780–800 TFLOP/s on Qwen-Image's 1024² shapes, against 565–600 for cuDNN's bf16 kernel and
+650–690 for our Triton FP8 kernel (run 109, ``bench.probes.probe_cudnn_fp8_attention``). At 1,088
+tokens (Z-Image 512²) ours is the faster one, and FP8 attention gains nothing end to end.
+
+What it needs, and how this module feeds it:
+
+* **One scale per tensor.** The query and key come out of RMS norms, so their magnitudes have a bound
+  that needs no reduction: an RMS-normed row of ``D`` elements has norm at most ``sqrt(D)``, its
+  weight scales each element by at most ``max|w|``, and RoPE rotates pairs without changing their
+  norm, so no element exceeds ``max|w| * sqrt(D)``. Callers that know the norm pass that bound
+  (:func:`rms_norm_bound`); otherwise the tensor's largest magnitude is taken. The value has no such
+  bound: its largest magnitude is reduced. e4m3 is a floating-point format, so a scale from a bound
+  rather than the largest value loses range at the small end only, not precision.
+* **An FP8 output on Hopper** (bf16 outputs are Blackwell's only). Attention's output is a convex
+  combination of the values, so the value's scale bounds it; a margin of 1/16 covers the rounding of
+  the probabilities to e4m3 (at most 2**-4 relative each). The output is scaled back in plain PyTorch,
+  which inductor fuses into the kernel that reads it next.
+
+The quantization is plain PyTorch, traced into fast mode's compiled blocks; the kernel is a PyTorch
+custom operator (``bcg_diffusion::cudnn_fp8_attention``) that inductor calls as it is. cuDNN builds one
+graph per shape, on the first call with that shape (an eager warm-up before any capture), and the
+same engine each time for the same shape, GPU and cuDNN version, so two runs compute the same bytes.
+Without a GPU the operator computes its float32 reference (:func:`reference`), which tests use.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import math
+import warnings
+
+import torch
+
+__all__ = ["FP8_MAX", "attention", "reference", "refusals", "rms_norm_bound", "unavailable", "unsupported"]
+
+FP8_MAX = 448.0  # largest float8 e4m3 value
+# The probabilities (at most 1 before normalisation) are scaled to e4m3's whole range.
+PROBABILITY_SCALE = FP8_MAX
+# The output's bound over the value's: e4m3 rounds each probability by up to 2**-4 relative.
+OUTPUT_MARGIN = 1.0625
+MIN_CUDNN = 91400  # cuDNN 9.14: what cuDNN's own frontend tests ask of its FP8 attention
+_HEAD_DIMS = (128,)  # what was measured
+_UIDS = dict(query=1, key=2, value=3, out=4, descale_q=5, descale_k=6, descale_v=7, descale_s=8, scale_s=9)
+_UIDS.update(scale_o=10, amax_s=11, amax_o=12)
+
+
+@functools.cache
+def _frontend_version() -> int | None:
+    """cuDNN's library version as the frontend loads it (e.g. 91900), or None without the frontend."""
+    if importlib.util.find_spec("cudnn") is None:
+        return None
+    import cudnn
+
+    return int(cudnn.backend_version())
+
+
+def unavailable(device: torch.device) -> str | None:
+    """Why cuDNN's FP8 attention cannot run on ``device`` (None: it can): it needs a CUDA GPU of compute
+    capability 9.0 or newer, NVIDIA's ``nvidia-cudnn-frontend`` package and cuDNN 9.14 or newer.
+    Checked once, when fast mode sets a model up."""
+    if device.type != "cuda":
+        return f"the model is on {device.type}, not a CUDA GPU"
+    if torch.cuda.get_device_capability(device) < (9, 0):
+        return "cuDNN's FP8 attention needs compute capability 9.0 or newer"
+    version = _frontend_version()
+    if version is None:
+        return "the nvidia-cudnn-frontend package is not installed (pip install bcg-diffusion[cudnn])"
+    if version < MIN_CUDNN:
+        return f"cuDNN {version} is older than {MIN_CUDNN} (9.14), the first with a tested FP8 attention"
+    return None
+
+
+def unsupported(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> str | None:
+    """Why these ``[B, S, H, D]`` tensors cannot go to the kernel (None: they can): they need bfloat16
+    or float16, one batch and head count, and head size 128. Only tensor properties, so that a compiled
+    block decides it when it is traced (a shape cuDNN then refuses gets the float32 reference, with a
+    warning: see :func:`refusals`)."""
+    if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
+        return "the tensors are not [batch, tokens, heads, dim]"
+    if query.dtype not in (torch.bfloat16, torch.float16) or not (query.dtype == key.dtype == value.dtype):
+        return f"dtype {query.dtype} (needs bfloat16 or float16, the same for query, key and value)"
+    if query.shape[0] != key.shape[0] or key.shape[:3] != value.shape[:3] or query.shape[2] != key.shape[2]:
+        return "query, key and value disagree in batch, tokens or heads (grouped heads are not supported)"
+    if not (query.shape[-1] == key.shape[-1] == value.shape[-1]) or query.shape[-1] not in _HEAD_DIMS:
+        return f"head size {query.shape[-1]} (needs one of {_HEAD_DIMS})"
+    return None
+
+
+def rms_norm_bound(weights: list[torch.Tensor], head_dim: int) -> torch.Tensor:
+    """The largest magnitude an element of a row of ``head_dim`` elements can have after an RMS norm
+    with any of these weights, then RoPE: ``max|w| * sqrt(head_dim)``, as a float32 scalar tensor
+    computed on the weights' device (so it follows the weights when they change, e.g. a LoRA).
+
+    >>> rms_norm_bound([torch.full((128,), 2.0)], 128)  # 2 * sqrt(128)
+    tensor(22.6274)
+    """
+    if not weights:
+        raise ValueError("rms_norm_bound needs at least one norm weight")
+    return torch.stack([w.detach().abs().amax().float() for w in weights]).amax() * math.sqrt(head_dim)
+
+
+def _quantize(x: torch.Tensor, bound: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` in e4m3 with one scale and that scale's inverse (the descale): ``bound`` maps to 448."""
+    largest = x.abs().amax().float() if bound is None else bound.to(device=x.device, dtype=torch.float32)
+    descale = largest.clamp(min=1e-12) / FP8_MAX
+    # Saturate: a value past the bound (bf16 rounding of a bounded one) must not become NaN.
+    return (x.float() / descale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), descale
+
+
+def attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    query_bound: torch.Tensor | None = None,
+    key_bound: torch.Tensor | None = None,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Softmax attention without a mask in FP8: ``[B, S, H, D]`` in, ``[B, S, H, D]`` out in the inputs'
+    dtype. ``query_bound`` / ``key_bound``: a float32 scalar no element exceeds (:func:`rms_norm_bound`),
+    else each tensor's largest magnitude is reduced. ``scale`` defaults to ``1 / sqrt(D)``.
+
+    Refuses (ValueError) what :func:`unsupported` names.
+    """
+    reason = unsupported(query, key, value)
+    if reason is not None:
+        raise ValueError(f"cuDNN's FP8 attention cannot take these tensors: {reason}")
+    scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
+    query8, descale_q = _quantize(query, query_bound)
+    key8, descale_k = _quantize(key, key_bound)
+    value8, descale_v = _quantize(value, None)
+    descale_o = descale_v * OUTPUT_MARGIN
+    descales = torch.stack([descale_q, descale_k, descale_v, descale_o])
+    out8 = torch.ops.bcg_diffusion.cudnn_fp8_attention(query8, key8, value8, descales, scale)
+    return (out8.float() * descale_o).to(query.dtype)
+
+
+def reference(
+    query8: torch.Tensor, key8: torch.Tensor, value8: torch.Tensor, descales: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """What the kernel computes, in float32: ``[B, S, H, D]`` e4m3 inputs with ``descales`` (query, key,
+    value, output), the exponentials (at most 1) rounded to e4m3 at :data:`PROBABILITY_SCALE` before they
+    meet the values, the output in e4m3 at the output's scale. The kernel's own rounding and order of
+    sums differ; tests compare the two with tolerances."""
+    q, k, v = (t.float().transpose(1, 2) * d for t, d in zip((query8, key8, value8), descales[:3]))
+    scores = q @ k.transpose(-1, -2) * scale
+    exponentials = torch.exp(scores - scores.amax(dim=-1, keepdim=True))
+    rounded = (exponentials * PROBABILITY_SCALE).to(torch.float8_e4m3fn).float() / PROBABILITY_SCALE
+    out = (rounded @ v) / exponentials.sum(dim=-1, keepdim=True)
+    out = (out / descales[3]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return out.transpose(1, 2).contiguous()
+
+
+@torch.library.custom_op("bcg_diffusion::cudnn_fp8_attention", mutates_args=())
+def _attention_op(
+    query8: torch.Tensor, key8: torch.Tensor, value8: torch.Tensor, descales: torch.Tensor, scale: float
+) -> torch.Tensor:
+    if not query8.is_cuda:
+        return reference(query8, key8, value8, descales, scale)
+    query8, key8, value8 = (t.contiguous() for t in (query8, key8, value8))
+    out = torch.empty_like(query8)
+    _run(query8, key8, value8, descales, out, scale)
+    return out
+
+
+@_attention_op.register_fake
+def _(query8, key8, value8, descales, scale):  # noqa: ANN001, ANN202
+    return torch.empty_like(query8, memory_format=torch.contiguous_format)
+
+
+# -- cuDNN's graphs ------------------------------------------------------------------------------------
+
+
+@functools.cache
+def _handle(device_index: int) -> object:
+    import cudnn
+
+    with torch.cuda.device(device_index):
+        return cudnn.create_handle()
+
+
+@functools.cache
+def _graph(shape: tuple[int, int, int, int, int], scale: float, device_index: int) -> object:
+    """cuDNN's graph for contiguous ``[B, S, H, D]`` e4m3 inputs and output, ``shape`` ``(B, S_q, H,
+    S_k, D)``, built once per shape. Raises cudnn's error when cuDNN refuses it."""
+    import cudnn
+
+    batch, tokens_q, heads, tokens_k, head_dim = shape
+    fp8, fp32 = cudnn.data_type.FP8_E4M3, cudnn.data_type.FLOAT
+    with torch.cuda.device(device_index):
+        graph = cudnn.pygraph(io_data_type=fp8, intermediate_data_type=fp32, compute_data_type=fp32)
+
+    def bshd(tokens: int) -> dict[str, tuple[int, ...]]:  # cuDNN's [B, H, S, D] order over [B, S, H, D] memory
+        return dict(
+            dim=(batch, heads, tokens, head_dim), stride=(tokens * heads * head_dim, head_dim, heads * head_dim, 1)
+        )
+
+    query, key, value = (
+        graph.tensor(uid=_UIDS[name], data_type=fp8, **bshd(tokens))
+        for name, tokens in (("query", tokens_q), ("key", tokens_k), ("value", tokens_k))
+    )
+    scalar = dict(dim=(1, 1, 1, 1), stride=(1, 1, 1, 1), data_type=fp32)
+    scalars = {
+        name: graph.tensor(uid=_UIDS[name], **scalar)
+        for name in ("descale_q", "descale_k", "descale_v", "descale_s", "scale_s", "scale_o")
+    }
+    out, _, amax_s, amax_o = graph.sdpa_fp8(
+        q=query, k=key, v=value, **scalars, generate_stats=False, attn_scale=scale, use_causal_mask=False
+    )
+    out.set_uid(_UIDS["out"]).set_output(True).set_data_type(fp8)
+    out.set_dim(bshd(tokens_q)["dim"]).set_stride(bshd(tokens_q)["stride"])
+    for name, tensor in (("amax_s", amax_s), ("amax_o", amax_o)):
+        tensor.set_uid(_UIDS[name]).set_output(True).set_dim((1, 1, 1, 1)).set_stride((1, 1, 1, 1))
+        tensor.set_data_type(fp32)
+    with torch.cuda.device(device_index):
+        graph.validate()
+        graph.build_operation_graph()
+        graph.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+        graph.check_support()
+        graph.build_plans()
+    return graph
+
+
+# (B, S_q, H, S_k, D), softmax scale, device index -> why cuDNN refused to build that graph
+_REFUSED: dict[tuple[tuple[int, int, int, int, int], float, int], str] = {}
+
+
+def refusals() -> dict[tuple[tuple[int, int, int, int, int], float, int], str]:
+    """The shapes cuDNN refused in this process, each with cuDNN's reason (their calls computed the
+    float32 reference): ``{((B, S_q, H, S_k, D), scale, device index): reason}``. Empty when every
+    call ran the kernel."""
+    return dict(_REFUSED)
+
+
+@functools.cache
+def _graph_or_reason(shape: tuple[int, int, int, int, int], scale: float, device_index: int) -> object | str:
+    """:func:`_graph`, or why cuDNN refused it (warned once per shape, kept in :func:`refusals`)."""
+    try:
+        return _graph(shape, scale, device_index)
+    except Exception as error:  # cuDNN's refusal, whatever its type, is reported, then the reference runs
+        reason = f"{type(error).__name__}: {error}"
+        _REFUSED[(shape, scale, device_index)] = reason
+        warnings.warn(
+            f"bcg-diffusion: cuDNN refuses FP8 attention of shape (B, S_q, H, S_k, D) = {shape} ({reason}); "
+            "these calls compute the float32 reference instead (correct, slower)",
+            stacklevel=2,
+        )
+        return reason
+
+
+def _run(
+    query8: torch.Tensor,
+    key8: torch.Tensor,
+    value8: torch.Tensor,
+    descales: torch.Tensor,
+    out: torch.Tensor,
+    scale: float,
+) -> None:
+    import cudnn
+
+    device = query8.device.index
+    batch, tokens_q, heads, head_dim = query8.shape
+    graph = _graph_or_reason((batch, tokens_q, heads, key8.shape[1], head_dim), scale, device)
+    if isinstance(graph, str):
+        out.copy_(reference(query8, key8, value8, descales, scale))
+        return
+    # The probabilities' scale and its inverse as device tensors, made by kernels (a copy from the host
+    # could not be captured); the softmax scale is the graph's attention scale.
+    scale_s = torch.full((1,), PROBABILITY_SCALE, dtype=torch.float32, device=query8.device)
+    descale_s = torch.full((1,), 1.0 / PROBABILITY_SCALE, dtype=torch.float32, device=query8.device)
+    amax = torch.empty(2, dtype=torch.float32, device=query8.device)
+    descales = descales.float().contiguous()
+    scale_o = 1.0 / descales[3:4]
+    pack = {
+        _UIDS["query"]: query8, _UIDS["key"]: key8, _UIDS["value"]: value8, _UIDS["out"]: out,
+        _UIDS["descale_q"]: descales[0:1], _UIDS["descale_k"]: descales[1:2], _UIDS["descale_v"]: descales[2:3],
+        _UIDS["descale_s"]: descale_s, _UIDS["scale_s"]: scale_s, _UIDS["scale_o"]: scale_o,
+        _UIDS["amax_s"]: amax[0:1], _UIDS["amax_o"]: amax[1:2],
+    }  # fmt: skip
+    workspace = torch.empty(graph.get_workspace_size(), dtype=torch.uint8, device=query8.device)
+    handle = _handle(device)
+    cudnn.set_stream(handle=handle, stream=torch.cuda.current_stream(query8.device).cuda_stream)
+    graph.execute(pack, workspace, handle=handle)
