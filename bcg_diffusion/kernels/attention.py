@@ -33,7 +33,15 @@ import math
 import torch
 import torch.nn.functional as F
 
-__all__ = ["FP8_MAX", "attention", "fp8_attention", "quantize_for_fp8_attention", "unavailable", "unsupported"]
+__all__ = [
+    "FP8_MAX",
+    "attention",
+    "fp8_attention",
+    "layout_unsupported",
+    "quantize_for_fp8_attention",
+    "unavailable",
+    "unsupported",
+]
 
 FP8_MAX = 448.0  # largest float8 e4m3 value
 _HEAD_DIMS = (64, 128)
@@ -66,16 +74,25 @@ def unsupported(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> 
     properties, so that a compiled block decides it when it is traced."""
     if not (query.is_cuda and key.is_cuda and value.is_cuda):
         return "the tensors are not on a CUDA GPU"
+    reason = layout_unsupported(query, key, value, _HEAD_DIMS)
+    if reason is None and min(t.stride(-1) for t in (query, key, value)) != 1:
+        return "the last dimension is not contiguous"
+    return reason
+
+
+def layout_unsupported(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, head_dims: tuple[int, ...]
+) -> str | None:
+    """Why these tensors are not the ``[B, S, H, D]`` query, key and value that FP8 attention kernels
+    take (None: they are): half precision, one batch and head count, a head size in ``head_dims``."""
     if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
         return "the tensors are not [batch, tokens, heads, dim]"
     if query.dtype not in (torch.bfloat16, torch.float16) or not (query.dtype == key.dtype == value.dtype):
         return f"dtype {query.dtype} (needs bfloat16 or float16, the same for query, key and value)"
     if query.shape[0] != key.shape[0] or key.shape[:3] != value.shape[:3] or query.shape[2] != key.shape[2]:
         return "query, key and value disagree in batch, tokens or heads (grouped heads are not supported)"
-    if not (query.shape[-1] == key.shape[-1] == value.shape[-1]) or query.shape[-1] not in _HEAD_DIMS:
-        return f"head size {query.shape[-1]} (needs one of {_HEAD_DIMS}, the same for all three)"
-    if min(t.stride(-1) for t in (query, key, value)) != 1:
-        return "the last dimension is not contiguous"
+    if not (query.shape[-1] == key.shape[-1] == value.shape[-1]) or query.shape[-1] not in head_dims:
+        return f"head size {query.shape[-1]} (needs one of {head_dims}, the same for all three)"
     return None
 
 

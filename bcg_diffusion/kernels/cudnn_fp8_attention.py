@@ -37,6 +37,8 @@ import warnings
 
 import torch
 
+from .attention import layout_unsupported
+
 __all__ = ["FP8_MAX", "attention", "reference", "refusals", "rms_norm_bound", "unavailable", "unsupported"]
 
 FP8_MAX = 448.0  # largest float8 e4m3 value
@@ -81,15 +83,7 @@ def unsupported(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> 
     or float16, one batch and head count, and head size 128. Only tensor properties, so that a compiled
     block decides it when it is traced (a shape cuDNN then refuses gets the float32 reference, with a
     warning: see :func:`refusals`)."""
-    if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
-        return "the tensors are not [batch, tokens, heads, dim]"
-    if query.dtype not in (torch.bfloat16, torch.float16) or not (query.dtype == key.dtype == value.dtype):
-        return f"dtype {query.dtype} (needs bfloat16 or float16, the same for query, key and value)"
-    if query.shape[0] != key.shape[0] or key.shape[:3] != value.shape[:3] or query.shape[2] != key.shape[2]:
-        return "query, key and value disagree in batch, tokens or heads (grouped heads are not supported)"
-    if not (query.shape[-1] == key.shape[-1] == value.shape[-1]) or query.shape[-1] not in _HEAD_DIMS:
-        return f"head size {query.shape[-1]} (needs one of {_HEAD_DIMS})"
-    return None
+    return layout_unsupported(query, key, value, _HEAD_DIMS)
 
 
 def rms_norm_bound(weights: list[torch.Tensor], head_dim: int) -> torch.Tensor:
