@@ -84,10 +84,10 @@ def test_cudnn_fp8_attention_matches_its_reference_and_is_deterministic(shape):
     assert torch.equal(cudnn_fp8.attention(q, k, v, bound, bound), out), "not deterministic"
     # The kernel alone against its float32 reference, on the same FP8 inputs.
     quantized = [cudnn_fp8._quantize(t, b) for t, b in ((q, bound), (k, bound), (v, None))]
-    descales = torch.stack([d for _, d in quantized] + [quantized[2][1] * cudnn_fp8.OUTPUT_MARGIN])
+    scales = cudnn_fp8.pack_scales(*(d for _, d in quantized))
     inputs = [t for t, _ in quantized]
-    kernel = torch.ops.bcg_diffusion.cudnn_fp8_attention(*inputs, descales, 128**-0.5).float()
-    expected = cudnn_fp8.reference(*inputs, descales, 128**-0.5).float()
+    kernel = torch.ops.bcg_diffusion.cudnn_fp8_attention(*inputs, scales, 128**-0.5).float()
+    expected = cudnn_fp8.reference(*inputs, scales, 128**-0.5).float()
     assert ((kernel - expected).norm() / expected.norm()).item() < 0.05
     assert cudnn_fp8.refusals() == {}, "cuDNN refused a shape: its calls computed the reference, not the kernel"
 

@@ -22,9 +22,10 @@ What it needs, and how this module feeds it:
   which inductor fuses into the kernel that reads it next.
 
 The quantization is plain PyTorch, traced into fast mode's compiled blocks; the kernel is a PyTorch
-custom operator (``bcg_diffusion::cudnn_fp8_attention``) that inductor calls as it is. cuDNN builds one
-graph per shape, on the first call with that shape (an eager warm-up before any capture), and the
-same engine each time for the same shape, GPU and cuDNN version, so two runs compute the same bytes.
+custom operator (``bcg_diffusion::cudnn_fp8_attention``) that inductor calls as it is, with every scale
+it reads computed beforehand in the compiled code (:func:`pack_scales`). cuDNN builds one graph per
+shape, on the first call with that shape (an eager warm-up before any capture), and the same engine
+each time for the same shape, GPU and cuDNN version, so two runs compute the same bytes.
 Without a GPU the operator computes its float32 reference (:func:`reference`), which tests use.
 """
 
@@ -39,7 +40,16 @@ import torch
 
 from .attention import layout_unsupported
 
-__all__ = ["FP8_MAX", "attention", "reference", "refusals", "rms_norm_bound", "unavailable", "unsupported"]
+__all__ = [
+    "FP8_MAX",
+    "attention",
+    "pack_scales",
+    "reference",
+    "refusals",
+    "rms_norm_bound",
+    "unavailable",
+    "unsupported",
+]
 
 FP8_MAX = 448.0  # largest float8 e4m3 value
 # The probabilities (at most 1 before normalisation) are scaled to e4m3's whole range.
@@ -128,18 +138,28 @@ def attention(
     query8, descale_q = _quantize(query, query_bound)
     key8, descale_k = _quantize(key, key_bound)
     value8, descale_v = _quantize(value, None)
-    descale_o = descale_v * OUTPUT_MARGIN
-    descales = torch.stack([descale_q, descale_k, descale_v, descale_o])
-    out8 = torch.ops.bcg_diffusion.cudnn_fp8_attention(query8, key8, value8, descales, scale)
-    return (out8.float() * descale_o).to(query.dtype)
+    scales = pack_scales(descale_q, descale_k, descale_v)
+    out8 = torch.ops.bcg_diffusion.cudnn_fp8_attention(query8, key8, value8, scales, scale)
+    return (out8.float() * scales[3]).to(query.dtype)
+
+
+def pack_scales(descale_q: torch.Tensor, descale_k: torch.Tensor, descale_v: torch.Tensor) -> torch.Tensor:
+    """Every scale the kernel reads, as one float32 ``[7]`` tensor: the descales of the query, key, value
+    and output (the value's with :data:`OUTPUT_MARGIN`), the output's scale, the probabilities' scale and
+    its descale. Computed by the caller's (compiled) code, so that replaying the kernel launches
+    nothing else."""
+    descale_o = descale_v.float() * OUTPUT_MARGIN
+    probability = torch.full_like(descale_o, PROBABILITY_SCALE)
+    parts = (descale_q, descale_k, descale_v, descale_o, 1.0 / descale_o, probability, 1.0 / probability)
+    return torch.stack([part.float().reshape(()) for part in parts])
 
 
 def reference(
     query8: torch.Tensor, key8: torch.Tensor, value8: torch.Tensor, descales: torch.Tensor, scale: float
 ) -> torch.Tensor:
     """What the kernel computes, in float32: ``[B, S, H, D]`` e4m3 inputs with ``descales`` (query, key,
-    value, output), the exponentials (at most 1) rounded to e4m3 at :data:`PROBABILITY_SCALE` before they
-    meet the values, the output in e4m3 at the output's scale. The kernel's own rounding and order of
+    value, output: the first four of :func:`pack_scales`), the exponentials (at most 1) rounded to e4m3
+    at :data:`PROBABILITY_SCALE` before they meet the values, the output in e4m3 at the output's scale. The kernel's own rounding and order of
     sums differ; tests compare the two with tolerances."""
     q, k, v = (t.float().transpose(1, 2) * d for t, d in zip((query8, key8, value8), descales[:3]))
     scores = q @ k.transpose(-1, -2) * scale
@@ -152,18 +172,18 @@ def reference(
 
 @torch.library.custom_op("bcg_diffusion::cudnn_fp8_attention", mutates_args=())
 def _attention_op(
-    query8: torch.Tensor, key8: torch.Tensor, value8: torch.Tensor, descales: torch.Tensor, scale: float
+    query8: torch.Tensor, key8: torch.Tensor, value8: torch.Tensor, scales: torch.Tensor, scale: float
 ) -> torch.Tensor:
     if not query8.is_cuda:
-        return reference(query8, key8, value8, descales, scale)
+        return reference(query8, key8, value8, scales, scale)
     query8, key8, value8 = (t.contiguous() for t in (query8, key8, value8))
     out = torch.empty_like(query8)
-    _run(query8, key8, value8, descales, out, scale)
+    _run(query8, key8, value8, scales, out, scale)
     return out
 
 
 @_attention_op.register_fake
-def _(query8, key8, value8, descales, scale):  # noqa: ANN001, ANN202
+def _(query8, key8, value8, scales, scale):  # noqa: ANN001, ANN202
     return torch.empty_like(query8, memory_format=torch.contiguous_format)
 
 
@@ -178,10 +198,10 @@ def _handle(device_index: int) -> object:
         return cudnn.create_handle()
 
 
-@functools.cache
 def _graph(shape: tuple[int, int, int, int, int], scale: float, device_index: int) -> object:
     """cuDNN's graph for contiguous ``[B, S, H, D]`` e4m3 inputs and output, ``shape`` ``(B, S_q, H,
-    S_k, D)``, built once per shape. Raises cudnn's error when cuDNN refuses it."""
+    S_k, D)``, built once per shape (:func:`_graph_or_reason` keeps it). Raises cudnn's error when cuDNN
+    refuses it."""
     import cudnn
 
     batch, tokens_q, heads, tokens_k, head_dim = shape
@@ -251,7 +271,7 @@ def _run(
     query8: torch.Tensor,
     key8: torch.Tensor,
     value8: torch.Tensor,
-    descales: torch.Tensor,
+    scales: torch.Tensor,
     out: torch.Tensor,
     scale: float,
 ) -> None:
@@ -261,19 +281,14 @@ def _run(
     batch, tokens_q, heads, head_dim = query8.shape
     graph = _graph_or_reason((batch, tokens_q, heads, key8.shape[1], head_dim), scale, device)
     if isinstance(graph, str):
-        out.copy_(reference(query8, key8, value8, descales, scale))
+        out.copy_(reference(query8, key8, value8, scales, scale))
         return
-    # The probabilities' scale and its inverse as device tensors, made by kernels (a copy from the host
-    # could not be captured); the softmax scale is the graph's attention scale.
-    scale_s = torch.full((1,), PROBABILITY_SCALE, dtype=torch.float32, device=query8.device)
-    descale_s = torch.full((1,), 1.0 / PROBABILITY_SCALE, dtype=torch.float32, device=query8.device)
     amax = torch.empty(2, dtype=torch.float32, device=query8.device)
-    descales = descales.float().contiguous()
-    scale_o = 1.0 / descales[3:4]
+    scales = scales.contiguous()  # pack_scales' [7]; the softmax scale is the graph's attention scale
     pack = {
         _UIDS["query"]: query8, _UIDS["key"]: key8, _UIDS["value"]: value8, _UIDS["out"]: out,
-        _UIDS["descale_q"]: descales[0:1], _UIDS["descale_k"]: descales[1:2], _UIDS["descale_v"]: descales[2:3],
-        _UIDS["descale_s"]: descale_s, _UIDS["scale_s"]: scale_s, _UIDS["scale_o"]: scale_o,
+        _UIDS["descale_q"]: scales[0:1], _UIDS["descale_k"]: scales[1:2], _UIDS["descale_v"]: scales[2:3],
+        _UIDS["scale_o"]: scales[4:5], _UIDS["scale_s"]: scales[5:6], _UIDS["descale_s"]: scales[6:7],
         _UIDS["amax_s"]: amax[0:1], _UIDS["amax_o"]: amax[1:2],
     }  # fmt: skip
     workspace = torch.empty(graph.get_workspace_size(), dtype=torch.uint8, device=query8.device)
