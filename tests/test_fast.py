@@ -6,6 +6,7 @@ Inductor compiles for the CPU here (needs a C++ compiler); the GPU side is ``tes
 from __future__ import annotations
 
 import copy
+import logging
 import warnings
 
 import pytest
@@ -21,6 +22,7 @@ from bcg_diffusion.core.hooks import MethodPatches
 from bcg_diffusion.core.runner import BCGWarning
 from bcg_diffusion.features.compiled_blocks import compile_repeated_blocks, load_compile_cache, save_compile_cache
 from bcg_diffusion.models import build_pipeline
+from bcg_diffusion.patches import attention
 from bcg_diffusion.patches.rope import QWEN_REAL_ROPE_PATCH, apply_rotary_emb_qwen
 
 heavy = pytest.mark.heavy  # compiles with inductor on CPU (seconds each even for a one-line function, when cold)
@@ -250,6 +252,29 @@ def test_fast_debug_mode_equals_its_compiled_reference(name):
     finally:
         restore(pipe)
     assert torch.equal(run_case(pipe, name, case, height=64, width=64), expected)
+
+
+@needs_compiler
+@heavy
+@pytest.mark.parametrize(
+    "attribute, value", [(attention.QK_PROLOGUE_ATTRIBUTE, "fused"), (attention.KERNEL_ATTRIBUTE, "dispatch")]
+)
+def test_a_choice_set_on_an_attention_module_after_capture_drops_the_graphs_that_read_it(attribute, value, caplog):
+    # Fast mode's choices live on the modules as "_bcg_..." attributes; the check of the Python state
+    # once skipped every such name, so a choice made after a capture replayed the old one.
+    pipe = build_pipeline("z-image", "tiny", device="cpu")
+    pipe.set_progress_bar_config(disable=True)
+    accelerate(pipe, mode="fast", debug=True)
+    try:
+        run_case(pipe, "z-image", "cfg", height=64, width=64)
+        before = stats(pipe)["components"]["transformer"]["state_changes"]
+        setattr(pipe.transformer.layers[0].attention, attribute, value)
+        with caplog.at_level(logging.INFO, logger="bcg_diffusion"):
+            run_case(pipe, "z-image", "cfg", height=64, width=64)
+        assert stats(pipe)["components"]["transformer"]["state_changes"] > before
+        assert f"layers.0.attention.{attribute}: unset -> {value!r} since its capture" in caplog.text
+    finally:
+        restore(pipe)
 
 
 def test_fast_mode_without_repeated_blocks_keeps_exact_graphs():

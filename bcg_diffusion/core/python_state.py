@@ -194,7 +194,7 @@ def _recording_getattribute(self: Any, name: str) -> Any:
         if _RECORDERS:
             _RECORDERS[-1].note_missing(self, name)
         raise
-    if _RECORDERS and name not in _MODULE_INTERNALS and not name.startswith("_bcg"):
+    if _RECORDERS and name not in _MODULE_INTERNALS:
         _RECORDERS[-1].note_read(self, name, value)
     return value
 
@@ -324,7 +324,7 @@ class ReadRecorder:
         entry = self.modules.get(id(module))
         if entry is None or threading.get_ident() != self._thread:
             return
-        if name.startswith(("__", "_bcg")) or name in _MODULE_INTERNALS:
+        if name.startswith("__") or name in _MODULE_INTERNALS:
             return
         key = (id(module), name)
         if key in self.reads or key in self.written:
