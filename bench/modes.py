@@ -20,7 +20,7 @@ import torch
 from diffusers.utils import BaseOutput
 
 from bcg_diffusion import accelerate, eager, restore, stats
-from bcg_diffusion.features import fp8_attention
+from bcg_diffusion.features import fp8_attention, fused_qkv
 from bcg_diffusion.features.quantization import FP8, quantize_transformer
 from bcg_diffusion.features.step_caching import enable_cache
 from bcg_diffusion.patches import fp8_feed_forward
@@ -117,12 +117,14 @@ class PreparedMode:
         keys += ("state_checks", "state_changes", "state_check_seconds")
         keys += (
             ("compiles", "compile_seconds", "compiled_blocks", "cfg_batched", "cfg_batch_dropped")
+            + ("vae_compiles", "vae_compile_seconds")
             if self.name in FAST
             else ()
         )
         cached = self.name in CACHED or self.name in CACHEDIT
         keys += ("cache_states", "cache_branches", "cache_branch_switches") if cached else ()
         keys += ("quantized", "quantized_linears") if self.name in FP8_MODES else ()
+        keys += ("fused_qkv",) if self.name in FP8_MODES and self.name in FAST else ()
         keys += ("attention", "fp8_attention_kernels") if parse(self.name).fp8_attention else ()
         out = {key: report[key] for key in keys}
         transformer = report.get("components", {}).get("transformer")
@@ -147,6 +149,7 @@ class ModeOptions:
     fp8_attention: bool = False  # -attn: attention="fp8"
     triton_attention: bool = False  # -triton (after -attn): our Triton FP8 attention kernel, not cuDNN's
     torchao_feed_forward: bool = False  # -torchao-ff: our FP8 feed-forward kernel off
+    unfused_qkv: bool = False  # -unfused-qkv: query, key and value projected apart
 
 
 def parse(name: str) -> ModeOptions:
@@ -162,6 +165,7 @@ def parse(name: str) -> ModeOptions:
         ("-triton", "triton_attention"),
         ("-attn", "fp8_attention"),
         ("-torchao-ff", "torchao_feed_forward"),
+        ("-unfused-qkv", "unfused_qkv"),
         ("-fp8", "fp8"),
     ):
         options[option] = rest.endswith(suffix)
@@ -199,6 +203,8 @@ def prepare(
         fp8_feed_forward.choose(pipe.transformer, "torchao")  # the copy's modules: the other modes keep the default
     if options.triton_attention:
         fp8_attention.choose(pipe.transformer, "triton")
+    if options.unfused_qkv:
+        fused_qkv.choose(pipe.transformer, False)
     quantize = FP8 if options.fp8 else None
     base_name = options.base
     if base_name == "eager" and quantize is not None:

@@ -18,12 +18,18 @@
 #                    scales cost, its error (bench/probes/probe_cudnn_fp8_attention.py; needs the cudnn-frontend wheel)
 #   tests-cudnn-fp8  cuDNN's FP8 attention against its reference; attention="fp8" on full-size Z-Image with each kernel
 #   bench-cudnn-fp8-z  Z-Image-Turbo 512² and 1024², 8 steps: eager, fast-fp8, fast-fp8-attn (cuDNN), fast-fp8-attn-triton
+#   bench-fused-qkv-z  Z-Image-Turbo 512² and 1024², 8 steps: eager, fast-fp8 (query, key and value in one FP8 product),
+#                    fast-fp8-unfused-qkv (three products), fast-fp8-attn
+#   tests-fused-qkv  a projection replaced after capture under fast mode with FP8 reaches the images (tiny Z-Image)
 #   bench-cudnn-fp8-qwen  Qwen-Image 1024², 50 steps, true CFG 4: eager, fast-fp8, fast-fp8-attn (cuDNN), fast-fp8+cache,
 #                    fast-fp8-attn+cache
 #   bench-kernels-z  Z-Image-Turbo 512² and 1024², 8 steps: eager, fast, eager-fp8, fast-fp8, fast-fp8-torchao-ff,
 #                    fast-fp8-attn, with the loop profile (kernel time by class)
 #   bench-cachedit-qwen Qwen-Image 1024², 50 steps, true CFG 4: eager, bcg, fast, eager+cachedit, bcg+cachedit,
 #                    fast+cachedit (Cache-DiT with a static mask computing about half of the steps)
+#   probe-outside    Z-Image outside the blocks: VAE decode variants (channels-last, compiled blocks, compiled decoder),
+#                    the text encoder's layers eager / compiled / FP8, encode_prompt's host share, an FP8 block at 512²
+#                    (bench/probes/probe_outside_blocks.py; OUTSIDE_SECTIONS=vae,text-encoder,encode,z-block-512)
 #   probe-fp8-ff     the FP8 feed-forward kernels (kernels/activation_fp8.py) against their references on the GPU, then
 #                    one Qwen-Image and one Z-Image FP8 block with inductor's kernel and with ours, each kernel alone
 #                    with its launch settings; then the bf16 blocks (probe section prologue-blocks)
@@ -94,7 +100,7 @@
 #                    for `python scripts/screenshot_replay.py DIR OUT.png` here (the GPU machine has no browser)
 # Everything it writes is under $OUT (logs, results.json/.md/.png); copy it to bench/results/<date>-h200/.
 set -uo pipefail
-[ $# -gt 0 ] || { echo "usage: scripts/gpu_session.sh probe-attention|probe-cudnn-fp8|tests-cudnn-fp8|bench-cudnn-fp8-z|bench-cudnn-fp8-qwen|tests-kernels|probe-fp8-ff|bench-fp8-ff-qwen|bench-kernels-qwen|bench-kernels-z|bench-cachedit-qwen|tests-state|bench-state|tests|tests-full|tests-fast|tests-coexist|tests-shared|tests-cache|bench-cache-qwen-1024|bench-cache-qwen-512|bench-cache-z|bench-cfg-cache-qwen|bench-cfg-cache-qwen-1024|bench-cfg-cache-qwen-512|tests-quant|tests-auto|probe-hand-patches|bench-auto|coverage|bench-fp8-z|bench-fp8-qwen|warm-start-fp8-z|probe-fp8-groups|probe-fp8-block|hotswap-z|tests-z|te-z|fast-check|profile-qwen|profile-z|fast-qwen-50|ab-attention|probe-floor|probe-norms|probe-blocks|compile-max-qwen|memory-z|bench-z|warm-start-z|first-call-qwen-none|first-call-qwen-magcache|first-call-qwen-cachedit|bench-qwen|bench-qwen-512|bench-qwen-1024|issue2|parallel|parallel-cfg|serving|demo ..." >&2; exit 2; }
+[ $# -gt 0 ] || { echo "usage: scripts/gpu_session.sh probe-attention|probe-cudnn-fp8|bench-fused-qkv-z|tests-fused-qkv|tests-cudnn-fp8|bench-cudnn-fp8-z|bench-cudnn-fp8-qwen|tests-kernels|probe-fp8-ff|bench-fp8-ff-qwen|bench-kernels-qwen|bench-kernels-z|bench-cachedit-qwen|tests-state|bench-state|tests|tests-full|tests-fast|tests-coexist|tests-shared|tests-cache|bench-cache-qwen-1024|bench-cache-qwen-512|bench-cache-z|bench-cfg-cache-qwen|bench-cfg-cache-qwen-1024|bench-cfg-cache-qwen-512|tests-quant|tests-auto|probe-hand-patches|bench-auto|coverage|bench-fp8-z|bench-fp8-qwen|warm-start-fp8-z|probe-fp8-groups|probe-fp8-block|hotswap-z|tests-z|te-z|fast-check|profile-qwen|profile-z|fast-qwen-50|ab-attention|probe-floor|probe-outside|probe-norms|probe-blocks|compile-max-qwen|memory-z|bench-z|warm-start-z|first-call-qwen-none|first-call-qwen-magcache|first-call-qwen-cachedit|bench-qwen|bench-qwen-512|bench-qwen-1024|issue2|parallel|parallel-cfg|serving|demo ..." >&2; exit 2; }
 out=${OUT:-/tmp/bcg-out}
 mkdir -p "$out"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -179,6 +185,17 @@ case "$phase" in
     timeout 330 python3 -m bench --pipeline z-image --weights random-full --resolutions 512x512,1024x1024 --steps 8 \
       --modes eager,fast-fp8,fast-fp8-attn,fast-fp8-attn-triton --runs 5 --warmup 0 --no-progress \
       --out "$out/cudnn-fp8-z" 2>&1 | grep -v "Warning\|warnings.warn" | tee "$out/cudnn-fp8-z.log" | tail -14
+    ;;
+  bench-fused-qkv-z)
+    timeout 420 python3 -m bench --pipeline z-image --weights random-full --resolutions 512x512,1024x1024 --steps 8 \
+      --modes ${FUSED_QKV_MODES:-eager,fast-fp8,fast-fp8-unfused-qkv,fast-fp8-attn} --runs 5 --warmup 0 --no-progress \
+      --out "$out/fused-qkv-z" 2>&1 | grep -v "Warning\|warnings.warn" | tee "$out/fused-qkv-z.log" | tail -14
+    ;;
+  tests-fused-qkv)
+    # Tiny Z-Image in fast mode with FP8 compiles four block variants: over 3 min.
+    timeout 400 python3 -m pytest -m cuda -q -rs -s -p no:cacheprovider --tb=short \
+      tests/test_quantize_cuda.py::test_fast_fp8_replays_a_replaced_projection_not_the_fused_product 2>&1 \
+      | grep -v "Warning\|warnings.warn" | tee "$out/pytest-fused-qkv.log" | tail -30
     ;;
   bench-cudnn-fp8-qwen)
     timeout 590 python3 -m bench --pipeline qwen-image --weights random-full --resolutions 1024x1024 --steps 50 \
@@ -282,7 +299,7 @@ case "$phase" in
       --out "$out/hotswap-z-image" 2>&1 | tee "$out/hotswap-z-image.log" | tail -5
     ;;
   tests-fast)
-    timeout 200 python3 -m pytest -q -rs -p no:cacheprovider --tb=short tests/test_fast_cuda.py 2>&1 \
+    timeout 300 python3 -m pytest -q -rs -p no:cacheprovider --tb=short tests/test_fast_cuda.py 2>&1 \
       | tee "$out/pytest-fast-tiny.log" | tail -15
     ;;
   warm-start-z)
@@ -351,6 +368,10 @@ case "$phase" in
   probe-floor)
     timeout 540 python3 -m bench.probes.probe_fast_floor --pipeline z-image --pipeline qwen-image 2>&1 \
       | grep -v "^DEBUG" | tee "$out/probe-fast-floor.log" | tail -40
+    ;;
+  probe-outside)
+    timeout 540 python3 -m bench.probes.probe_outside_blocks ${OUTSIDE_SECTIONS:+--sections $OUTSIDE_SECTIONS} 2>&1 \
+      | grep -v "^DEBUG" | tee "$out/probe-outside-blocks.log" | tail -150
     ;;
   probe-blocks)
     timeout 400 python3 -m bench.probes.probe_block_kernels 2>&1 | grep -v "^DEBUG" | tee "$out/probe-block-kernels.log" | tail -80

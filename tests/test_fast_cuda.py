@@ -13,6 +13,7 @@ from _checks import assert_graphs_ran
 from torch._dynamo.utils import counters
 
 from bcg_diffusion import accelerate, eager, restore, stats
+from bcg_diffusion.features.vae_decoder import VAE_DECODER_COMPILED
 from bcg_diffusion.patches.attention import QWEN_ATTENTION_PATCH, ZIMAGE_ATTENTION_PATCH
 from bcg_diffusion.patches.group_norm import VAE_GROUP_NORM_PATCH
 
@@ -63,8 +64,9 @@ def test_fast_mode_equals_its_compiled_reference_and_stops_compiling(pipeline):
         print(f"\n{name}/{weights}: compiles={warm['compiles']} captures={warm['captures']} replays={warm['replays']}")
         # One compile per structural variant (COMPILES), none per resolution or text length (9 and 12 calls here).
         assert 0 < warm["compiles"] <= COMPILES[name] and warm["compile_failure"] is None, warm
-        # Z-Image's VAE has group norms (Qwen-Image's has RMS norms only).
+        # Z-Image's VAE has group norms (Qwen-Image's has RMS norms only); the compiled decoder is an opt-in.
         expected = {"qwen-image": [QWEN_ATTENTION_PATCH.name], "z-image": [VAE_GROUP_NORM_PATCH]}[name]
+        assert VAE_DECODER_COMPILED not in warm["patches"]
         if name == "z-image" and torch.cuda.get_device_capability() >= (9, 0):  # cuDNN where measured faster
             expected.append(ZIMAGE_ATTENTION_PATCH.name)
         assert set(expected) <= set(warm["patches"]), warm["patches"]
@@ -81,6 +83,7 @@ def test_fast_mode_equals_its_compiled_reference_and_stops_compiling(pipeline):
                 assert torch.equal(image, references[(case, height, width)]), (case, height, width)
         again = stats(pipe)
         assert (again["captures"], again["compiles"]) == (warm["captures"], warm["compiles"])
+        assert again["vae_compiles"] == 0, "the compiled VAE decoder is an opt-in"
     finally:
         restore(pipe)
     height, width = resolutions[0]

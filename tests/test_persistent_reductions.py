@@ -74,7 +74,7 @@ def test_widened_is_ours_inside_and_the_previous_handler_after():
 def test_compile_options_name_the_heuristics_for_the_caches_key():
     from torch._inductor import config
 
-    options = compiled_blocks._inductor_options()
+    options = compiled_blocks.inductor_options()
     if hasattr(config, "inductor_choices_class"):
         assert options["inductor_choices_class"] is persistent_reductions.choices_class()
     else:
@@ -133,7 +133,7 @@ def test_blocks_compiled_under_the_setting_keep_inductors_graph_cache(monkeypatc
     counters.clear()
     torch._dynamo.reset()
     with config.patch(fx_graph_cache=True), persistent_reductions.widened():
-        compiled = torch.compile(_NormBlock(), options=compiled_blocks._inductor_options())
+        compiled = torch.compile(_NormBlock(), options=compiled_blocks.inductor_options())
         x = torch.randn(2, 8, 16)
         torch.testing.assert_close(compiled(x), torch.nn.functional.layer_norm(x, (16,)))
     assert counters["inductor"]["fxgraph_cache_bypass"] == 0

@@ -16,6 +16,7 @@ import pytest
 import torch
 from _cases import CFG_CASE, cuda_pipeline, run_case
 from _checks import GraphsDidNotRun, assert_graphs_ran, assert_report_ran
+from torch._dynamo.utils import counters
 
 from bcg_diffusion import BCGWarning, accelerate, eager, restore, stats
 from bcg_diffusion.core.hostile import HostileOpFinder
@@ -57,6 +58,7 @@ def test_fp8_option_equals_the_same_fp8_model_and_restores_bf16(name, mode):
             images = [_run(pipe, name) for _ in range(2)]
             report = assert_graphs_ran(pipe, components=("transformer",))
             assert report["quantized_linears"] > 0, report
+            assert report["fused_qkv"] == (0 if mode == "exact" or name == "qwen-image" else 4), report
             if mode == "fast":
                 with eager(pipe):
                     reference = _run(pipe, name)
@@ -66,6 +68,33 @@ def test_fp8_option_equals_the_same_fp8_model_and_restores_bf16(name, mode):
         finally:
             restore(pipe)
         assert torch.equal(_run(pipe, name), plain)
+
+
+@fp8
+def test_fast_fp8_replays_a_replaced_projection_not_the_fused_product():
+    # Z-Image's query, key and value run as one FP8 product in fast mode (features/fused_qkv.py); a
+    # projection replaced after capture (as a LoRA layer would be) must reach the images.
+    with cuda_pipeline("z-image", "tiny") as pipe:
+        accelerate(pipe, mode="fast", quantize="fp8")
+        try:
+            counters["aot_autograd"].clear()
+            before = _run(pipe, "z-image")
+            # AOT autograd's cache keeps the FP8 blocks (torchao's Float8MMConfig, which the FP8
+            # feed-forward rebuilds inside them, made it refuse them until fast mode marked it: run 118)
+            assert not counters["aot_autograd"].get("autograd_cache_bypass"), dict(counters["aot_autograd"])
+            attention = pipe.transformer.layers[0].attention
+            replaced = torch.nn.Linear(attention.to_q.in_features, attention.to_q.out_features, bias=False)
+            attention.to_q = replaced.to("cuda", torch.bfloat16)
+            after = [_run(pipe, "z-image") for _ in range(2)]
+            report = assert_graphs_ran(pipe, components=("transformer",))
+            assert report["fused_qkv_dropped"] == 1 and report["fused_qkv"] == 3, report
+            with eager(pipe):
+                reference = _run(pipe, "z-image")
+            assert not torch.equal(reference, before), "the new projection changes the image"
+            for image in after:
+                assert torch.equal(image, reference)
+        finally:
+            restore(pipe)
 
 
 @pytest.mark.parametrize(

@@ -3,7 +3,8 @@
 :func:`~bcg_diffusion.accelerate` walks :data:`FEATURES` in order; that order is the order of their
 hooks (context parallelism decides about the collectives before fast mode decides whether to compile,
 step caching takes a cache's hooks off the blocks before they compile, quantization replaces
-the weights before they compile (and before the GELU epilogue looks for plain projections and the
+the weights before they compile (and before the fused query, key and value projections are built
+from its originals, and before the GELU epilogue looks for plain projections and the
 FP8 feed-forward for FP8 ones), FP8 attention marks the attention modules before they compile,
 compiled blocks patch the attention processors before CFG batching asks what they accept; CFG across
 GPUs wraps the transformer's call last, outside everything else; CFG batch hints wrap the prompt
@@ -19,12 +20,13 @@ from .compiled_blocks import CompiledBlocks
 from .context_parallel import ContextParallel
 from .fp8_attention import Fp8Attention
 from .fp8_feed_forward import Fp8FeedForward
+from .fused_qkv import FusedQkv
 from .gelu_epilogue import GeluEpilogue
 from .quantization import Quantization
 from .step_caching import StepCaching
 from .text_buckets import TextBuckets
 from .text_trimming import TextTrimming
-from .vae_group_norm import VaeGroupNorm
+from .vae_decoder import FastVaeDecoder
 
 __all__ = ["FEATURES", "Feature", "Setup", "Target", "defaults"]
 
@@ -32,6 +34,7 @@ FEATURES: list[type[Feature]] = [
     ContextParallel,
     StepCaching,
     Quantization,
+    FusedQkv,
     GeluEpilogue,
     Fp8FeedForward,
     Fp8Attention,
@@ -39,7 +42,7 @@ FEATURES: list[type[Feature]] = [
     CfgBatching,
     CfgParallel,
     TextTrimming,
-    VaeGroupNorm,
+    FastVaeDecoder,
     TextBuckets,
     CfgBatchHints,
 ]

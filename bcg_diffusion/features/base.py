@@ -79,6 +79,9 @@ class Setup:
         attention_kwargs: extra keyword arguments the transformer's attention processors accept,
             added by features that patch them (fast mode's per-prompt attention).
         runners: the runners built so far, by component (complete from :meth:`Feature.finish` on).
+        quantized: what ``quantize=`` did to the transformer (a
+            :class:`~bcg_diffusion.features.quantization.Quantized`, with the original weights), once
+            the quantization feature has prepared; None otherwise.
     """
 
     pipe: Any
@@ -90,6 +93,7 @@ class Setup:
     layout: ParallelLayout | None = None
     attention_kwargs: set[str] = field(default_factory=set)
     runners: dict[str, GraphRunner] = field(default_factory=dict)
+    quantized: Any = None
 
 
 @dataclass

@@ -58,7 +58,10 @@ __all__ = [
     "BlockCompiles",
     "CompiledBlocks",
     "compile_repeated_blocks",
+    "compiled_forward",
+    "inductor_options",
     "load_compile_cache",
+    "private_copy",
     "save_compile_cache",
 ]
 
@@ -113,8 +116,18 @@ class BlockCompiles:
 # way (diffusers' ``_native_cudnn``: fast mode's Z-Image attention on Hopper) was traced again by
 # every new process: 6 of the 10 s that a warm start spent compiling (H200, Z-Image 512² in FP8,
 # run 70), and the same in bf16. Both only set which SDPA backends are enabled, from constants the
-# graph holds, and the mark keys the cache by the torch version, so marking them cacheable is safe.
-_CACHEABLE_SDPA_FUNCTIONS = ("torch.nn.attention._backend_from_string", "torch.nn.attention._sdpa_kernel")
+# graph holds. Likewise torchao's ``Float8MMConfig`` (a named tuple of constants) and ``Float8Tensor``
+# (its FP8 tensor, built from the graph's tensors and those constants), which fast mode's FP8
+# feed-forward (``patches/fp8_feed_forward.py``) builds inside the blocks: the first kept every FP8
+# block out of the cache (a warm start of 12.4 s against 5.2 s before that patch, H200, Z-Image 512²,
+# run 118), then, once marked, the second (13.4 s, run 119; the effect of marking it is not measured
+# yet). Each mark keys the cache by its package's version, so marking them cacheable is safe.
+_CACHEABLE_FUNCTIONS = {
+    "torch.nn.attention._backend_from_string": "torch",
+    "torch.nn.attention._sdpa_kernel": "torch",
+    "torchao.float8.inference.Float8MMConfig": "torchao",
+    "torchao.quantization.Float8Tensor": "torchao",
+}
 
 
 def _compile_settings(floats_as_constants: bool) -> contextlib.AbstractContextManager[Any]:
@@ -168,22 +181,25 @@ def _floats_as_constants(holds_lora: bool, args: tuple[Any, ...], kwargs: dict[s
     return not holds_lora and not any(_holds_python_float(value) for value in (*args, *kwargs.values()))
 
 
-def _inductor_options() -> dict[str, Any]:
+def inductor_options() -> dict[str, Any]:
     """Inductor settings for our blocks' compiles, passed to ``torch.compile`` so that they apply
-    while it compiles and cost nothing per call: the SDPA backend choice marked cacheable
-    (:data:`_CACHEABLE_SDPA_FUNCTIONS`), beside any functions the user marked, and the widened
-    persistent reductions named for the caches' key (:func:`persistent_reductions.inductor_options`)."""
+    while it compiles and cost nothing per call: the SDPA backend choice and torchao's FP8 tensor and
+    settings marked cacheable (:data:`_CACHEABLE_FUNCTIONS`; torchao's once it is imported), beside any
+    functions the user marked, and the widened persistent reductions named for the caches' key
+    (:func:`persistent_reductions.inductor_options`)."""
     import torch._inductor.config as inductor
 
     options = persistent_reductions.inductor_options()
     marked = getattr(inductor, "unsafe_marked_cacheable_functions", None)
     if marked is None:  # a torch without the setting: its cache is left as it is
         return options
-    marks = dict(marked) | {name: torch.__version__ for name in _CACHEABLE_SDPA_FUNCTIONS}
+    versions = {package: getattr(sys.modules.get(package), "__version__", None) for package in ("torch", "torchao")}
+    ours = {name: versions[package] for name, package in _CACHEABLE_FUNCTIONS.items() if versions[package]}
+    marks = dict(marked) | ours
     return options | {"unsafe_marked_cacheable_functions": marks}
 
 
-def _private_copy(function: types.FunctionType) -> types.FunctionType:
+def private_copy(function: types.FunctionType) -> types.FunctionType:
     """``function`` with a code object of its own. Dynamo caches compiled code per code object, so
     the blocks of one pipeline share their compiles, while another pipeline or a peer's
     ``compile_repeated_blocks`` neither reuses nor evicts them (and the benchmark's first calls stay
@@ -233,7 +249,7 @@ def _scan_block(block: torch.nn.Module) -> tuple[list[str], bool]:
     return names, holds_lora
 
 
-def _compiled_forward(
+def compiled_forward(
     compiled: Callable[..., Any], original: Callable[..., Any], block: torch.nn.Module, record: BlockCompiles
 ) -> Callable[..., Any]:
     def forward(*args: Any, **kwargs: Any) -> Any:
@@ -309,12 +325,12 @@ def compile_repeated_blocks(
         function = getattr(original, "__func__", None)
         if isinstance(function, types.FunctionType) and "forward" not in block.__dict__:
             if type(block) not in private_forwards:
-                private_forwards[type(block)] = _private_copy(function)
+                private_forwards[type(block)] = private_copy(function)
             target = types.MethodType(private_forwards[type(block)], block)
         else:  # an instance-level forward someone else installed: compile it as it is
             target = original
-        compiled = torch.compile(target, fullgraph=fullgraph, dynamic=True, options=_inductor_options())
-        forward = _compiled_forward(compiled, original, block, record)
+        compiled = torch.compile(target, fullgraph=fullgraph, dynamic=True, options=inductor_options())
+        forward = compiled_forward(compiled, original, block, record)
         patches.replace(block, "forward", functools.wraps(original)(forward))
         record.names.append(name)
     if not record.names:

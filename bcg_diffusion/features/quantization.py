@@ -408,6 +408,7 @@ class Quantization(Feature):
         # On failure quantize_transformer gives the weights back before raising: self.done stays None.
         if self.option is not None:
             self.done = quantize_transformer(self.module, self.option, self.filter)
+            setup.quantized = self.done
 
     def stats(self) -> dict[str, Any]:
         if self.done is not None:

@@ -58,6 +58,8 @@ __all__ = [
     "TEXT_LENGTHS_KWARG",
     "ZIMAGE_ATTENTION_PATCH",
     "ZIMAGE_ROPE_PATCH",
+    "FUSED_QKV_ATTRIBUTE",
+    "FUSED_QKV_PROCESSORS",
     "cudnn_attention_unsupported",
     "dispatch_attention_fn",
     "qwen_joint_attention_per_group",
@@ -234,6 +236,10 @@ QK_PROLOGUES = ("compiled", "fused")
 # 174.8 us (Z-Image 1024²); one compiled block 3963 against 4147 us (Qwen-Image 1024² CFG), 2937 against
 # 3040 us (Z-Image 1024²), 733.6 against 771.8 us (Z-Image 512²).
 QK_PROLOGUE_DEFAULT = "auto"
+# The submodule of an attention module that projects its query, key and value in one product, where
+# :mod:`bcg_diffusion.features.fused_qkv` gave it one, and the processors (by class name) that use it.
+FUSED_QKV_ATTRIBUTE = "bcg_to_qkv"  # registered: in the state_dict while fused
+FUSED_QKV_PROCESSORS = ("ZSingleStreamAttnProcessor",)
 _TRITON = triton_available()  # once: compiled code must not trace importlib
 
 
@@ -482,6 +488,15 @@ def _fused_norm_rope(
     return qk_prologue.norm_rope(query, key, norms[0], norms[1], freqs)
 
 
+def _zimage_projections(attn: torch.nn.Module, hidden_states: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Query, key and value ``[B, S, H, D]``: three views of one product where the module holds a fused
+    projection (:data:`FUSED_QKV_ATTRIBUTE`), else the three products."""
+    fused = getattr(attn, FUSED_QKV_ATTRIBUTE, None)
+    if fused is not None:
+        return fused(hidden_states).unflatten(-1, (3, attn.heads, -1)).unbind(-3)
+    return tuple(linear(hidden_states).unflatten(-1, (attn.heads, -1)) for linear in (attn.to_q, attn.to_k, attn.to_v))
+
+
 def _zimage_attention_call(dispatch: Callable[..., torch.Tensor], default: str) -> Callable[..., torch.Tensor]:
     """A ``__call__`` for Z-Image's ``ZSingleStreamAttnProcessor``: diffusers' computation, with the RoPE
     of :func:`_rotate_complex`; masked attention through ``dispatch``, unmasked through :func:`attend`
@@ -495,9 +510,7 @@ def _zimage_attention_call(dispatch: Callable[..., torch.Tensor], default: str) 
         attention_mask: torch.Tensor | None = None,
         freqs_cis: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        query, key, value = (
-            linear(hidden_states).unflatten(-1, (attn.heads, -1)) for linear in (attn.to_q, attn.to_k, attn.to_v)
-        )
+        query, key, value = _zimage_projections(attn, hidden_states)
         fused = _fused_norm_rope(attn, query, key, freqs_cis) if _fused_prologue(attn, hidden_states) else None
         if fused is not None:
             query, key = fused

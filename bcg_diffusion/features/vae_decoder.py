@@ -1,0 +1,136 @@
+"""Fast mode's VAE decoder: its group norms patched, or, as an opt-in, the whole decoder compiled by inductor.
+
+A VAE decode at 512² is a few dozen convolutions and the elementwise work between them: group norms,
+SiLU, residual adds, upsampling, and the layout changes cuDNN makes around each convolution. Eagerly
+the elementwise work costs more than the convolutions. FLUX.1's decoder (Z-Image's), replayed from a
+CUDA graph on an H200 (run 113, ``bench.probes.probe_outside_blocks --sections vae``):
+
+=========================================  =========  ==========
+decoder                                     512²       1024²
+=========================================  =========  ==========
+eager, group norms patched (before)         12.63 ms   48.05 ms
+channels-last, eager                        11.73 ms   44.02 ms
+its blocks compiled, dynamic shapes         11.65 ms   46.16 ms
+the whole decoder compiled, static shapes   7.32 ms    34.71 ms
+=========================================  =========  ==========
+
+By default fast mode gives the decoder the group norm of :mod:`bcg_diffusion.patches.group_norm`.
+``choose(pipe.vae, "compiled")`` before ``accelerate`` compiles the whole ``forward`` instead, with
+static shapes (inductor then lays the convolutions out channels-last and fuses each norm with its
+activation), where the decoder is diffusers' 2D ``Decoder`` on a CUDA device (any other decoder, such
+as Qwen-Image's 3-D one, keeps the patched norms). It is not the default because of what it costs
+first: one compile per latent shape, about 16 s cold at each of 512² and 1024² (runs 116 and 118), which
+took Z-Image-Turbo's cold first call in fast mode with FP8 from 13.4 to 29.4 s (bench, run 116) and
+34–36 s in a fresh process (``bench.warm_start``, runs 118 and 119), past fast mode's 30 s; it saves
+about 5 ms of a 0.16 s call at 512² and 10 ms of 0.57 s at 1024² (runs 115 and 116).
+
+Both change rounding only, which is why they are fast mode's; a compile that fails puts the eager
+decoder back for good, with a warning. ``stats()`` reports ``vae_compiles`` and
+``vae_compile_seconds`` (the calls that compiled, compiling included).
+"""
+
+from __future__ import annotations
+
+import functools
+import types
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ..core.hooks import MethodPatches
+from ..patches.group_norm import VAE_GROUP_NORM_PATCH, patch_group_norms
+from .base import Feature, Setup
+from .compiled_blocks import BlockCompiles, compiled_forward, inductor_options, private_copy
+
+__all__ = ["VAE_DECODER_CHOICE", "VAE_DECODER_COMPILED", "FastVaeDecoder", "choose", "compile_decoder"]
+
+VAE_DECODER_COMPILED = "vae decoder compiled (static shapes)"  # its name in stats()["patches"]
+# The attribute on a VAE that picks what fast mode does to its decoder: "patched" (the default) or "compiled".
+VAE_DECODER_CHOICE = "_bcg_vae_decoder"
+_CHOICES = ("patched", "compiled")
+
+
+def choose(vae: torch.nn.Module, choice: str) -> None:
+    """Pick what fast mode does to ``vae``'s decoder, before ``accelerate``: ``"patched"`` (its group
+    norms, the default) or ``"compiled"`` (the whole decoder by inductor, where it can be).
+
+    >>> choose(pipe.vae, "compiled")  # doctest: +SKIP
+
+    Raises ValueError for another choice.
+    """
+    if choice not in _CHOICES:
+        raise ValueError(f"choice must be one of {_CHOICES}, got {choice!r}")
+    setattr(vae, VAE_DECODER_CHOICE, choice)
+
+
+def _compilable(decoder: Any) -> bool:
+    """Whether ``decoder`` is diffusers' 2D VAE decoder, its forward the class's own."""
+    from diffusers.models.autoencoders.vae import Decoder
+
+    return type(decoder) is Decoder and "forward" not in decoder.__dict__
+
+
+def compile_decoder(decoder: torch.nn.Module, patches: MethodPatches) -> BlockCompiles:
+    """Replace ``decoder.forward`` by an inductor-compiled one (whole graph, static shapes; recorded in
+    ``patches``). Returns the record of its compiles; a call that fails to compile runs the eager
+    forward from then on, with a warning (see :func:`~.compiled_blocks.compile_repeated_blocks`)."""
+    record = BlockCompiles(names=["decoder"])
+    original = decoder.forward
+    target = types.MethodType(private_copy(original.__func__), decoder)
+    compiled = torch.compile(target, fullgraph=True, dynamic=False, options=inductor_options())
+    forward = compiled_forward(_quiet(compiled), original, decoder, record)
+    patches.replace(decoder, "forward", functools.wraps(original)(forward))
+    return record
+
+
+def _quiet(compiled: Callable[..., Any]) -> Callable[..., Any]:
+    """``compiled`` without dynamo's warning about tracing through ``functools.lru_cache``: diffusers'
+    upsampling calls ``is_torch_version`` (cached), a pure function of the installed versions, so tracing
+    through its cache is safe, and the warning would only alarm users."""
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Dynamo detected a call to a `functools.lru_cache`")
+            return compiled(*args, **kwargs)
+
+    return call
+
+
+class FastVaeDecoder(Feature):
+    name = "VAE decoder"
+    component = "vae"
+    defaults = {"vae_compiles": 0, "vae_compile_seconds": 0.0, "vae_compile_failure": None}
+
+    def __init__(self) -> None:
+        self.compiled: BlockCompiles | None = None
+        self.patched = False
+
+    @classmethod
+    def create(cls, setup: Setup) -> FastVaeDecoder | None:
+        return cls() if setup.config.mode == "fast" and "vae" in setup.accelerated else None
+
+    def finish(self, setup: Setup, patches: MethodPatches) -> None:
+        vae = setup.modules["vae"]
+        decoder = getattr(vae, "decoder", vae)
+        chosen = getattr(vae, VAE_DECODER_CHOICE, "patched") == "compiled"
+        on_gpu = any(p.is_cuda for p in decoder.parameters())
+        if chosen and on_gpu and _compilable(decoder):
+            self.compiled = compile_decoder(decoder, patches)
+        else:
+            self.patched = bool(patch_group_norms(decoder, patches))
+
+    def stats(self) -> dict[str, Any]:
+        if self.compiled is None:
+            return {}
+        return {
+            "vae_compiles": self.compiled.compiles,
+            "vae_compile_seconds": self.compiled.compile_seconds,
+            "vae_compile_failure": self.compiled.failure,
+        }
+
+    def patch_names(self) -> list[str]:
+        if self.compiled is not None:
+            return [VAE_DECODER_COMPILED]
+        return [VAE_GROUP_NORM_PATCH] if self.patched else []
