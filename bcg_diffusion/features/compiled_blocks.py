@@ -58,7 +58,7 @@ __all__ = [
     "BlockCompiles",
     "CompiledBlocks",
     "compile_repeated_blocks",
-    "compiled_forward",
+    "compile_forward",
     "inductor_options",
     "load_compile_cache",
     "private_copy",
@@ -249,7 +249,7 @@ def _scan_block(block: torch.nn.Module) -> tuple[list[str], bool]:
     return names, holds_lora
 
 
-def compiled_forward(
+def _compiled_forward(
     compiled: Callable[..., Any], original: Callable[..., Any], block: torch.nn.Module, record: BlockCompiles
 ) -> Callable[..., Any]:
     def forward(*args: Any, **kwargs: Any) -> Any:
@@ -297,6 +297,26 @@ def compiled_forward(
     return forward
 
 
+def compile_forward(
+    module: torch.nn.Module,
+    target: Callable[..., Any],
+    patches: MethodPatches,
+    record: BlockCompiles,
+    *,
+    dynamic: bool,
+    fullgraph: bool,
+    wrap: Callable[[Callable[..., Any]], Callable[..., Any]] | None = None,
+) -> None:
+    """Replace ``module.forward`` (recorded in ``patches``) by ``target`` (a forward of ``module``, e.g.
+    a :func:`private_copy` of its class's) compiled by inductor with our settings, ``wrap``ped if given:
+    each call counted in ``record``, run eagerly where hooks sit inside or a recorder reads the Python
+    state, and the eager forward for good after a compile that fails (with a warning)."""
+    original = module.forward
+    compiled = torch.compile(target, fullgraph=fullgraph, dynamic=dynamic, options=inductor_options())
+    forward = _compiled_forward(compiled if wrap is None else wrap(compiled), original, module, record)
+    patches.replace(module, "forward", functools.wraps(original)(forward))
+
+
 def compile_repeated_blocks(
     module: torch.nn.Module, patches: MethodPatches, *, fullgraph: bool = True
 ) -> BlockCompiles:
@@ -329,9 +349,7 @@ def compile_repeated_blocks(
             target = types.MethodType(private_forwards[type(block)], block)
         else:  # an instance-level forward someone else installed: compile it as it is
             target = original
-        compiled = torch.compile(target, fullgraph=fullgraph, dynamic=True, options=inductor_options())
-        forward = compiled_forward(compiled, original, block, record)
-        patches.replace(block, "forward", functools.wraps(original)(forward))
+        compile_forward(block, target, patches, record, dynamic=True, fullgraph=fullgraph)
         record.names.append(name)
     if not record.names:
         raise ValueError(f"{type(module).__name__} has no submodule of its _repeated_blocks classes {classes}")

@@ -31,7 +31,6 @@ decoder back for good, with a warning. ``stats()`` reports ``vae_compiles`` and
 
 from __future__ import annotations
 
-import functools
 import types
 import warnings
 from collections.abc import Callable
@@ -42,7 +41,7 @@ import torch
 from ..core.hooks import MethodPatches
 from ..patches.group_norm import VAE_GROUP_NORM_PATCH, patch_group_norms
 from .base import Feature, Setup
-from .compiled_blocks import BlockCompiles, compiled_forward, inductor_options, private_copy
+from .compiled_blocks import BlockCompiles, compile_forward, private_copy
 
 __all__ = ["VAE_DECODER_CHOICE", "VAE_DECODER_COMPILED", "FastVaeDecoder", "choose", "compile_decoder"]
 
@@ -77,11 +76,8 @@ def compile_decoder(decoder: torch.nn.Module, patches: MethodPatches) -> BlockCo
     ``patches``). Returns the record of its compiles; a call that fails to compile runs the eager
     forward from then on, with a warning (see :func:`~.compiled_blocks.compile_repeated_blocks`)."""
     record = BlockCompiles(names=["decoder"])
-    original = decoder.forward
-    target = types.MethodType(private_copy(original.__func__), decoder)
-    compiled = torch.compile(target, fullgraph=True, dynamic=False, options=inductor_options())
-    forward = compiled_forward(_quiet(compiled), original, decoder, record)
-    patches.replace(decoder, "forward", functools.wraps(original)(forward))
+    target = types.MethodType(private_copy(type(decoder).forward), decoder)
+    compile_forward(decoder, target, patches, record, dynamic=False, fullgraph=True, wrap=_quiet)
     return record
 
 

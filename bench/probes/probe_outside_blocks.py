@@ -61,6 +61,17 @@ def _group_norm_nhwc(module: torch.nn.GroupNorm) -> Callable[[torch.Tensor], tor
     return forward
 
 
+def _first_then_replayed(fn: Callable[[], torch.Tensor]) -> tuple[float, float, torch.Tensor]:
+    """``fn``'s first call in seconds (compiling, where it compiles), then its median ms replayed from a
+    CUDA graph, and that replay's output in float32."""
+    start = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    first = time.perf_counter() - start
+    ms, out = graph_replay_ms(fn)
+    return first, ms, out.float()
+
+
 @contextlib.contextmanager
 def _vae_variant(vae: Any, name: str) -> Iterator[None]:
     patches = MethodPatches()
@@ -101,12 +112,7 @@ def vae() -> None:
                     return vae_.decode(z, return_dict=False)[0]
 
                 try:
-                    start = time.perf_counter()
-                    decode()
-                    torch.cuda.synchronize()
-                    first = time.perf_counter() - start
-                    ms, out = graph_replay_ms(decode)
-                    out = out.float()
+                    first, ms, out = _first_then_replayed(decode)
                     reference = out.clone() if reference is None else reference
                     diff = (out - reference).abs().max().item()
                     print(
@@ -166,12 +172,7 @@ def text_encoder() -> None:
                 if name != "eager":
                     patches.replace(encoder, "_repeated_blocks", [type(encoder.layers[0]).__name__])
                     fast.compile_repeated_blocks(encoder, patches)
-                start = time.perf_counter()
-                layers()
-                torch.cuda.synchronize()
-                first = time.perf_counter() - start
-                ms, out = graph_replay_ms(layers)
-                out = out.float()
+                first, ms, out = _first_then_replayed(layers)
                 reference = out.clone() if reference is None else reference
                 error = ((out - reference).norm() / reference.norm()).item()
                 print(
