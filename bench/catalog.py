@@ -29,6 +29,8 @@ MODES: tuple[str, ...] = (
     "fast-fp8-attn-triton",
     "fast-fp8-torchao-ff",
     "fast-fp8-unfused-qkv",
+    "fast-fp8-uncompiled-te",
+    "fast-fp8-compiled-vae",
     "eager-fp8+cache",
     "fast-fp8+cache",
     "fast-fp8-attn+cache",
@@ -60,6 +62,8 @@ FP8_MODES: tuple[str, ...] = (
     "fast-fp8-attn-triton",
     "fast-fp8-torchao-ff",
     "fast-fp8-unfused-qkv",
+    "fast-fp8-uncompiled-te",
+    "fast-fp8-compiled-vae",
     "eager-fp8+cache",
     "fast-fp8+cache",
     "fast-fp8-attn+cache",
@@ -101,6 +105,10 @@ DESCRIPTIONS = {
     "FP8 input scales as torchao writes them, compiled by inductor (patches.fp8_feed_forward)",
     "fast-fp8-unfused-qkv": "fast-fp8 with each attention's query, key and value projected by three FP8 products, "
     "not one (features.fused_qkv.choose)",
+    "fast-fp8-uncompiled-te": "fast-fp8 with the text encoder's layers eager inside its graphs, not compiled "
+    "(features.compiled_text_encoder.choose)",
+    "fast-fp8-compiled-vae": "fast-fp8 with the VAE decoder compiled whole by inductor, the opt-in "
+    '(features.vae_decoder.choose(pipe.vae, "compiled"))',
     "eager-fp8+cache": "eager-fp8 with the step cache (--cache)",
     "fast-fp8+cache": "fast-fp8 with the same step cache inside its graphs",
     "fast-fp8-attn+cache": "fast-fp8-attn with the same step cache inside its graphs",
@@ -120,14 +128,17 @@ EXACT.update(
     {"eager-fp8": True, "bcg-fp8": True, "fast-fp8": False, "fast-fp8-attn": False, "fast-fp8-torchao-ff": False}
 )
 EXACT.update({"eager-fp8+cache": True, "fast-fp8+cache": False, "fast-fp8-attn+cache": False})
-EXACT.update({"fast-fp8-attn-triton": False, "fast-fp8-unfused-qkv": False})
+EXACT.update({"fast-fp8-attn-triton": False, "fast-fp8-unfused-qkv": False, "fast-fp8-uncompiled-te": False})
+EXACT.update({"fast-fp8-compiled-vae": False})
 EXACT.update({"eager+cachedit": True, "bcg+cachedit": True, "fast+cachedit": False})
 OURS = ("bcg", "bcg-no-te", "bcg-no-auto", "fast", "fast-no-te", "fast-no-auto", "fast-unbatched")
 OURS += ("bcg+cachedit", "fast+cachedit")
 OURS += ("bcg+cache", "fast+cache", "fast-unbatched+cache", "bcg-fp8", "fast-fp8", "fast-fp8-attn", "fast-fp8+cache")
 OURS += ("fast-fp8-torchao-ff", "fast-fp8-attn-triton", "fast-fp8-attn+cache", "fast-fp8-unfused-qkv")
+OURS += ("fast-fp8-uncompiled-te", "fast-fp8-compiled-vae")
 FAST = ("fast", "fast-no-te", "fast-no-auto", "fast-unbatched", "fast+cache", "fast-fp8", "fast-fp8-attn")
 FAST += ("fast-fp8-torchao-ff", "fast-fp8-attn-triton", "fast-fp8-attn+cache", "fast-fp8-unfused-qkv")
+FAST += ("fast-fp8-uncompiled-te", "fast-fp8-compiled-vae")
 FAST += ("fast-fp8+cache", "fast+cachedit", "fast-unbatched+cache")
 
 

@@ -20,7 +20,7 @@ import torch
 from diffusers.utils import BaseOutput
 
 from bcg_diffusion import accelerate, eager, restore, stats
-from bcg_diffusion.features import fp8_attention, fused_qkv
+from bcg_diffusion.features import compiled_text_encoder, fp8_attention, fused_qkv, vae_decoder
 from bcg_diffusion.features.quantization import FP8, quantize_transformer
 from bcg_diffusion.features.step_caching import enable_cache
 from bcg_diffusion.patches import fp8_feed_forward
@@ -117,7 +117,7 @@ class PreparedMode:
         keys += ("state_checks", "state_changes", "state_check_seconds")
         keys += (
             ("compiles", "compile_seconds", "compiled_blocks", "cfg_batched", "cfg_batch_dropped")
-            + ("vae_compiles", "vae_compile_seconds")
+            + ("vae_compiles", "vae_compile_seconds", "text_encoder_compiles", "text_encoder_compile_seconds")
             if self.name in FAST
             else ()
         )
@@ -150,6 +150,8 @@ class ModeOptions:
     triton_attention: bool = False  # -triton (after -attn): our Triton FP8 attention kernel, not cuDNN's
     torchao_feed_forward: bool = False  # -torchao-ff: our FP8 feed-forward kernel off
     unfused_qkv: bool = False  # -unfused-qkv: query, key and value projected apart
+    uncompiled_text_encoder: bool = False  # -uncompiled-te: the text encoder's layers eager
+    compiled_vae: bool = False  # -compiled-vae: the VAE decoder compiled whole (an opt-in)
 
 
 def parse(name: str) -> ModeOptions:
@@ -166,6 +168,8 @@ def parse(name: str) -> ModeOptions:
         ("-attn", "fp8_attention"),
         ("-torchao-ff", "torchao_feed_forward"),
         ("-unfused-qkv", "unfused_qkv"),
+        ("-uncompiled-te", "uncompiled_text_encoder"),
+        ("-compiled-vae", "compiled_vae"),
         ("-fp8", "fp8"),
     ):
         options[option] = rest.endswith(suffix)
@@ -205,6 +209,10 @@ def prepare(
         fp8_attention.choose(pipe.transformer, "triton")
     if options.unfused_qkv:
         fused_qkv.choose(pipe.transformer, False)
+    if options.uncompiled_text_encoder and getattr(pipe, "text_encoder", None) is not None:
+        compiled_text_encoder.choose(pipe.text_encoder, False)
+    if options.compiled_vae:
+        vae_decoder.choose(pipe.vae, "compiled")
     quantize = FP8 if options.fp8 else None
     base_name = options.base
     if base_name == "eager" and quantize is not None:

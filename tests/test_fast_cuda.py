@@ -13,6 +13,7 @@ from _checks import assert_graphs_ran
 from torch._dynamo.utils import counters
 
 from bcg_diffusion import accelerate, eager, restore, stats
+from bcg_diffusion.features.compiled_text_encoder import COMPILED_TEXT_ENCODER
 from bcg_diffusion.features.vae_decoder import VAE_DECODER_COMPILED
 from bcg_diffusion.patches.attention import QWEN_ATTENTION_PATCH, ZIMAGE_ATTENTION_PATCH
 from bcg_diffusion.patches.group_norm import VAE_GROUP_NORM_PATCH
@@ -61,7 +62,10 @@ def test_fast_mode_equals_its_compiled_reference_and_stops_compiling(pipeline):
         # Every call above ran graphs (no fallback, no miss), each a capture or a replay.
         warm = assert_graphs_ran(pipe, captures=True)
         assert warm["compiled_blocks"] > 0 and warm["eager_fallbacks"] == 0, warm["signatures"]
-        print(f"\n{name}/{weights}: compiles={warm['compiles']} captures={warm['captures']} replays={warm['replays']}")
+        print(
+            f"\n{name}/{weights}: compiles={warm['compiles']} text_encoder_compiles={warm['text_encoder_compiles']} "
+            f"captures={warm['captures']} replays={warm['replays']}"
+        )
         # One compile per structural variant (COMPILES), none per resolution or text length (9 and 12 calls here).
         assert 0 < warm["compiles"] <= COMPILES[name] and warm["compile_failure"] is None, warm
         # Z-Image's VAE has group norms (Qwen-Image's has RMS norms only); the compiled decoder is an opt-in.
@@ -69,6 +73,9 @@ def test_fast_mode_equals_its_compiled_reference_and_stops_compiling(pipeline):
         assert VAE_DECODER_COMPILED not in warm["patches"]
         if name == "z-image" and torch.cuda.get_device_capability() >= (9, 0):  # cuDNN where measured faster
             expected.append(ZIMAGE_ATTENTION_PATCH.name)
+        if name == "z-image":  # its text encoder is accelerated: its layers compiled too, at the warm-ups
+            expected.append(COMPILED_TEXT_ENCODER)
+            assert warm["text_encoder_compiles"] > 0 and warm["text_encoder_compile_failure"] is None, warm
         assert set(expected) <= set(warm["patches"]), warm["patches"]
         # AOT autograd's cache kept every compiled block, so a new process starts warm: Z-Image's cuDNN
         # attention picks its backend with sdpa_kernel, whose private functions the cache refused
@@ -83,6 +90,7 @@ def test_fast_mode_equals_its_compiled_reference_and_stops_compiling(pipeline):
                 assert torch.equal(image, references[(case, height, width)]), (case, height, width)
         again = stats(pipe)
         assert (again["captures"], again["compiles"]) == (warm["captures"], warm["compiles"])
+        assert again["text_encoder_compiles"] == warm["text_encoder_compiles"]
         assert again["vae_compiles"] == 0, "the compiled VAE decoder is an opt-in"
     finally:
         restore(pipe)

@@ -6,7 +6,8 @@ step caching takes a cache's hooks off the blocks before they compile, quantizat
 the weights before they compile (and before the fused query, key and value projections are built
 from its originals, and before the GELU epilogue looks for plain projections and the
 FP8 feed-forward for FP8 ones), FP8 attention marks the attention modules before they compile,
-compiled blocks patch the attention processors before CFG batching asks what they accept; CFG across
+compiled blocks patch the attention processors before CFG batching asks what they accept; the text
+encoder's layers compile after text trimming wraps its forward, as the VAE decoder does; CFG across
 GPUs wraps the transformer's call last, outside everything else; CFG batch hints wrap the prompt
 encoder after text buckets pad its results).
 """
@@ -17,6 +18,7 @@ from .base import Feature, Setup, Target
 from .cfg_batching import CfgBatchHints, CfgBatching
 from .cfg_parallel import CfgParallel
 from .compiled_blocks import CompiledBlocks
+from .compiled_text_encoder import CompiledTextEncoder
 from .context_parallel import ContextParallel
 from .fp8_attention import Fp8Attention
 from .fp8_feed_forward import Fp8FeedForward
@@ -42,6 +44,7 @@ FEATURES: list[type[Feature]] = [
     CfgBatching,
     CfgParallel,
     TextTrimming,
+    CompiledTextEncoder,
     FastVaeDecoder,
     TextBuckets,
     CfgBatchHints,

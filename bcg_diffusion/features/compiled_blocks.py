@@ -39,7 +39,7 @@ import sys
 import time
 import types
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -57,8 +57,9 @@ __all__ = [
     "ARTIFACTS_FILE",
     "BlockCompiles",
     "CompiledBlocks",
-    "compile_repeated_blocks",
     "compile_forward",
+    "compile_modules",
+    "compile_repeated_blocks",
     "inductor_options",
     "load_compile_cache",
     "private_copy",
@@ -120,8 +121,8 @@ class BlockCompiles:
 # (its FP8 tensor, built from the graph's tensors and those constants), which fast mode's FP8
 # feed-forward (``patches/fp8_feed_forward.py``) builds inside the blocks: the first kept every FP8
 # block out of the cache (a warm start of 12.4 s against 5.2 s before that patch, H200, Z-Image 512²,
-# run 118), then, once marked, the second (13.4 s, run 119; the effect of marking it is not measured
-# yet). Each mark keys the cache by its package's version, so marking them cacheable is safe.
+# run 118), then, once marked, the second (13.4 s, run 119); with both marked, 5.5 s (run 122). Each
+# mark keys the cache by its package's version, so marking them cacheable is safe.
 _CACHEABLE_FUNCTIONS = {
     "torch.nn.attention._backend_from_string": "torch",
     "torch.nn.attention._sdpa_kernel": "torch",
@@ -317,10 +318,34 @@ def compile_forward(
     patches.replace(module, "forward", functools.wraps(original)(forward))
 
 
+def compile_modules(
+    modules: Iterable[tuple[str, torch.nn.Module]], patches: MethodPatches, *, fullgraph: bool = True
+) -> BlockCompiles:
+    """Replace the ``forward`` of every ``(name, module)`` in ``modules`` by an inductor-compiled one, with
+    our settings (:func:`compile_forward`, dynamic shapes). Modules of one class share one compiled
+    function (a :func:`private_copy` of their class's forward), so the first of them compiles and the
+    others reuse it. Returns the record of their compiles; the patches are recorded in ``patches``."""
+    record = BlockCompiles()
+    private_forwards: dict[type, types.FunctionType] = {}
+    for name, block in modules:
+        original = block.forward
+        function = getattr(original, "__func__", None)
+        if isinstance(function, types.FunctionType) and "forward" not in block.__dict__:
+            if type(block) not in private_forwards:
+                private_forwards[type(block)] = private_copy(function)
+            target = types.MethodType(private_forwards[type(block)], block)
+        else:  # an instance-level forward someone else installed: compile it as it is
+            target = original
+        compile_forward(block, target, patches, record, dynamic=True, fullgraph=fullgraph)
+        record.names.append(name)
+    return record
+
+
 def compile_repeated_blocks(
     module: torch.nn.Module, patches: MethodPatches, *, fullgraph: bool = True
 ) -> BlockCompiles:
-    """Replace the ``forward`` of every block of ``module._repeated_blocks`` by an inductor-compiled one.
+    """Replace the ``forward`` of every block of ``module._repeated_blocks`` by an inductor-compiled one
+    (:func:`compile_modules`).
 
     Compiles with ``fullgraph=True`` (a graph break inside a block is an error at the first call, not a
     silent slowdown) and inductor's default mode, which adds no CUDA graphs of its own. ``fullgraph=False``
@@ -336,24 +361,10 @@ def compile_repeated_blocks(
         raise ValueError(
             f"{type(module).__name__} declares no _repeated_blocks: fast mode compiles those; use mode='exact'"
         )
-    record = BlockCompiles()
-    private_forwards: dict[type, types.FunctionType] = {}
-    for name, block in module.named_modules():
-        if type(block).__name__ not in classes:
-            continue
-        original = block.forward
-        function = getattr(original, "__func__", None)
-        if isinstance(function, types.FunctionType) and "forward" not in block.__dict__:
-            if type(block) not in private_forwards:
-                private_forwards[type(block)] = private_copy(function)
-            target = types.MethodType(private_forwards[type(block)], block)
-        else:  # an instance-level forward someone else installed: compile it as it is
-            target = original
-        compile_forward(block, target, patches, record, dynamic=True, fullgraph=fullgraph)
-        record.names.append(name)
-    if not record.names:
+    blocks = [(name, block) for name, block in module.named_modules() if type(block).__name__ in classes]
+    if not blocks:
         raise ValueError(f"{type(module).__name__} has no submodule of its _repeated_blocks classes {classes}")
-    return record
+    return compile_modules(blocks, patches, fullgraph=fullgraph)
 
 
 def use_compile_cache_dir(directory: str) -> None:
@@ -435,7 +446,9 @@ class CompiledBlocks(Feature):
         self.breaks_inside = breaks_inside
         self.compiled: BlockCompiles | None = None
         self.scoped_patches: list[str] = []
-        self.compiles_saved = 0  # compiles when the portable compile cache was last written
+        # dynamo's compiles in this process (ours and any other: the text encoder's layers, a VAE decoder)
+        # when the portable compile cache was last written
+        self.compiles_saved = 0
 
     @classmethod
     def create(cls, setup: Setup) -> CompiledBlocks | None:
@@ -467,11 +480,10 @@ class CompiledBlocks(Feature):
     def wrap_call(self, target: Target, call: Callable[..., Any]) -> Callable[..., Any]:
         if target.component != "transformer" or self.compiled is None:
             return call
-        compiled = self.compiled
 
         def saving_compile_cache(*args: Any, **kwargs: Any) -> Any:
             result = call(*args, **kwargs)
-            if compiled.compiles != self.compiles_saved:  # one comparison on a replayed step
+            if _compiles_so_far() != self.compiles_saved:  # one comparison on a replayed step
                 self._save_compile_cache()
             return result
 
@@ -479,7 +491,7 @@ class CompiledBlocks(Feature):
 
     def _save_compile_cache(self) -> None:
         """After a call that compiled something, keep a portable copy of the compile caches."""
-        self.compiles_saved = self.compiled.compiles
+        self.compiles_saved = _compiles_so_far()
         if self.cache_dir is None:
             return
         try:

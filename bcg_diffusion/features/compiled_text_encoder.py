@@ -1,0 +1,134 @@
+"""Fast mode: the text encoder's decoder layers compiled by inductor, inside its graphs.
+
+Z-Image encodes each prompt with Qwen3-4B: 36 decoder layers over a few dozen tokens, where every
+norm, rotary embedding and activation is a kernel of its own. Replayed from a CUDA graph on an H200
+its layers took 7.51 ms at 64 tokens, compiled per layer 3.86 ms (run 113,
+``bench.probes.probe_outside_blocks --sections text-encoder``). In the benchmark, Z-Image-Turbo 512² in FP8
+fast mode, the encode stage went from 11 to 7 ms and the call from 0.162 to 0.157 s (run 122), and the
+warm start stayed at 5.5 s (``bench.warm_start``: the compile caches serve the parts too).
+
+The layers are the classes the model itself names as its decoder layers (transformers'
+``_no_split_modules`` ending in ``DecoderLayer``: Qwen3's ``Qwen3DecoderLayer``, Qwen2.5-VL's
+``Qwen2_5_VLDecoderLayer``; its vision blocks are left alone). What compiles is each layer's parts (its
+direct submodules: attention, feed-forward and the two norms), not the layer whole: transformers records
+outputs (``output_attentions``) with forward hooks on the attention modules, which read a ``ContextVar``
+that dynamo cannot trace. A hook on a compiled module runs around its compiled forward, eagerly, as it
+would uncompiled; inside a compiled layer it broke the layer's graph into three, which took 4 s of dynamo
+tracing in every warm start (H200, run 120). Only the two residual additions per layer stay eager kernels.
+
+The parts compile like the transformer's blocks (:func:`~.compiled_blocks.compile_modules`: dynamic
+shapes, so every trimmed prompt length shares one compile; parts of one class share one compile;
+inductor's default mode; a compile that fails puts the eager forwards back for good, with a warning).
+
+What the layers receive is decided outside them: the causal mask is built by an eager break
+(:mod:`bcg_diffusion.patches.text_encoder`) and its decision (every token valid, hence no mask) is in the
+runner's signature, so the warm-up call that compiles and the capture after it see the same mask, or the
+same absence of one. A batch of prompts of different lengths gives the layers a mask: a second compiled
+variant, made at that signature's warm-up.
+
+Applies in fast mode where the text encoder is accelerated (Z-Image's default components; others with
+``components=``) and on a GPU only: on a CPU the compile would cost seconds and gain nothing measured.
+Compiling changes rounding only, hence fast mode's; images stay byte-identical with and without graphs.
+``choose(pipe.text_encoder, False)`` before ``accelerate`` keeps the eager layers (a shorter cold start).
+``stats()`` reports ``text_encoder_compiles``, ``text_encoder_compile_seconds`` (the calls that compiled,
+compiling included) and ``text_encoder_compile_failure``.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from ..core.hooks import MethodPatches
+from .base import Feature, Setup
+from .compiled_blocks import BlockCompiles, compile_modules
+
+__all__ = [
+    "COMPILED_TEXT_ENCODER",
+    "TEXT_ENCODER_CHOICE",
+    "CompiledTextEncoder",
+    "choose",
+    "decoder_layer_classes",
+    "layer_parts",
+]
+
+logger = logging.getLogger(__name__)
+
+COMPILED_TEXT_ENCODER = "text encoder layers compiled"  # its name in stats()["patches"]
+# The attribute on a text encoder that keeps its layers eager in fast mode when False.
+TEXT_ENCODER_CHOICE = "_bcg_compiled_text_encoder"
+
+
+def choose(text_encoder: torch.nn.Module, compiled: bool) -> None:
+    """Let fast mode compile ``text_encoder``'s decoder layers (``compiled=True``, the default) or keep
+    them eager (False), before ``accelerate``.
+
+    >>> choose(pipe.text_encoder, False)  # doctest: +SKIP
+
+    Raises TypeError for anything but True or False.
+    """
+    if not isinstance(compiled, bool):
+        raise TypeError(f"compiled must be True or False, got {compiled!r}")
+    setattr(text_encoder, TEXT_ENCODER_CHOICE, compiled)
+
+
+def decoder_layer_classes(model: torch.nn.Module) -> tuple[str, ...]:
+    """The class names ``model`` (a transformers model) lists as its decoder layers: those of its
+    ``_no_split_modules`` ending in ``DecoderLayer`` (empty: none, or not a transformers model)."""
+    names = getattr(model, "_no_split_modules", None) or ()
+    return tuple(name for name in names if name.endswith("DecoderLayer"))
+
+
+def layer_parts(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """Every decoder layer's direct submodules (:func:`decoder_layer_classes`), with their names in
+    ``model``: what :class:`CompiledTextEncoder` compiles."""
+    classes = decoder_layer_classes(model)
+    return [
+        (f"{name}.{part_name}", part)
+        for name, layer in model.named_modules()
+        if type(layer).__name__ in classes
+        for part_name, part in layer.named_children()
+    ]
+
+
+def _worth_compiling(model: torch.nn.Module) -> bool:
+    """Whether compiling pays where ``model`` lives: on a GPU (the tests patch it to cover the CPU)."""
+    return any(p.is_cuda for p in model.parameters())
+
+
+class CompiledTextEncoder(Feature):
+    name = "compiled text encoder"
+    component = "text_encoder"
+    defaults = {"text_encoder_compiles": 0, "text_encoder_compile_seconds": 0.0, "text_encoder_compile_failure": None}
+
+    def __init__(self) -> None:
+        self.compiled: BlockCompiles | None = None
+
+    @classmethod
+    def create(cls, setup: Setup) -> CompiledTextEncoder | None:
+        return cls() if setup.config.mode == "fast" and "text_encoder" in setup.accelerated else None
+
+    def prepare(self, setup: Setup, patches: MethodPatches) -> None:
+        encoder = setup.modules["text_encoder"]
+        if getattr(encoder, TEXT_ENCODER_CHOICE, True) is False or not _worth_compiling(encoder):
+            return
+        parts = layer_parts(encoder)
+        if not parts:
+            logger.info("fast mode: %s names no decoder layers; its layers stay eager", type(encoder).__name__)
+            return
+        self.compiled = compile_modules(parts, patches)
+        logger.info("fast mode: compiling the %d layer parts of %s", len(parts), type(encoder).__name__)
+
+    def stats(self) -> dict[str, Any]:
+        if self.compiled is None:
+            return {}
+        return {
+            "text_encoder_compiles": self.compiled.compiles,
+            "text_encoder_compile_seconds": self.compiled.compile_seconds,
+            "text_encoder_compile_failure": self.compiled.failure,
+        }
+
+    def patch_names(self) -> list[str]:
+        return [COMPILED_TEXT_ENCODER] if self.compiled is not None else []
