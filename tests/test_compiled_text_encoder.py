@@ -87,3 +87,29 @@ def test_layers_stay_eager_on_a_cpu_or_when_chosen_and_a_bad_choice_is_refused(m
             assert not any("forward" in part.__dict__ for part in _parts(pipe))
         finally:
             restore(pipe)
+
+
+@needs_compiler
+@pytest.mark.heavy
+def test_qwen_image_text_encoder_parts_compile_when_it_is_accelerated(monkeypatch):
+    # Qwen-Image's Qwen2.5-VL (multimodal RoPE, its vision blocks left alone), accelerated with components=
+    monkeypatch.setattr(compiled_text_encoder, "_worth_compiling", lambda model: True)
+    pipe = build_pipeline("qwen-image", "tiny", device="cpu")
+    pipe.set_progress_bar_config(disable=True)
+    expected = run_case(pipe, "qwen-image", "mask_two_lengths", height=64, width=64)
+    accelerate(pipe, mode="fast", debug=True, components=("transformer", "vae", "text_encoder"))
+    try:
+        assert {name.rsplit(".", 1)[-1] for name, _ in layer_parts(pipe.text_encoder)} == {
+            "self_attn",
+            "mlp",
+            "input_layernorm",
+            "post_attention_layernorm",
+        }
+        image = run_case(pipe, "qwen-image", "mask_two_lengths", height=64, width=64)
+        with eager(pipe):
+            assert torch.equal(image, run_case(pipe, "qwen-image", "mask_two_lengths", height=64, width=64))
+        torch.testing.assert_close(image, expected, atol=1e-4, rtol=0)
+        report = stats(pipe)
+        assert report["text_encoder_compiles"] > 0 and report["text_encoder_compile_failure"] is None, report
+    finally:
+        restore(pipe)

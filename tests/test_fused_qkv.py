@@ -3,8 +3,9 @@
 
 torchao refuses FP8 on a CPU (no FP8 tensor cores), but its FP8 weights and products run there; these
 tests switch its hardware check (and ours) off, so the whole path runs on the CPU: the fused weight
-holds exactly the three quantized weights, the processor takes it, a changed projection drops it (and
-the captures that read it), and ``restore`` takes it away. GPU runs: ``tests/test_quantize_cuda.py``.
+holds exactly the three quantized weights, which become views of it, the processor takes it, a changed
+projection drops it (and the captures that read it), and ``restore`` takes it away. GPU runs:
+``tests/test_quantize_cuda.py``.
 """
 
 from __future__ import annotations
@@ -41,8 +42,16 @@ def _quantized_transformer() -> tuple[torch.nn.Module, quantization.Quantized]:
     return transformer, quantize_transformer(transformer, FP8)
 
 
-def test_the_fused_weight_holds_the_three_quantized_weights(fp8_on_cpu):
+def _shares_memory(part: torch.Tensor, whole: torch.Tensor) -> bool:
+    return all(
+        p.untyped_storage().data_ptr() == w.untyped_storage().data_ptr()
+        for p, w in zip(fused_qkv._inner(part), fused_qkv._inner(whole), strict=True)
+    )
+
+
+def test_the_fused_weight_holds_the_three_quantized_weights_in_their_memory(fp8_on_cpu):
     transformer, done = _quantized_transformer()
+    apart = {n: m.weight for n, m in transformer.named_modules() if n.endswith(("to_q", "to_k", "to_v"))}
     made = fused_qkv.fuse_qkv(transformer, done)
     attentions = [
         m
@@ -53,9 +62,21 @@ def test_the_fused_weight_holds_the_three_quantized_weights(fp8_on_cpu):
     for fused in made:
         weight = getattr(fused.attention, attention.FUSED_QKV_ATTRIBUTE).weight
         parts = [getattr(fused.attention, name).weight for name in ("to_q", "to_k", "to_v")]
-        assert torch.equal(weight.qdata.view(torch.uint8), torch.cat([p.qdata for p in parts]).view(torch.uint8))
-        assert torch.equal(weight.scale, torch.cat([p.scale for p in parts]))
+        before = [apart[f"{fused.name}.{name}"] for name in ("to_q", "to_k", "to_v")]
+        assert torch.equal(weight.qdata.view(torch.uint8), torch.cat([p.qdata for p in before]).view(torch.uint8))
+        assert torch.equal(weight.scale, torch.cat([p.scale for p in before]))
+        for part, old in zip(parts, before, strict=True):  # each projection now reads its rows of the fused weight
+            assert fused_qkv._same(part, old) and _shares_memory(part, weight)
         assert fused.stale() is None
+
+
+def test_a_fused_weight_that_is_not_the_three_is_refused(fp8_on_cpu, monkeypatch):
+    transformer, done = _quantized_transformer()
+    to_q = transformer.layers[0].attention.to_q.weight
+    monkeypatch.setattr(fused_qkv, "_same", lambda a, b: False)  # as a per-tensor scale would differ
+    assert fused_qkv.fuse_qkv(transformer, done) == []
+    assert transformer.layers[0].attention.to_q.weight is to_q
+    assert not any(attention.FUSED_QKV_ATTRIBUTE in name for name, _ in transformer.named_modules())
 
 
 def test_the_processor_splits_the_fused_product_into_the_three(fp8_on_cpu):
@@ -126,3 +147,20 @@ def test_fast_fp8_fuses_then_drops_a_changed_projection_and_recaptures(fp8_on_cp
     finally:
         restore(pipe)
     assert not any(attention.FUSED_QKV_ATTRIBUTE in name for name, _ in pipe.transformer.named_modules())
+
+
+@needs_compiler
+@pytest.mark.heavy
+def test_restore_gives_the_bf16_projections_back_not_rows_of_the_fused_weight(fp8_on_cpu):
+    pipe = build_pipeline("z-image", "tiny", dtype=torch.bfloat16)
+    plain = _call(pipe)
+    weights = {name: p for name, p in pipe.transformer.named_parameters() if name.endswith("to_q.weight")}
+    accelerate(pipe, mode="fast", quantize="fp8", debug=True)
+    try:
+        _call(pipe)
+        assert stats(pipe)["fused_qkv"] > 0
+    finally:
+        restore(pipe)
+    restored = {name: p for name, p in pipe.transformer.named_parameters() if name.endswith("to_q.weight")}
+    assert all(torch.equal(restored[name], weight) for name, weight in weights.items())
+    assert torch.equal(_call(pipe), plain)

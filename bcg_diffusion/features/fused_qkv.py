@@ -1,4 +1,5 @@
-"""Fast mode with ``quantize="fp8"``: an attention's query, key and value projections as one FP8 product.
+"""Fast mode with ``quantize="fp8"``: an attention's query, key and value projections as one FP8 product,
+in the memory of the three.
 
 Z-Image projects each token three times from the same input, with three 3,840 x 3,840 products.
 In FP8 at 512² (1,088 tokens) each is too small to fill an H200: the three took 122.5 µs, one
@@ -8,14 +9,19 @@ measurable (0.996x and 1.011x), so only the FP8 model is fused.
 
 How: torchao's row-wise FP8 quantizes each output row of a weight on its own, so quantizing the
 concatenation of the three original weights (``quantize_transformer`` keeps them on the CPU) gives
-exactly the rows and scales the three quantized weights hold. The fused linear hangs on the attention
-module as :data:`~bcg_diffusion.patches.attention.FUSED_QKV_ATTRIBUTE`, and fast mode's processor
-(Z-Image's, :mod:`bcg_diffusion.patches.attention`) splits its output into the query, key and value. The
-products' inputs are the same; only the kernel may round differently (on the H200 it gave the same
-bytes, run 115), which is why this is fast mode's (its images stay byte-identical with and without
-graphs). The separate projections stay
-where they are, for anything else that reads them: the fused weights cost as much memory again as the
-three FP8 weights they repeat (1.5 GB for Z-Image's 34 attentions).
+the rows and scales the three quantized weights hold. That is checked, not assumed: each projection's
+weight is compared with its rows of the fused one (values and torchao's settings), and where all three
+are equal each projection's weight becomes those rows, a view, so the fused weight costs no memory of
+its own (1.4 GiB saved for Z-Image's 34 attentions against keeping both, run 125); where they are not,
+the module is left apart. The fused linear hangs on the attention module as
+:data:`~bcg_diffusion.patches.attention.FUSED_QKV_ATTRIBUTE`, and fast mode's processor (Z-Image's,
+:mod:`bcg_diffusion.patches.attention`) splits its output into the query, key and value. The products'
+inputs are the same; only the kernel may round differently (on the H200 it gave the same bytes, run
+115), which is why this is fast mode's (its images stay byte-identical with and without graphs).
+
+The feed-forward's two up projections (``w1``, ``w3``) were stacked the same way and measured: 1.10x
+faster as products alone at 512² (run 114), but no faster end to end at either size (runs 125 and 126,
+each mode order once), so they stay apart.
 
 :func:`choose` turns it off per model (``choose(pipe.transformer, False)`` before ``accelerate``).
 Refused, with the separate products kept: a module whose three projections are not plain linears that
@@ -28,6 +34,7 @@ graphs that read it are captured again and the compiled blocks recompile.
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -97,6 +104,21 @@ class _Fused:
         return None
 
 
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` hold the same values the same way: one tensor class, equal settings (a
+    subclass's flatten context: torchao's block size, product and activation settings), equal bytes."""
+    if type(a) is not type(b) or a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if getattr(type(a), "__tensor_flatten__", None) is not None and (
+        a.__tensor_flatten__()[1] != b.__tensor_flatten__()[1]
+    ):
+        return False
+    return all(
+        x.shape == y.shape and x.dtype == y.dtype and torch.equal(x.view(torch.uint8), y.view(torch.uint8))
+        for x, y in zip(_inner(a), _inner(b), strict=True)
+    )
+
+
 def _original_weight(done: Quantized, name: str) -> torch.Tensor | None:
     original = done.originals.get(name)
     return None if original is None else original.weight
@@ -108,8 +130,9 @@ def fuse_qkv(model: torch.nn.Module, done: Quantized) -> list[_Fused]:
     quantized (``done``) with equal input widths and no bias, a submodule
     :data:`FUSED_QKV_ATTRIBUTE`: one linear over the three original weights, quantized with
     ``done.config``, which must quantize each output row on its own (torchao's row-wise FP8: then the
-    fused weight holds exactly the three quantized weights). Returns the fusions made; :func:`unfuse`
-    takes each away.
+    fused weight holds exactly the three quantized weights, which is checked). Each projection's weight
+    then becomes its rows of the fused one, a view. Returns the fusions made; :func:`unfuse` takes each
+    away.
 
     The submodule is registered (it moves with the model and is in its ``state_dict`` while fused).
     """
@@ -136,8 +159,13 @@ def fuse_qkv(model: torch.nn.Module, done: Quantized) -> list[_Fused]:
         linear.weight = torch.nn.Parameter(joined, requires_grad=False)
         with keeping_global_settings():
             quantize_(linear, done.config)  # row-wise: the three quantized weights' rows and scales, stacked
-        if type(linear.weight) is not type(weight):
-            continue  # torchao left one of them as it was (a shape its product cannot take)
+        ends = itertools.accumulate(m.weight.shape[0] for m in projections)
+        rows = [linear.weight[end - m.weight.shape[0] : end] for m, end in zip(projections, ends, strict=True)]
+        if not all(_same(part, m.weight) for part, m in zip(rows, projections, strict=True)):
+            logger.info("fast mode: %s: the fused weight is not the three quantized ones; kept apart", name)
+            continue
+        for part, module in zip(rows, projections, strict=True):
+            module.weight = torch.nn.Parameter(part, requires_grad=False)  # a view: the memory is shared
         attention.add_module(FUSED_QKV_ATTRIBUTE, linear)
         weights = tuple(m.weight for m in projections)
         inner = tuple(t for w in weights for t in _inner(w))
@@ -146,7 +174,8 @@ def fuse_qkv(model: torch.nn.Module, done: Quantized) -> list[_Fused]:
 
 
 def unfuse(fused: _Fused) -> None:
-    """Take ``fused``'s linear off its attention module (nothing to do if it is gone already)."""
+    """Take ``fused``'s linear off its attention module (nothing to do if it is gone already). The
+    projections keep their weights, rows of the fused one."""
     fused.attention._modules.pop(FUSED_QKV_ATTRIBUTE, None)
 
 
