@@ -28,12 +28,21 @@ def _parts(pipe) -> list[torch.nn.Module]:
     return [part for _, part in layer_parts(pipe.text_encoder)]
 
 
+@pytest.fixture
+def compiling_on_cpu(monkeypatch):
+    monkeypatch.setattr(compiled_text_encoder, "_worth_compiling", lambda model: True)
+
+
+def _tiny(name: str):
+    pipe = build_pipeline(name, "tiny", device="cpu")
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
 @needs_compiler
 @pytest.mark.heavy
-def test_compiled_layers_replay_as_they_run_without_graphs_and_compile_once_per_mask_decision(monkeypatch):
-    monkeypatch.setattr(compiled_text_encoder, "_worth_compiling", lambda model: True)
-    pipe = build_pipeline("z-image", "tiny", device="cpu")
-    pipe.set_progress_bar_config(disable=True)
+def test_compiled_layers_replay_as_they_run_without_graphs_and_compile_once_per_mask_decision(compiling_on_cpu):
+    pipe = _tiny("z-image")
     # all tokens valid once trimmed (no mask), then two prompts of different lengths (a mask)
     cases = ("no_cfg", "two_lengths")
     expected = {case: run_case(pipe, "z-image", case, height=64, width=64) for case in cases}
@@ -91,11 +100,9 @@ def test_layers_stay_eager_on_a_cpu_or_when_chosen_and_a_bad_choice_is_refused(m
 
 @needs_compiler
 @pytest.mark.heavy
-def test_qwen_image_text_encoder_parts_compile_when_it_is_accelerated(monkeypatch):
+def test_qwen_image_text_encoder_parts_compile_when_it_is_accelerated(compiling_on_cpu):
     # Qwen-Image's Qwen2.5-VL (multimodal RoPE, its vision blocks left alone), accelerated with components=
-    monkeypatch.setattr(compiled_text_encoder, "_worth_compiling", lambda model: True)
-    pipe = build_pipeline("qwen-image", "tiny", device="cpu")
-    pipe.set_progress_bar_config(disable=True)
+    pipe = _tiny("qwen-image")
     expected = run_case(pipe, "qwen-image", "mask_two_lengths", height=64, width=64)
     accelerate(pipe, mode="fast", debug=True, components=("transformer", "vae", "text_encoder"))
     try:
