@@ -111,6 +111,15 @@ class BlockCompiles:
     eager_calls: int = 0  # block calls that ran eagerly because submodules carried hooks
     hook_warned: bool = False
 
+    def report(self, prefix: str = "") -> dict[str, Any]:
+        """The ``stats()`` entries of these compiles, their keys after ``prefix``: ``{prefix}compiles``,
+        ``{prefix}compile_seconds`` and ``{prefix}compile_failure``."""
+        return {
+            f"{prefix}compiles": self.compiles,
+            f"{prefix}compile_seconds": self.compile_seconds,
+            f"{prefix}compile_failure": self.failure,
+        }
+
 
 # Functions ``torch.nn.attention.sdpa_kernel`` leaves in a dynamo graph. AOT autograd's cache refuses
 # graphs that call private torch functions, so a block whose attention picks its SDPA backend that
@@ -506,9 +515,7 @@ class CompiledBlocks(Feature):
             return {}
         return {
             "compiled_blocks": len(self.compiled.names),
-            "compiles": self.compiled.compiles,
-            "compile_seconds": self.compiled.compile_seconds,
-            "compile_failure": self.compiled.failure,
+            **self.compiled.report(),
             "eager_block_calls": self.compiled.eager_calls,
         }
 

@@ -124,11 +124,7 @@ class CompiledTextEncoder(Feature):
     def stats(self) -> dict[str, Any]:
         if self.compiled is None:
             return {}
-        return {
-            "text_encoder_compiles": self.compiled.compiles,
-            "text_encoder_compile_seconds": self.compiled.compile_seconds,
-            "text_encoder_compile_failure": self.compiled.failure,
-        }
+        return self.compiled.report("text_encoder_")
 
     def patch_names(self) -> list[str]:
         return [COMPILED_TEXT_ENCODER] if self.compiled is not None else []

@@ -120,11 +120,7 @@ class FastVaeDecoder(Feature):
     def stats(self) -> dict[str, Any]:
         if self.compiled is None:
             return {}
-        return {
-            "vae_compiles": self.compiled.compiles,
-            "vae_compile_seconds": self.compiled.compile_seconds,
-            "vae_compile_failure": self.compiled.failure,
-        }
+        return self.compiled.report("vae_")
 
     def patch_names(self) -> list[str]:
         if self.compiled is not None:
