@@ -31,6 +31,7 @@ MODES: tuple[str, ...] = (
     "fast-fp8-unfused-qkv",
     "fast-fp8-uncompiled-te",
     "fast-fp8-compiled-vae",
+    "fast-fp8-patched-vae",
     "eager-fp8+cache",
     "fast-fp8+cache",
     "fast-fp8-attn+cache",
@@ -64,6 +65,7 @@ FP8_MODES: tuple[str, ...] = (
     "fast-fp8-unfused-qkv",
     "fast-fp8-uncompiled-te",
     "fast-fp8-compiled-vae",
+    "fast-fp8-patched-vae",
     "eager-fp8+cache",
     "fast-fp8+cache",
     "fast-fp8-attn+cache",
@@ -109,6 +111,8 @@ DESCRIPTIONS = {
     "(features.compiled_text_encoder.choose)",
     "fast-fp8-compiled-vae": "fast-fp8 with the VAE decoder compiled whole by inductor, the opt-in "
     '(features.vae_decoder.choose(pipe.vae, "compiled"))',
+    "fast-fp8-patched-vae": "fast-fp8 with the VAE decoder as fast mode ran it before run 133: contiguous, only "
+    'its group norms patched (features.vae_decoder.choose(pipe.vae, "patched"))',
     "eager-fp8+cache": "eager-fp8 with the step cache (--cache)",
     "fast-fp8+cache": "fast-fp8 with the same step cache inside its graphs",
     "fast-fp8-attn+cache": "fast-fp8-attn with the same step cache inside its graphs",
@@ -129,16 +133,16 @@ EXACT.update(
 )
 EXACT.update({"eager-fp8+cache": True, "fast-fp8+cache": False, "fast-fp8-attn+cache": False})
 EXACT.update({"fast-fp8-attn-triton": False, "fast-fp8-unfused-qkv": False, "fast-fp8-uncompiled-te": False})
-EXACT.update({"fast-fp8-compiled-vae": False})
+EXACT.update({"fast-fp8-compiled-vae": False, "fast-fp8-patched-vae": False})
 EXACT.update({"eager+cachedit": True, "bcg+cachedit": True, "fast+cachedit": False})
 OURS = ("bcg", "bcg-no-te", "bcg-no-auto", "fast", "fast-no-te", "fast-no-auto", "fast-unbatched")
 OURS += ("bcg+cachedit", "fast+cachedit")
 OURS += ("bcg+cache", "fast+cache", "fast-unbatched+cache", "bcg-fp8", "fast-fp8", "fast-fp8-attn", "fast-fp8+cache")
 OURS += ("fast-fp8-torchao-ff", "fast-fp8-attn-triton", "fast-fp8-attn+cache", "fast-fp8-unfused-qkv")
-OURS += ("fast-fp8-uncompiled-te", "fast-fp8-compiled-vae")
+OURS += ("fast-fp8-uncompiled-te", "fast-fp8-compiled-vae", "fast-fp8-patched-vae")
 FAST = ("fast", "fast-no-te", "fast-no-auto", "fast-unbatched", "fast+cache", "fast-fp8", "fast-fp8-attn")
 FAST += ("fast-fp8-torchao-ff", "fast-fp8-attn-triton", "fast-fp8-attn+cache", "fast-fp8-unfused-qkv")
-FAST += ("fast-fp8-uncompiled-te", "fast-fp8-compiled-vae")
+FAST += ("fast-fp8-uncompiled-te", "fast-fp8-compiled-vae", "fast-fp8-patched-vae")
 FAST += ("fast-fp8+cache", "fast+cachedit", "fast-unbatched+cache")
 
 

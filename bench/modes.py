@@ -152,6 +152,7 @@ class ModeOptions:
     unfused_qkv: bool = False  # -unfused-qkv: query, key and value projected apart
     uncompiled_text_encoder: bool = False  # -uncompiled-te: the text encoder's layers eager
     compiled_vae: bool = False  # -compiled-vae: the VAE decoder compiled whole (an opt-in)
+    patched_vae: bool = False  # -patched-vae: the VAE decoder contiguous, only its group norms patched
 
 
 def parse(name: str) -> ModeOptions:
@@ -170,6 +171,7 @@ def parse(name: str) -> ModeOptions:
         ("-unfused-qkv", "unfused_qkv"),
         ("-uncompiled-te", "uncompiled_text_encoder"),
         ("-compiled-vae", "compiled_vae"),
+        ("-patched-vae", "patched_vae"),
         ("-fp8", "fp8"),
     ):
         options[option] = rest.endswith(suffix)
@@ -213,6 +215,8 @@ def prepare(
         compiled_text_encoder.choose(pipe.text_encoder, False)
     if options.compiled_vae:
         vae_decoder.choose(pipe.vae, "compiled")
+    if options.patched_vae:
+        vae_decoder.choose(pipe.vae, "patched")
     quantize = FP8 if options.fp8 else None
     base_name = options.base
     if base_name == "eager" and quantize is not None:

@@ -10,6 +10,10 @@ Runs three child processes one after another, each building the pipeline, callin
 * ``portable``: a new directory holding only the portable artifacts file the cold run wrote, as
   when the cache is shipped to another machine.
 
+Each child's Triton cache (``TRITON_CACHE_DIR``, where the kernels of ``bcg_diffusion.kernels`` are
+kept) is a folder of its compile cache directory, so the cold and portable children compile those
+kernels too (since run 134; before, they could find them in the machine's default Triton cache).
+
 Each child reports its time from process start to the first image, split into start-up (imports,
 building the pipeline) and the first call (compiles or cache loads, warm-up, capture, the call), and
 of that first call the block calls that compiled (``compile_s``) and the captures (``capture_s``,
@@ -151,7 +155,10 @@ def _run_child(args: argparse.Namespace, cache_dir: Path, label: str) -> dict[st
         command += ["--quantize", args.quantize]
     if args.profile:
         command += ["--profile-to", str(args.out / f"first-call-{label}.txt")]
-    env = {k: v for k, v in os.environ.items() if k not in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")}
+    env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
+    # Triton's own cache (our kernels, outside inductor's) beside PyTorch's: cold compiles them too, warm
+    # finds them, and a portable start compiles them again, as on a new machine.
+    env["TRITON_CACHE_DIR"] = str(cache_dir / "triton")
     started = time.perf_counter()
     done = subprocess.run(command, capture_output=True, text=True, env=env, check=False)
     wall = time.perf_counter() - started

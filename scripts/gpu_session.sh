@@ -29,7 +29,9 @@
 #                    fast+cachedit (Cache-DiT with a static mask computing about half of the steps)
 #   probe-outside    Z-Image outside the blocks: VAE decode variants (channels-last, compiled blocks, compiled decoder),
 #                    the text encoder's layers eager / compiled / FP8, encode_prompt's host share, an FP8 block at 512²
-#                    (bench/probes/probe_outside_blocks.py; OUTSIDE_SECTIONS=vae,text-encoder,encode,z-block-512)
+#                    (bench/probes/probe_outside_blocks.py; OUTSIDE_SECTIONS=vae,text-encoder,encode,z-block-512;
+#                    VAE_VARIANTS=eager,patched,fused,... picks the decoder variants)
+#   tests-vae-fused  the fused channels-last VAE decoder's kernels and the full-size FLUX.1 decoder (tests/test_vae_fused_cuda.py)
 #   probe-fp8-ff     the FP8 feed-forward kernels (kernels/activation_fp8.py) against their references on the GPU, then
 #                    one Qwen-Image and one Z-Image FP8 block with inductor's kernel and with ours, each kernel alone
 #                    with its launch settings; then the bf16 blocks (probe section prologue-blocks)
@@ -100,7 +102,7 @@
 #                    for `python scripts/screenshot_replay.py DIR OUT.png` here (the GPU machine has no browser)
 # Everything it writes is under $OUT (logs, results.json/.md/.png); copy it to bench/results/<date>-h200/.
 set -uo pipefail
-[ $# -gt 0 ] || { echo "usage: scripts/gpu_session.sh probe-attention|probe-cudnn-fp8|bench-fused-qkv-z|tests-fused-qkv|tests-cudnn-fp8|bench-cudnn-fp8-z|bench-cudnn-fp8-qwen|tests-kernels|probe-fp8-ff|bench-fp8-ff-qwen|bench-kernels-qwen|bench-kernels-z|bench-cachedit-qwen|tests-state|bench-state|tests|tests-full|tests-fast|tests-coexist|tests-shared|tests-cache|bench-cache-qwen-1024|bench-cache-qwen-512|bench-cache-z|bench-cfg-cache-qwen|bench-cfg-cache-qwen-1024|bench-cfg-cache-qwen-512|tests-quant|tests-auto|probe-hand-patches|bench-auto|coverage|bench-fp8-z|bench-fp8-qwen|warm-start-fp8-z|probe-fp8-groups|probe-fp8-block|hotswap-z|tests-z|te-z|fast-check|profile-qwen|profile-z|fast-qwen-50|ab-attention|probe-floor|probe-outside|probe-norms|probe-blocks|compile-max-qwen|memory-z|bench-z|warm-start-z|first-call-qwen-none|first-call-qwen-magcache|first-call-qwen-cachedit|bench-qwen|bench-qwen-512|bench-qwen-1024|issue2|parallel|parallel-cfg|serving|demo ..." >&2; exit 2; }
+[ $# -gt 0 ] || { echo "usage: scripts/gpu_session.sh probe-attention|probe-cudnn-fp8|tests-vae-fused|bench-fused-qkv-z|tests-fused-qkv|tests-cudnn-fp8|bench-cudnn-fp8-z|bench-cudnn-fp8-qwen|tests-kernels|probe-fp8-ff|bench-fp8-ff-qwen|bench-kernels-qwen|bench-kernels-z|bench-cachedit-qwen|tests-state|bench-state|tests|tests-full|tests-fast|tests-coexist|tests-shared|tests-cache|bench-cache-qwen-1024|bench-cache-qwen-512|bench-cache-z|bench-cfg-cache-qwen|bench-cfg-cache-qwen-1024|bench-cfg-cache-qwen-512|tests-quant|tests-auto|probe-hand-patches|bench-auto|coverage|bench-fp8-z|bench-fp8-qwen|warm-start-fp8-z|probe-fp8-groups|probe-fp8-block|hotswap-z|tests-z|te-z|fast-check|profile-qwen|profile-z|fast-qwen-50|ab-attention|probe-floor|probe-outside|probe-norms|probe-blocks|compile-max-qwen|memory-z|bench-z|warm-start-z|first-call-qwen-none|first-call-qwen-magcache|first-call-qwen-cachedit|bench-qwen|bench-qwen-512|bench-qwen-1024|issue2|parallel|parallel-cfg|serving|demo ..." >&2; exit 2; }
 out=${OUT:-/tmp/bcg-out}
 mkdir -p "$out"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -370,8 +372,13 @@ case "$phase" in
       | grep -v "^DEBUG" | tee "$out/probe-fast-floor.log" | tail -40
     ;;
   probe-outside)
-    timeout 540 python3 -m bench.probes.probe_outside_blocks ${OUTSIDE_SECTIONS:+--sections $OUTSIDE_SECTIONS} 2>&1 \
+    timeout 540 python3 -m bench.probes.probe_outside_blocks ${OUTSIDE_SECTIONS:+--sections $OUTSIDE_SECTIONS} \
+      ${VAE_VARIANTS:+--vae-variants "$VAE_VARIANTS"} 2>&1 \
       | grep -v "^DEBUG" | tee "$out/probe-outside-blocks.log" | tail -150
+    ;;
+  tests-vae-fused)
+    timeout 300 python3 -m pytest -q -s -m cuda tests/test_vae_fused_cuda.py 2>&1 | grep -v "Warning\|warnings.warn" \
+      | tee "$out/pytest-vae-fused.log" | tail -30
     ;;
   probe-blocks)
     timeout 400 python3 -m bench.probes.probe_block_kernels 2>&1 | grep -v "^DEBUG" | tee "$out/probe-block-kernels.log" | tail -80

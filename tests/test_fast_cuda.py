@@ -16,7 +16,7 @@ from bcg_diffusion import accelerate, eager, restore, stats
 from bcg_diffusion.features.compiled_text_encoder import COMPILED_TEXT_ENCODER
 from bcg_diffusion.features.vae_decoder import VAE_DECODER_COMPILED
 from bcg_diffusion.patches.attention import QWEN_ATTENTION_PATCH, ZIMAGE_ATTENTION_PATCH
-from bcg_diffusion.patches.group_norm import VAE_GROUP_NORM_PATCH
+from bcg_diffusion.patches.vae_decoder import VAE_FUSED_PATCH
 
 pytestmark = pytest.mark.cuda
 
@@ -68,8 +68,9 @@ def test_fast_mode_equals_its_compiled_reference_and_stops_compiling(pipeline):
         )
         # One compile per structural variant (COMPILES), none per resolution or text length (9 and 12 calls here).
         assert 0 < warm["compiles"] <= COMPILES[name] and warm["compile_failure"] is None, warm
-        # Z-Image's VAE has group norms (Qwen-Image's has RMS norms only); the compiled decoder is an opt-in.
-        expected = {"qwen-image": [QWEN_ATTENTION_PATCH.name], "z-image": [VAE_GROUP_NORM_PATCH]}[name]
+        # Z-Image's VAE is diffusers' 2-D decoder, fused (Qwen-Image's is 3-D, with RMS norms only); the
+        # compiled decoder is an opt-in.
+        expected = {"qwen-image": [QWEN_ATTENTION_PATCH.name], "z-image": [VAE_FUSED_PATCH]}[name]
         assert VAE_DECODER_COMPILED not in warm["patches"]
         if name == "z-image" and torch.cuda.get_device_capability() >= (9, 0):  # cuDNN where measured faster
             expected.append(ZIMAGE_ATTENTION_PATCH.name)

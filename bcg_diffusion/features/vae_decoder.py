@@ -1,32 +1,39 @@
-"""Fast mode's VAE decoder: its group norms patched, or, as an opt-in, the whole decoder compiled by inductor.
+"""Fast mode's VAE decoder: channels-last with fused kernels, its group norms patched, or compiled whole.
 
 A VAE decode at 512² is a few dozen convolutions and the elementwise work between them: group norms,
-SiLU, residual adds, upsampling, and the layout changes cuDNN makes around each convolution. Eagerly
-the elementwise work costs more than the convolutions. FLUX.1's decoder (Z-Image's), replayed from a
-CUDA graph on an H200 (run 113, ``bench.probes.probe_outside_blocks --sections vae``):
+SiLU, residual adds, upsampling, the convolutions' biases, and the layout changes cuDNN makes around
+each convolution. Eagerly the elementwise work costs more than the convolutions. FLUX.1's decoder
+(Z-Image's), replayed from a CUDA graph on an H200 (run 113, ``bench.probes.probe_outside_blocks
+--sections vae``):
 
 =========================================  =========  ==========
 decoder                                     512²       1024²
 =========================================  =========  ==========
-eager, group norms patched (before)         12.63 ms   48.05 ms
+eager, group norms patched                  12.63 ms   48.05 ms
 channels-last, eager                        11.73 ms   44.02 ms
 its blocks compiled, dynamic shapes         11.65 ms   46.16 ms
 the whole decoder compiled, static shapes   7.32 ms    34.71 ms
 =========================================  =========  ==========
 
-By default fast mode gives the decoder the group norm of :mod:`bcg_diffusion.patches.group_norm`.
-``choose(pipe.vae, "compiled")`` before ``accelerate`` compiles the whole ``forward`` instead, with
-static shapes (inductor then lays the convolutions out channels-last and fuses each norm with its
-activation), where the decoder is diffusers' 2D ``Decoder`` on a CUDA device (any other decoder, such
-as Qwen-Image's 3-D one, keeps the patched norms). It is not the default because of what it costs
-first: one compile per latent shape, about 16 s cold at each of 512² and 1024² (runs 116 and 118), which
-took Z-Image-Turbo's cold first call in fast mode with FP8 from 13.4 to 29.4 s (bench, run 116) and
-34–36 s in a fresh process (``bench.warm_start``, runs 118 and 119), past fast mode's 30 s; it saves
-about 5 ms of a 0.16 s call at 512² and 10 ms of 0.57 s at 1024² (runs 115 and 116).
+What fast mode does to the decoder is a choice (:func:`choose`, before ``accelerate``):
 
-Both change rounding only, which is why they are fast mode's; a compile that fails puts the eager
-decoder back for good, with a warning. ``stats()`` reports ``vae_compiles`` and
-``vae_compile_seconds`` (the calls that compiled, compiling included).
+* ``"fused"``, the default: the decoder channels-last, each resnet block's norms, SiLU, biases and
+  residual in three passes of our own kernels (:mod:`bcg_diffusion.patches.vae_decoder`). No compile,
+  so nothing added to the first call but the kernels' one-time build. Where the decoder is diffusers'
+  2-D ``Decoder`` on a CUDA device with Triton; elsewhere (Qwen-Image's 3-D decoder, a CPU) fast mode
+  takes ``"patched"``.
+* ``"patched"``: the group norms of :mod:`bcg_diffusion.patches.group_norm` (moments from one parallel
+  reduction), everything else eager.
+* ``"compiled"``: the whole ``forward`` compiled by inductor with static shapes, where the decoder is
+  diffusers' 2-D ``Decoder`` on a CUDA device (anything else keeps the patched norms). One compile per
+  latent shape, about 16 s cold at each of 512² and 1024² (runs 116 and 118), which took
+  Z-Image-Turbo's cold first call in fast mode with FP8 from 13.4 to 29.4 s (bench, run 116) and 34–36 s
+  in a fresh process (``bench.warm_start``, runs 118 and 119), past fast mode's 30 s.
+
+All three change rounding only, which is why they are fast mode's; none changes the weights. ``restore``
+gives the decoder its forwards back. A compile that fails puts the eager decoder back for good, with
+a warning. ``stats()`` reports ``vae_compiles`` and ``vae_compile_seconds`` (the calls that compiled,
+compiling included) for the compiled decoder.
 """
 
 from __future__ import annotations
@@ -39,21 +46,25 @@ from typing import Any
 import torch
 
 from ..core.hooks import MethodPatches
+from ..kernels import triton_unavailable
 from ..patches.group_norm import VAE_GROUP_NORM_PATCH, patch_group_norms
+from ..patches.vae_decoder import VAE_FUSED_PATCH, fusable, fuse_decoder
 from .base import Feature, Setup
 from .compiled_blocks import BlockCompiles, compile_forward, private_copy
 
 __all__ = ["VAE_DECODER_CHOICE", "VAE_DECODER_COMPILED", "FastVaeDecoder", "choose", "compile_decoder"]
 
 VAE_DECODER_COMPILED = "vae decoder compiled (static shapes)"  # its name in stats()["patches"]
-# The attribute on a VAE that picks what fast mode does to its decoder: "patched" (the default) or "compiled".
+# The attribute on a VAE that picks what fast mode does to its decoder: "fused" (the default), "patched" or
+# "compiled".
 VAE_DECODER_CHOICE = "_bcg_vae_decoder"
-_CHOICES = ("patched", "compiled")
+_CHOICES = ("fused", "patched", "compiled")
 
 
 def choose(vae: torch.nn.Module, choice: str) -> None:
-    """Pick what fast mode does to ``vae``'s decoder, before ``accelerate``: ``"patched"`` (its group
-    norms, the default) or ``"compiled"`` (the whole decoder by inductor, where it can be).
+    """Pick what fast mode does to ``vae``'s decoder, before ``accelerate``: ``"fused"`` (channels-last
+    with fused kernels, the default), ``"patched"`` (its group norms only) or ``"compiled"`` (the whole
+    decoder by inductor), each where it can be (see the module docstring).
 
     >>> choose(pipe.vae, "compiled")  # doctest: +SKIP
 
@@ -101,6 +112,7 @@ class FastVaeDecoder(Feature):
 
     def __init__(self) -> None:
         self.compiled: BlockCompiles | None = None
+        self.fused: dict[str, int] | None = None
         self.patched = False
 
     @classmethod
@@ -110,10 +122,13 @@ class FastVaeDecoder(Feature):
     def finish(self, setup: Setup, patches: MethodPatches) -> None:
         vae = setup.modules["vae"]
         decoder = getattr(vae, "decoder", vae)
-        chosen = getattr(vae, VAE_DECODER_CHOICE, "patched") == "compiled"
-        on_gpu = any(p.is_cuda for p in decoder.parameters())
-        if chosen and on_gpu and _compilable(decoder):
+        choice = getattr(vae, VAE_DECODER_CHOICE, "fused")
+        weight = next(decoder.parameters(), None)
+        device = weight.device if weight is not None else torch.device("cpu")
+        if choice == "compiled" and device.type == "cuda" and _compilable(decoder):
             self.compiled = compile_decoder(decoder, patches)
+        elif choice == "fused" and triton_unavailable(device) is None and fusable(decoder):
+            self.fused = fuse_decoder(decoder, patches)
         else:
             self.patched = bool(patch_group_norms(decoder, patches))
 
@@ -125,4 +140,6 @@ class FastVaeDecoder(Feature):
     def patch_names(self) -> list[str]:
         if self.compiled is not None:
             return [VAE_DECODER_COMPILED]
+        if self.fused is not None:
+            return [VAE_FUSED_PATCH]
         return [VAE_GROUP_NORM_PATCH] if self.patched else []

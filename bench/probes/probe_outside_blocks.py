@@ -3,11 +3,14 @@
 At Z-Image-Turbo 512², 8 steps, ``fast-fp8`` takes about 172 ms, of which the VAE decode is about 14.5 ms
 and text encoding about 11 ms (run 110). This probe measures what fast mode could do with each:
 
-* ``vae``: the FLUX.1 VAE decode at 512² and 1024², replayed from a CUDA graph: as fast mode runs it today
-  (group norms patched, ``patches.group_norm``), channels-last eager (group norm's moments over NHWC), the
-  decoder's resnet and upsampling blocks compiled by inductor with dynamic shapes (one compiled graph per
-  block class and width, as fast mode compiles repeated blocks), and the whole decoder compiled with static
-  shapes; each with its kernel time by kind, compile time and largest difference from today's;
+* ``vae``: the FLUX.1 VAE decode at 512² and 1024², replayed from a CUDA graph: diffusers' own (``eager``,
+  the reference of the differences), fast mode's group norms patched (``patched``, ``patches.group_norm``),
+  channels-last eager (group norm's moments over NHWC), the decoder's resnet and upsampling blocks
+  compiled by inductor with dynamic shapes (one compiled graph per block class and width, as fast mode
+  compiles repeated blocks), channels-last with fused kernels (``fused``, ``patches.vae_decoder``, fast
+  mode's default), and the whole decoder compiled with static shapes; each with its kernel
+  time by kind, compile time, largest difference from eager's and PSNR against it (``--vae-variants``
+  picks some);
 * ``text-encoder``: Qwen3-4B's 36 layers at 64 tokens (the prompt's trimmed length), replayed: eager,
   compiled per layer (one graph for all), and compiled with torchao's row-wise FP8 on their linears;
 * ``encode``: the whole ``encode_prompt`` of an accelerated pipeline (fast mode, FP8): wall time against
@@ -15,12 +18,15 @@ and text encoding about 11 ms (run 110). This probe measures what fast mode coul
 * ``z-block-512``: one Z-Image FP8 block at 512² as fast mode runs it, kernel time by class.
 
     python -m bench.probes.probe_outside_blocks [--sections vae,text-encoder,encode,z-block-512,gemms]
+        [--vae-variants eager,patched,fused,decoder compiled]
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
+import math
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -31,6 +37,7 @@ import torch.nn.functional as F
 from bcg_diffusion.core.hooks import MethodPatches
 from bcg_diffusion.features import compiled_blocks as fast
 from bcg_diffusion.patches.group_norm import patch_group_norms
+from bcg_diffusion.patches.vae_decoder import fuse_decoder
 from bench.probes.probe_fast_floor import graph_replay_ms, kernel_table, section
 
 
@@ -77,8 +84,10 @@ def _vae_variant(vae: Any, name: str) -> Iterator[None]:
     patches = MethodPatches()
     decoder = vae.decoder
     try:
-        if name == "today":
+        if name == "patched":
             patch_group_norms(decoder, patches)
+        elif name == "fused":
+            fuse_decoder(decoder, patches)
         elif name == "channels-last":
             decoder.to(memory_format=torch.channels_last)
             for module in decoder.modules():
@@ -96,7 +105,10 @@ def _vae_variant(vae: Any, name: str) -> Iterator[None]:
         torch._dynamo.reset()
 
 
-def vae() -> None:
+VAE_VARIANTS = ("eager", "patched", "channels-last", "blocks compiled", "fused", "decoder compiled")
+
+
+def vae(variants: tuple[str, ...] = VAE_VARIANTS) -> None:
     pipe = _build()
     vae_ = pipe.vae
     del pipe
@@ -104,7 +116,7 @@ def vae() -> None:
     for size in (512, 1024):
         latents = torch.randn(1, 16, size // 8, size // 8, device="cuda", dtype=torch.bfloat16)
         reference = None
-        for name in ("today", "channels-last", "blocks compiled", "decoder compiled"):
+        for name in ("eager", *(v for v in variants if v != "eager")):
             with _vae_variant(vae_, name), torch.no_grad():
                 z = latents.to(memory_format=torch.channels_last) if name == "channels-last" else latents
 
@@ -115,8 +127,11 @@ def vae() -> None:
                     first, ms, out = _first_then_replayed(decode)
                     reference = out.clone() if reference is None else reference
                     diff = (out - reference).abs().max().item()
+                    mse = (out.clamp(-1, 1) - reference.clamp(-1, 1)).pow(2).mean().item()
+                    psnr = 10 * math.log10(4.0 / mse) if mse else float("inf")  # images in [-1, 1]
                     print(
-                        f"VAE {size}² {name:18s}: {ms:7.2f} ms replayed; first call {first:5.1f} s; max diff {diff:.4f}"
+                        f"VAE {size}² {name:18s}: {ms:7.2f} ms replayed; first call {first:5.1f} s; "
+                        f"max diff {diff:.4f}; PSNR {psnr:.1f} dB against eager"
                     )
                     kernel_table(decode, f"VAE {size}² {name}", top=10)
                 except Exception as error:
@@ -290,8 +305,13 @@ SECTIONS = {
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sections", default=",".join(SECTIONS))
+    parser.add_argument("--vae-variants", default=",".join(VAE_VARIANTS), help=f"of {', '.join(VAE_VARIANTS)}")
+    args = parser.parse_args()
     print("torch", torch.__version__, "cuDNN", torch.backends.cudnn.version(), flush=True)
-    for name in parser.parse_args().sections.split(","):
+    for name in args.sections.split(","):
         title, body = SECTIONS[name]
-        section(title, body)
+        if name == "vae":
+            section(title, functools.partial(body, tuple(args.vae_variants.split(","))))
+        else:
+            section(title, body)
         torch.cuda.empty_cache()

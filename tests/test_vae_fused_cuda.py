@@ -1,0 +1,115 @@
+"""Fast mode's fused, channels-last VAE decoder on a GPU (marker: cuda).
+
+* The kernels (``kernels/group_norm.py``, ``kernels/vae_glue.py``) against their references at the FLUX.1
+  decoder's shapes and layouts, in float32 and bf16, and deterministic: the same bytes on every call.
+* The full-size FLUX.1 decoder (Z-Image's VAE, random weights) fused against diffusers' own: near it
+  (PSNR printed), the same bytes replayed from a CUDA graph as called eagerly, and diffusers' bytes
+  again once undone.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from bcg_diffusion.core.hooks import MethodPatches
+from bcg_diffusion.kernels import group_norm as kernel
+from bcg_diffusion.kernels import vae_glue
+from bcg_diffusion.models import build_pipeline
+from bcg_diffusion.patches.vae_decoder import fuse_decoder
+
+pytestmark = pytest.mark.cuda
+
+# (shape, groups, layout): the decoder's resnet widths and sizes at 512², its attention's [N, C, H*W] view,
+# and an odd size that fills no tile.
+SHAPES = [
+    ((1, 512, 64, 64), 32, "channels-last"),
+    ((1, 128, 256, 256), 32, "channels-last"),
+    ((1, 256, 128, 128), 32, "contiguous"),
+    ((1, 512, 64, 64), 32, "channels-innermost"),
+    ((2, 64, 30, 17), 32, "channels-last"),
+]
+
+
+def _input(shape: tuple[int, ...], layout: str, dtype: torch.dtype) -> torch.Tensor:
+    x = (torch.randn(*shape, device="cuda") * 2 + 1).to(dtype)
+    if layout == "channels-last":
+        return x.contiguous(memory_format=torch.channels_last)
+    if layout == "channels-innermost":
+        return x.flatten(2).transpose(1, 2).contiguous().transpose(1, 2)
+    return x
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("shape", "groups", "layout"), SHAPES)
+def test_group_norm_kernel_matches_its_reference_and_repeats_its_bytes(shape, groups, layout, dtype):
+    torch.manual_seed(0)
+    x = _input(shape, layout, dtype)
+    weight, bias, pre_bias = (torch.randn(shape[1], device="cuda").to(dtype) for _ in range(3))
+    assert kernel.unsupported(x, groups, weight, bias, pre_bias) is None
+    for silu, pre in ((False, None), (True, pre_bias)):
+        got = kernel.group_norm(x, groups, weight, bias, 1e-6, pre_bias=pre, silu=silu)
+        expected = kernel.reference_group_norm(x, groups, weight, bias, 1e-6, pre_bias=pre, silu=silu)
+        assert got.stride() == x.stride()
+        # float32: moments in another order; bf16: at most about one step of the dtype
+        atol, rtol = (1e-4, 1e-4) if dtype == torch.float32 else (2e-2, 2**-7)
+        torch.testing.assert_close(got, expected, atol=atol, rtol=rtol)
+        assert torch.equal(got, kernel.group_norm(x, groups, weight, bias, 1e-6, pre_bias=pre, silu=silu))
+
+
+@pytest.mark.parametrize("layout", ["channels-last", "contiguous"])
+def test_residual_and_upsampling_kernels(layout):
+    torch.manual_seed(1)
+    hidden, residual = (_input((1, 256, 128, 128), layout, torch.bfloat16) for _ in range(2))
+    bias = torch.randn(256, device="cuda", dtype=torch.bfloat16)
+    for scale in (1.0, 2.0):
+        got = vae_glue.residual_sum(hidden, residual, bias, scale)
+        assert torch.equal(got, vae_glue.reference_residual_sum(hidden, residual, bias, scale))
+    x = _input((1, 512, 64, 64), layout, torch.bfloat16)
+    assert torch.equal(vae_glue.upsample_nearest2x(x), F.interpolate(x, scale_factor=2.0, mode="nearest"))
+
+
+@pytest.fixture(scope="module")
+def flux_vae():
+    pipe = build_pipeline("z-image", "random-full", device="cuda", dtype=torch.bfloat16, num_layers=1)
+    vae = pipe.vae
+    del pipe
+    torch.cuda.empty_cache()
+    return vae
+
+
+def _psnr(image: torch.Tensor, reference: torch.Tensor) -> float:
+    mse = (image.float().clamp(-1, 1) - reference.float().clamp(-1, 1)).pow(2).mean().item()
+    return 10 * math.log10(4.0 / mse) if mse else math.inf  # images in [-1, 1]
+
+
+@pytest.mark.parametrize("size", [512, 1024])
+def test_full_size_decoder_fused_is_near_eager_and_replays_its_bytes(flux_vae, size):
+    latents = torch.randn(1, 16, size // 8, size // 8, device="cuda", dtype=torch.bfloat16)
+    patches = MethodPatches()
+    with torch.no_grad():
+        eager_image = flux_vae.decode(latents).sample
+        try:
+            counts = fuse_decoder(flux_vae.decoder, patches)
+            fused = flux_vae.decode(latents).sample
+            assert torch.equal(fused, flux_vae.decode(latents).sample)
+            graph = torch.cuda.CUDAGraph()
+            flux_vae.decode(latents)  # warm the allocator's pool on a side stream, as capture expects
+            with torch.cuda.graph(graph):
+                replayed = flux_vae.decode(latents).sample
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(replayed, fused)
+        finally:
+            patches.undo()
+        assert torch.equal(flux_vae.decode(latents).sample, eager_image)
+    psnr = _psnr(fused, eager_image)
+    difference = (fused.float() - eager_image.float()).abs().max().item()
+    print(
+        f"\nFLUX.1 decoder {size}² fused {counts}: PSNR {psnr:.1f} dB against eager, max difference {difference:.4f}"
+    )
+    assert fused.is_contiguous() and counts["resnets"] == 14 and counts["upsamplers"] == 3
+    assert psnr > 35.0, psnr
