@@ -26,6 +26,7 @@ from bcg_diffusion.features import vae_decoder
 from bcg_diffusion.kernels import group_norm as kernel
 from bcg_diffusion.kernels import vae_glue
 from bcg_diffusion.models import build_pipeline
+from bcg_diffusion.patches import vae_decoder as vae_decoder_patch
 from bcg_diffusion.patches.group_norm import VAE_GROUP_NORM_PATCH
 from bcg_diffusion.patches.vae_decoder import VAE_FUSED_PATCH, fuse_decoder
 
@@ -115,12 +116,19 @@ def test_fused_decoder_decodes_as_diffusers_and_undo_gives_everything_back():
     assert not any("forward" in m.__dict__ for m in vae.decoder.modules())
 
 
-def test_fused_forwards_run_the_original_outside_their_plain_form():
+def test_fused_forwards_run_the_original_outside_their_plain_form(monkeypatch):
     vae = _vae()
     resnet = next(m for m in vae.decoder.modules() if type(m).__name__ == "ResnetBlock2D")
     upsampler = next(m for m in vae.decoder.modules() if type(m).__name__ == "Upsample2D")
     x = torch.randn(1, resnet.in_channels, 4, 4)
     up_x = torch.randn(1, upsampler.channels, 4, 4)
+    kernel = vae_decoder_patch.upsample_nearest2x
+
+    def no_autograd(x: torch.Tensor) -> torch.Tensor:  # the kernel has no backward: never under autograd
+        assert not torch.is_grad_enabled(), "the upsampling kernel ran with autograd on"
+        return kernel(x)
+
+    monkeypatch.setattr(vae_decoder_patch, "upsample_nearest2x", no_autograd)
     patches = MethodPatches()
     fuse_decoder(vae.decoder, patches)
     try:
@@ -130,10 +138,12 @@ def test_fused_forwards_run_the_original_outside_their_plain_form():
             torch.testing.assert_close(resnet(x), expected, atol=1e-5, rtol=1e-5)
             expected_up = type(upsampler).forward(upsampler, up_x, (6, 6))
             assert torch.equal(upsampler(up_x, output_size=(6, 6)), expected_up)  # not ×2: the original
-        with torch.enable_grad():  # autograd: the original forward, which has a backward
+        with torch.enable_grad():  # autograd: the original forwards, which have a backward
             y = resnet(x.requires_grad_())
             y.sum().backward()
             assert x.grad is not None
+            z = upsampler(up_x.contiguous(memory_format=torch.channels_last).requires_grad_())
+            assert z.requires_grad
     finally:
         patches.undo()
 

@@ -24,7 +24,8 @@ and weights, and changes the forwards of its parts:
   (the mid block's attention's) the kernel's group norm.
 
 Each patched forward checks its module's form when called and runs the original forward otherwise (a
-time embedding passed, training mode, a module replaced since). The arithmetic changes rounding only:
+time embedding passed, training mode, autograd on, a module replaced since): the kernels have no
+backward. The arithmetic changes rounding only:
 float32 inside each fused pass, rounded once where eager rounds after every operator; tested against
 diffusers' own forwards in ``tests/test_vae_fused.py``.
 """
@@ -130,7 +131,8 @@ def _upsampler_forward(block: Any) -> Callable[..., torch.Tensor]:
 
     @functools.wraps(original)
     def forward(hidden_states: torch.Tensor, output_size: Any = None, *args: Any, **kwargs: Any) -> torch.Tensor:
-        if output_size is not None or args or kwargs or hidden_states.dim() != 4 or not _plain_upsampler(block):
+        plain = output_size is None and not args and not kwargs and hidden_states.dim() == 4
+        if not plain or torch.is_grad_enabled() or not _plain_upsampler(block):  # the kernel has no backward
             return original(block, hidden_states, output_size, *args, **kwargs)
         hidden_states = upsample_nearest2x(hidden_states)
         if block.use_conv:
