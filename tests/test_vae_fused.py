@@ -72,6 +72,8 @@ def test_residual_sum_and_upsampling_match_pytorch():
     torch.testing.assert_close(
         vae_glue.residual_sum(hidden, residual, bias, 2.0), (residual + hidden + bias.view(1, -1, 1, 1)) / 2
     )
+    with pytest.raises(ValueError, match="no backward"):
+        vae_glue.residual_sum(hidden.clone().requires_grad_(), residual)
     with pytest.raises(ValueError, match="one \\[N, C, \\*\\] shape"):
         vae_glue.residual_sum(hidden, residual[:, :2])
     x = torch.randn(1, 4, 3, 5).contiguous(memory_format=torch.channels_last)

@@ -35,7 +35,8 @@ def residual_sum(
     """``(residual + hidden + bias[c]) / scale`` for ``[N, C, *]`` tensors of one shape, in ``hidden``'s
     dtype and layout, computed in float32 and rounded once. Runs the kernel where the two share one
     dense layout and dtype on a CUDA device, :func:`reference_residual_sum` elsewhere. Raises
-    ValueError for tensors of different shapes.
+    ValueError for tensors of different shapes, and under autograd (a tensor that requires grad): it
+    has no backward.
 
     >>> h, r = torch.randn(2, 1, 4, 3, 3)
     >>> torch.allclose(residual_sum(h, r, torch.ones(4), 2.0), (r + h + 1) / 2)
@@ -45,6 +46,8 @@ def residual_sum(
         raise ValueError(
             f"hidden {tuple(hidden.shape)} and residual {tuple(residual.shape)} must be one [N, C, *] shape"
         )
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, residual, bias)):
+        raise ValueError("bcg_diffusion's residual sum has no backward: call it without autograd")
     channels = hidden.shape[1]
     takes = (
         triton_unavailable(hidden.device) is None
@@ -79,9 +82,11 @@ def reference_residual_sum(
 
 def upsample_nearest2x(x: torch.Tensor) -> torch.Tensor:
     """``F.interpolate(x, scale_factor=2.0, mode="nearest")`` for ``[N, C, H, W]``, the same bytes: the
-    kernel for a channels-last CUDA tensor, PyTorch's operator for anything else."""
+    kernel for a channels-last CUDA tensor, PyTorch's operator for anything else (a tensor autograd
+    records included: the kernel has no backward)."""
     channels_last = x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous()
-    if not channels_last or triton_unavailable(x.device) is not None or x.dtype not in _DTYPES:
+    recorded = torch.is_grad_enabled() and x.requires_grad
+    if not channels_last or recorded or triton_unavailable(x.device) is not None or x.dtype not in _DTYPES:
         return F.interpolate(x, scale_factor=2.0, mode="nearest")
     batch, channels, height, width = x.shape
     out = torch.empty(
