@@ -124,11 +124,11 @@ def test_fused_forwards_run_the_original_outside_their_plain_form(monkeypatch):
     upsampler = next(m for m in vae.decoder.modules() if type(m).__name__ == "Upsample2D")
     x = torch.randn(1, resnet.in_channels, 4, 4)
     up_x = torch.randn(1, upsampler.channels, 4, 4)
-    kernel = vae_decoder_patch.upsample_nearest2x
+    upsample = vae_decoder_patch.upsample_nearest2x
 
     def no_autograd(x: torch.Tensor) -> torch.Tensor:  # the kernel has no backward: never under autograd
         assert not torch.is_grad_enabled(), "the upsampling kernel ran with autograd on"
-        return kernel(x)
+        return upsample(x)
 
     monkeypatch.setattr(vae_decoder_patch, "upsample_nearest2x", no_autograd)
     patches = MethodPatches()
