@@ -83,14 +83,14 @@ def _plain_resnet(block: Any) -> bool:
 def _plain_upsampler(block: Any) -> bool:
     from diffusers.models.upsampling import Upsample2D
 
-    conv = getattr(block, "conv" if block.name == "conv" else "Conv2d_0", None) if block.use_conv else None
-    return (
-        type(block) is Upsample2D
-        and block.norm is None
-        and not block.use_conv_transpose
-        and block.interpolate
-        and (conv is None or type(conv) is torch.nn.Conv2d)
-    )
+    if type(block) is not Upsample2D or block.norm is not None or block.use_conv_transpose or not block.interpolate:
+        return False
+    return not block.use_conv or type(_upsampler_conv(block)) is torch.nn.Conv2d
+
+
+def _upsampler_conv(block: Any) -> Any:
+    """The convolution an ``Upsample2D`` applies after upsampling (diffusers names it after ``block.name``)."""
+    return block.conv if block.name == "conv" else block.Conv2d_0
 
 
 def _conv(conv: torch.nn.Conv2d, x: torch.Tensor) -> torch.Tensor:
@@ -119,7 +119,7 @@ def _resnet_forward(block: Any) -> Callable[..., torch.Tensor]:
         if block.conv_shortcut is not None:
             residual = _conv(block.conv_shortcut, input_tensor)
             shortcut_bias = block.conv_shortcut.bias
-            if shortcut_bias is not None:
+            if shortcut_bias is not None:  # summed per call, not once: the weights may change in place
                 bias = shortcut_bias if bias is None else bias + shortcut_bias
         return residual_sum(hidden, residual, bias, block.output_scale_factor)
 
@@ -136,7 +136,7 @@ def _upsampler_forward(block: Any) -> Callable[..., torch.Tensor]:
             return original(block, hidden_states, output_size, *args, **kwargs)
         hidden_states = upsample_nearest2x(hidden_states)
         if block.use_conv:
-            hidden_states = (block.conv if block.name == "conv" else block.Conv2d_0)(hidden_states)
+            hidden_states = _upsampler_conv(block)(hidden_states)
         return hidden_states
 
     return forward
@@ -190,7 +190,7 @@ def fuse_decoder(decoder: torch.nn.Module, patches: MethodPatches) -> dict[str, 
             patches.replace(module, "forward", _resnet_forward(module))
             in_resnets.update((id(module.norm1), id(module.norm2)))
             counts["resnets"] += 1
-        elif type(module).__name__ == "Upsample2D" and _plain_upsampler(module):
+        elif _plain_upsampler(module):
             patches.replace(module, "forward", _upsampler_forward(module))
             counts["upsamplers"] += 1
     out_norm, out_act = decoder.conv_norm_out, decoder.conv_act
