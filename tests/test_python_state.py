@@ -81,6 +81,44 @@ def test_the_watch_sees_each_kind_of_change(where):
     assert watch.readers(found[where]) == {"sig"}
 
 
+def test_a_value_read_as_none_is_watched_like_any_other():
+    model = Shifted().eval()
+    model.extra = None  # read as None (set, unlike an absent name)
+    watch = StateWatch()
+    watch.add("sig", _recorded(model, torch.randn(2, 4)).reads)
+    assert watch.changes() == []
+    model.extra = 2.0
+    assert [w.describe_change() for w in watch.changes()] == ["extra: None -> 2.0"]
+    model.extra = None
+    assert watch.changes() == []
+    del model.extra
+    assert [w.describe_change() for w in watch.changes()] == ["extra: None -> deleted"]
+
+
+def _float8_weight(seed: int) -> torch.nn.Parameter:
+    float8 = pytest.importorskip("torchao.quantization.quantize_.workflows")
+    from torchao.quantization import PerRow
+
+    weight = torch.randn(4, 4, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
+    tensor = float8.Float8Tensor.from_hp(weight, float8_dtype=torch.float8_e4m3fn, granularity=PerRow())
+    return torch.nn.Parameter(tensor, requires_grad=False)
+
+
+def test_a_quantized_weights_inner_tensors_are_watched():
+    # A torchao Float8Tensor has no storage of its own (its data_ptr() is 0): a graph reads its inner
+    # qdata and scale, so assigning one is a change, which a check of data_ptr() alone never saw.
+    model = Shifted().eval().to(torch.bfloat16)
+    model.proj.weight = _float8_weight(0)
+    watch = StateWatch()
+    watch.add("sig", _recorded(model, torch.randn(2, 4, dtype=torch.bfloat16)).reads)
+    assert watch.changes() == []
+    with torch.no_grad():
+        model.proj.weight.qdata.copy_(_float8_weight(1).qdata)  # in place: the graph reads the new values
+    assert watch.changes() == []
+    model.proj.weight.qdata = _float8_weight(2).qdata
+    assert [w.describe_change() for w in watch.changes()] == ["proj.weight: replaced"]
+
+
 def test_weights_written_in_place_are_no_change():
     model = Shifted()
     watch = StateWatch()

@@ -97,6 +97,31 @@ def test_fast_fp8_replays_a_replaced_projection_not_the_fused_product():
             restore(pipe)
 
 
+@fp8
+@pytest.mark.parametrize("mode", ["exact", "fast"])
+def test_an_fp8_weights_data_assigned_after_capture_reaches_the_images(mode):
+    # A torchao Float8Tensor has no storage of its own: the graphs read its inner qdata. Before the state
+    # check watched those, assigning one (here a query projection's) replayed the old one; in fast mode
+    # the fused query, key and value product kept the old rows too.
+    with cuda_pipeline("z-image", "tiny") as pipe:
+        accelerate(pipe, mode=mode, quantize="fp8")
+        try:
+            before = _run(pipe, "z-image")
+            weight = pipe.transformer.layers[0].attention.to_q.weight
+            weight.qdata = weight.qdata.flip(0).contiguous()
+            after = [_run(pipe, "z-image") for _ in range(2)]
+            report = assert_graphs_ran(pipe, components=("transformer",))
+            assert report["state_changes"] >= 1, report
+            assert report["fused_qkv_dropped"] == (1 if mode == "fast" else 0), report
+            with eager(pipe):
+                reference = _run(pipe, "z-image")
+            assert not torch.equal(reference, before), "the new data changes the image"
+            for image in after:
+                assert torch.equal(image, reference)
+        finally:
+            restore(pipe)
+
+
 @pytest.mark.parametrize(
     "config",
     [Int8WeightOnlyConfig(set_inductor_config=False), "fp8"],

@@ -97,7 +97,7 @@ def plain(value: Any) -> Any:
     if value is None or isinstance(value, _IMMUTABLE):
         return value
     if isinstance(value, torch.Tensor):
-        return ("tensor", value.data_ptr(), tuple(value.shape), value.stride(), value.dtype, value.device)
+        return ("tensor", storage(value), tuple(value.shape), value.stride(), value.dtype, value.device)
     if isinstance(value, (tuple, list)):
         items = tuple(plain(item) for item in value)
         return _SKIP if any(item is _SKIP for item in items) else (type(value).__name__, items)
@@ -105,6 +105,18 @@ def plain(value: Any) -> Any:
         items = tuple((repr(key), plain(item)) for key, item in value.items())
         return _SKIP if any(item is _SKIP for _, item in items) else ("dict", tuple(sorted(items, key=repr)))
     return _SKIP
+
+
+def storage(tensor: torch.Tensor) -> Any:
+    """Where ``tensor``'s values live, as something comparable with ``==``: a plain tensor's data address;
+    for a wrapper subclass (a tensor with ``__tensor_flatten__``, such as torchao's ``Float8Tensor``), which
+    has no storage of its own (its ``data_ptr()`` is 0, and slow through its ``__torch_function__``), a
+    tuple of ``(name, storage)`` for each inner tensor that holds its values. A graph reads those inner
+    tensors' memory, so assigning one (``weight.qdata = other``) is a change."""
+    if getattr(type(tensor), "__tensor_flatten__", None) is None:
+        return tensor.data_ptr()
+    names, _ = tensor.__tensor_flatten__()
+    return tuple((name, storage(getattr(tensor, name))) for name in names)
 
 
 def is_skipped(token: Any) -> bool:
@@ -154,7 +166,7 @@ class Watched:
                 return False
             return value is ABSENT or plain(value) != self.token
         if self.kind == "tensor":  # the same parameter object, on the same storage (or None, as before)
-            return value is not self.value or (value is not None and value.data_ptr() != self.token)
+            return value is not self.value or (value is not None and storage(value) != self.token)
         if self.kind == "module":
             return value is not self.value
         if self.kind == "absent":
@@ -336,8 +348,8 @@ class ReadRecorder:
             if holder is not None and name in holder:
                 value = holder[name]
                 if kind == "tensor":
-                    pointer = value.data_ptr() if value is not None else None
-                    self.reads[key] = Watched(key, where, kind, holder, name, value, pointer)
+                    token = storage(value) if value is not None else None
+                    self.reads[key] = Watched(key, where, kind, holder, name, value, token)
                 else:
                     self.reads[key] = Watched(key, where, kind, holder, name, value, None)
                 return
@@ -398,7 +410,7 @@ class StateWatch:
             self._compiled = self._compile()
         holders, names, values, tensors, pointers, by_value = self._compiled
         unchanged = (
-            all(map(operator.is_, map(dict.get, holders, names), values))
+            all(map(operator.is_, map(dict.get, holders, names, itertools.repeat(ABSENT)), values))
             and list(map(torch.Tensor.data_ptr, tensors)) == pointers
             and not any(item.changed() for item in by_value)
         )
@@ -406,17 +418,22 @@ class StateWatch:
 
     def _compile(self) -> tuple[list, list, list, list, list, list]:
         """The lists :meth:`changes` checks in one pass: (holder, name, object read) for every value
-        bound by name, (tensor, storage) for every tensor, and the items compared by value."""
+        bound by name (``None`` included), (tensor, data address) for every plain tensor, and the items
+        compared by value. A wrapper subclass's inner tensors (:func:`storage`) are bound by name in its
+        ``__dict__`` and checked the same way; those it keeps elsewhere are compared by value."""
         holders, names, values, tensors, pointers, by_value = [], [], [], [], [], []
         for item in self._items.values():
-            single = item.kind in ("attribute", "tensor", "module") and item.value is not None
+            single = item.kind in ("attribute", "tensor", "module")
             if single:
                 holders.append(item.holder)
                 names.append(item.name)
                 values.append(item.value)
-            if item.kind == "tensor" and item.value is not None:
-                tensors.append(item.value)
-                pointers.append(item.token)
+            if (
+                item.kind == "tensor"
+                and item.value is not None
+                and not _bind_storage(item.value, item.token, holders, names, values, tensors, pointers)
+            ):
+                by_value.append(item)
             if not single or (item.kind == "attribute" and not _immutable(item.value)):
                 by_value.append(item)
         return holders, names, values, tensors, pointers, by_value
@@ -444,6 +461,30 @@ class StateWatch:
         self._items.clear()
         self._readers.clear()
         self._compiled = None
+
+
+def _bind_storage(
+    tensor: torch.Tensor, token: Any, holders: list, names: list, values: list, tensors: list, pointers: list
+) -> bool:
+    """Add ``tensor``'s storage (:func:`storage` gave ``token`` at capture) to :meth:`StateWatch._compile`'s
+    lists: a plain tensor's address, or a wrapper subclass's inner tensors, each bound by name in its
+    ``__dict__`` and checked the same way. False where that cannot be done (an inner tensor that is not an
+    instance attribute, or not there at all); the caller then compares the tensor by value."""
+    if not isinstance(token, tuple):
+        tensors.append(tensor)
+        pointers.append(token)
+        return True
+    instance = getattr(tensor, "__dict__", {})
+    for name, inner_token in token:
+        inner = instance.get(name, ABSENT)
+        if not isinstance(inner, torch.Tensor):
+            return False
+        holders.append(instance)
+        names.append(name)
+        values.append(inner)
+        if not _bind_storage(inner, inner_token, holders, names, values, tensors, pointers):
+            return False
+    return True
 
 
 def _immutable(value: Any) -> bool:

@@ -72,34 +72,44 @@ def choose(model: torch.nn.Module, fused: bool) -> int:
     return len(modules)
 
 
+def _inner_names(weight: torch.Tensor) -> tuple[str, ...]:
+    """The attributes of ``weight`` holding the tensors with its values (a tensor subclass's, such as
+    torchao's ``qdata`` and ``scale``); none for a plain tensor."""
+    if getattr(type(weight), "__tensor_flatten__", None) is None:
+        return ()
+    names, _ = weight.__tensor_flatten__()
+    return tuple(names)
+
+
 def _inner(weight: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """``weight``'s tensors that hold its values (the inner ones of a tensor subclass such as torchao's)."""
-    if getattr(type(weight), "__tensor_flatten__", None) is None:
-        return (weight,)
-    names, _ = weight.__tensor_flatten__()
-    return tuple(getattr(weight, name) for name in names)
+    names = _inner_names(weight)
+    return tuple(getattr(weight, name) for name in names) if names else (weight,)
 
 
 @dataclass
 class _Fused:
     """One attention module's fusion: its three projections and weights as fused, the tensors holding
-    those weights' values and their version counters then (every in-place write bumps them)."""
+    those weights' values (each weight's ``(attribute, tensor)`` pairs; a plain tensor's is ``("", itself)``)
+    and their version counters then (every in-place write bumps them)."""
 
     name: str
     attention: torch.nn.Module
     projections: tuple[torch.nn.Module, ...]
     weights: tuple[torch.Tensor, ...]
-    inner: tuple[torch.Tensor, ...]
+    inner: tuple[tuple[tuple[str, torch.Tensor], ...], ...]
     versions: list[int]
 
     def stale(self) -> str | None:
         """Why the fused product no longer equals the three (None: it does)."""
-        for name, module, weight in zip(_PROJECTIONS, self.projections, self.weights, strict=True):
+        for name, module, weight, inner in zip(_PROJECTIONS, self.projections, self.weights, self.inner, strict=True):
             if getattr(self.attention, name, None) is not module:
                 return f"{name} was replaced"
             if module.weight is not weight:
                 return f"{name}.weight was replaced"
-        if [t._version for t in self.inner] != self.versions:
+            if any(attribute and getattr(weight, attribute) is not tensor for attribute, tensor in inner):
+                return f"{name}.weight's data was replaced"
+        if [t._version for held in self.inner for _, t in held] != self.versions:
             return "a projection's weight was written in place"
         return None
 
@@ -168,8 +178,9 @@ def fuse_qkv(model: torch.nn.Module, done: Quantized) -> list[_Fused]:
             module.weight = torch.nn.Parameter(part, requires_grad=False)  # a view: the memory is shared
         attention.add_module(FUSED_QKV_ATTRIBUTE, linear)
         weights = tuple(m.weight for m in projections)
-        inner = tuple(t for w in weights for t in _inner(w))
-        fused.append(_Fused(name, attention, projections, weights, inner, [t._version for t in inner]))
+        inner = tuple(tuple(zip(_inner_names(w) or ("",), _inner(w), strict=True)) for w in weights)
+        versions = [t._version for held in inner for _, t in held]
+        fused.append(_Fused(name, attention, projections, weights, inner, versions))
     return fused
 
 
