@@ -32,6 +32,7 @@ MODES: tuple[str, ...] = (
     "fast-fp8-uncompiled-te",
     "fast-fp8-compiled-vae",
     "fast-fp8-patched-vae",
+    "fast-fp8-inductor-glue",
     "eager-fp8+cache",
     "fast-fp8+cache",
     "fast-fp8-attn+cache",
@@ -66,6 +67,7 @@ FP8_MODES: tuple[str, ...] = (
     "fast-fp8-uncompiled-te",
     "fast-fp8-compiled-vae",
     "fast-fp8-patched-vae",
+    "fast-fp8-inductor-glue",
     "eager-fp8+cache",
     "fast-fp8+cache",
     "fast-fp8-attn+cache",
@@ -113,6 +115,8 @@ DESCRIPTIONS = {
     '(features.vae_decoder.choose(pipe.vae, "compiled"))',
     "fast-fp8-patched-vae": "fast-fp8 with the VAE decoder as fast mode ran it before run 133: contiguous, only "
     'its group norms patched (features.vae_decoder.choose(pipe.vae, "patched"))',
+    "fast-fp8-inductor-glue": "fast-fp8 with Z-Image's block glue (norms, modulation, gated residuals, FP8 input "
+    "scales) compiled by inductor, not in our three kernels (patches.zimage_block.choose)",
     "eager-fp8+cache": "eager-fp8 with the step cache (--cache)",
     "fast-fp8+cache": "fast-fp8 with the same step cache inside its graphs",
     "fast-fp8-attn+cache": "fast-fp8-attn with the same step cache inside its graphs",
@@ -133,16 +137,16 @@ EXACT.update(
 )
 EXACT.update({"eager-fp8+cache": True, "fast-fp8+cache": False, "fast-fp8-attn+cache": False})
 EXACT.update({"fast-fp8-attn-triton": False, "fast-fp8-unfused-qkv": False, "fast-fp8-uncompiled-te": False})
-EXACT.update({"fast-fp8-compiled-vae": False, "fast-fp8-patched-vae": False})
+EXACT.update({"fast-fp8-compiled-vae": False, "fast-fp8-patched-vae": False, "fast-fp8-inductor-glue": False})
 EXACT.update({"eager+cachedit": True, "bcg+cachedit": True, "fast+cachedit": False})
 OURS = ("bcg", "bcg-no-te", "bcg-no-auto", "fast", "fast-no-te", "fast-no-auto", "fast-unbatched")
 OURS += ("bcg+cachedit", "fast+cachedit")
 OURS += ("bcg+cache", "fast+cache", "fast-unbatched+cache", "bcg-fp8", "fast-fp8", "fast-fp8-attn", "fast-fp8+cache")
 OURS += ("fast-fp8-torchao-ff", "fast-fp8-attn-triton", "fast-fp8-attn+cache", "fast-fp8-unfused-qkv")
-OURS += ("fast-fp8-uncompiled-te", "fast-fp8-compiled-vae", "fast-fp8-patched-vae")
+OURS += ("fast-fp8-uncompiled-te", "fast-fp8-compiled-vae", "fast-fp8-patched-vae", "fast-fp8-inductor-glue")
 FAST = ("fast", "fast-no-te", "fast-no-auto", "fast-unbatched", "fast+cache", "fast-fp8", "fast-fp8-attn")
 FAST += ("fast-fp8-torchao-ff", "fast-fp8-attn-triton", "fast-fp8-attn+cache", "fast-fp8-unfused-qkv")
-FAST += ("fast-fp8-uncompiled-te", "fast-fp8-compiled-vae", "fast-fp8-patched-vae")
+FAST += ("fast-fp8-uncompiled-te", "fast-fp8-compiled-vae", "fast-fp8-patched-vae", "fast-fp8-inductor-glue")
 FAST += ("fast-fp8+cache", "fast+cachedit", "fast-unbatched+cache")
 
 

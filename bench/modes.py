@@ -23,7 +23,7 @@ from bcg_diffusion import accelerate, eager, restore, stats
 from bcg_diffusion.features import compiled_text_encoder, fp8_attention, fused_qkv, vae_decoder
 from bcg_diffusion.features.quantization import FP8, quantize_transformer
 from bcg_diffusion.features.step_caching import enable_cache
-from bcg_diffusion.patches import fp8_feed_forward
+from bcg_diffusion.patches import fp8_feed_forward, zimage_block
 
 from .catalog import (  # noqa: F401 - the names, re-exported for the modules that import them from here
     ABLATIONS,
@@ -153,6 +153,7 @@ class ModeOptions:
     uncompiled_text_encoder: bool = False  # -uncompiled-te: the text encoder's layers eager
     compiled_vae: bool = False  # -compiled-vae: the VAE decoder compiled whole (an opt-in)
     patched_vae: bool = False  # -patched-vae: the VAE decoder contiguous, only its group norms patched
+    inductor_glue: bool = False  # -inductor-glue: Z-Image's FP8 block glue compiled by inductor
 
 
 def parse(name: str) -> ModeOptions:
@@ -172,6 +173,7 @@ def parse(name: str) -> ModeOptions:
         ("-uncompiled-te", "uncompiled_text_encoder"),
         ("-compiled-vae", "compiled_vae"),
         ("-patched-vae", "patched_vae"),
+        ("-inductor-glue", "inductor_glue"),
         ("-fp8", "fp8"),
     ):
         options[option] = rest.endswith(suffix)
@@ -217,6 +219,8 @@ def prepare(
         vae_decoder.choose(pipe.vae, "compiled")
     if options.patched_vae:
         vae_decoder.choose(pipe.vae, "patched")
+    if options.inductor_glue:
+        zimage_block.choose(pipe.transformer, False)
     quantize = FP8 if options.fp8 else None
     base_name = options.base
     if base_name == "eager" and quantize is not None:

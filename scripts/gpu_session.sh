@@ -31,6 +31,13 @@
 #                    the text encoder's layers eager / compiled / FP8, encode_prompt's host share, an FP8 block at 512²
 #                    (bench/probes/probe_outside_blocks.py; OUTSIDE_SECTIONS=vae,text-encoder,encode,z-block-512;
 #                    VAE_VARIANTS=eager,patched,fused,... picks the decoder variants)
+#   probe-block-glue the block-glue kernels (kernels/block_glue.py) against their references on the GPU, then one
+#                    Z-Image FP8 block with inductor's glue and with ours, each kernel alone with its launch settings
+#   tests-block-glue the block-glue kernels against their references, a Z-Image FP8 block with them (near inductor's
+#                    glue, its graph replaying its compiled bytes), tiny Z-Image fast FP8 equal to its compiled blocks,
+#                    and an FP8 weight's data assigned after capture reaching the images, exact and fast
+#   bench-block-glue-z Z-Image-Turbo 512² and 1024², 8 steps: eager, fast-fp8, fast-fp8-inductor-glue, timed as bench
+#                    times by default and again with --stage-syncs (BLOCK_GLUE_MODES picks the modes)
 #   tests-vae-fused  the fused channels-last VAE decoder's kernels and the full-size FLUX.1 decoder (tests/test_vae_fused_cuda.py)
 #   probe-fp8-ff     the FP8 feed-forward kernels (kernels/activation_fp8.py) against their references on the GPU, then
 #                    one Qwen-Image and one Z-Image FP8 block with inductor's kernel and with ours, each kernel alone
@@ -164,6 +171,29 @@ case "$phase" in
       tests/test_attention_kernels_cuda.py 2>&1 | grep -v "Warning\|warnings.warn" | tee "$out/pytest-activation-fp8.log" | tail -6
     timeout 300 python3 -m bench.probes.probe_attention_kernels --sections fp8-ff,prologue-blocks 2>&1 \
       | grep -v "Warning\|warnings.warn\|_warn_once\|^W[0-9]" | tee "$out/probe-fp8-ff.log" | grep -v "^ *[0-9.]* ms  x" | tail -40
+    ;;
+  probe-block-glue)
+    timeout 120 python3 -m pytest -m cuda -q -rs -s -p no:cacheprovider --tb=short -k block_glue \
+      tests/test_attention_kernels_cuda.py 2>&1 | grep -v "Warning\|warnings.warn" | tee "$out/pytest-block-glue.log" | tail -12
+    timeout 360 python3 -m bench.probes.probe_attention_kernels --sections block-glue 2>&1 \
+      | grep -v "Warning\|warnings.warn\|_warn_once\|^W[0-9]" | tee "$out/probe-block-glue.log" | grep -v "^ *[0-9.]* ms  x" | tail -60
+    ;;
+  tests-block-glue)
+    timeout 560 python3 -m pytest -m cuda -q -rs -s -p no:cacheprovider --tb=short tests/test_zimage_block_cuda.py \
+      -k "block_glue or (fp8_option_equals and z-image and fast) or fp8_weights_data" tests/test_quantize_cuda.py \
+      tests/test_attention_kernels_cuda.py 2>&1 | grep -v "Warning\|warnings.warn" \
+      | tee "$out/pytest-block-glue-tiny.log" | tail -30
+    ;;
+  bench-block-glue-z)
+    # The default measure (no synchronisation inside a call), then the same with --stage-syncs (bench's measure
+    # before run 140), each mode with eager in its run.
+    for syncs in "" "--stage-syncs"; do
+      name="block-glue-z${syncs:+-stage-syncs}"
+      timeout 280 python3 -m bench --pipeline z-image --weights random-full --resolutions 512x512,1024x1024 --steps 8 \
+        --modes ${BLOCK_GLUE_MODES:-eager,fast-fp8,fast-fp8-inductor-glue} --runs 5 --warmup 0 --no-progress $syncs \
+        --out "$out/$name" 2>&1 | grep -v "Warning\|warnings.warn" > "$out/$name.log"
+      grep "^| \|Checking" "$out/$name.log" | grep -v "^|---"
+    done
     ;;
   bench-fp8-ff-qwen)
     timeout 480 python3 -m bench --pipeline qwen-image --weights random-full --resolutions 1024x1024 --steps 50 \

@@ -5,6 +5,8 @@
 * The GELU epilogue computes diffusers' tanh GELU.
 * The activation-to-FP8 kernels (``kernels/activation_fp8.py``) against their references (diffusers' GELU or
   Z-Image's SwiGLU, then torchao's row scales and cast) at the models' feed-forward widths, and deterministic.
+* The block-glue kernels (``kernels/block_glue.py``) against their references (Z-Image's norms, modulation
+  and gated residuals, then torchao's row scales and cast) at Z-Image's width, and deterministic.
 * cuDNN's FP8 attention (``kernels/cudnn_fp8_attention.py``, where nvidia-cudnn-frontend is installed)
   against its float32 reference and float32 attention, odd token counts included, and deterministic.
 * ``accelerate(pipe, mode="fast", attention="fp8")`` on full-size Z-Image (tiny models have heads of
@@ -21,7 +23,7 @@ from _cases import cuda_pipeline, run_case
 
 from bcg_diffusion import accelerate, eager, restore, stats
 from bcg_diffusion.features.fp8_attention import choose
-from bcg_diffusion.kernels import activation_fp8
+from bcg_diffusion.kernels import activation_fp8, block_glue
 from bcg_diffusion.kernels import attention as kernels
 from bcg_diffusion.kernels import cudnn_fp8_attention as cudnn_fp8
 from bcg_diffusion.patches.attention import KERNEL_ATTRIBUTE
@@ -262,3 +264,52 @@ def test_activation_fp8_kernels_match_their_references_and_are_deterministic(row
     assert equal > 0.99, equal
     again = kernel(*tensors)
     assert torch.equal(again[0].view(torch.uint8), data.view(torch.uint8)) and torch.equal(again[1], scale)
+
+
+def _fp8_close(data, scale, expected_data, expected_scale) -> float:
+    """Assert float8 rows near the reference's (values times their row scales): every value within two float8
+    steps, all but one in 10,000 within one; return the share of equal bytes."""
+    # A norm's sum in another order, the GPU's rsqrt and tanh: a value before quantization can move by a
+    # bf16 step at each of its roundings (residual, norm, weight, modulation), and a row's largest with it.
+    # Where the residual's sum cancels (x + gate * branch near 0), a step of its terms is all that is left:
+    # hence a floor of a bf16 step of the row's largest value (its scale times 448, float8's largest).
+    torch.testing.assert_close(scale, expected_scale, rtol=2**-5, atol=0)
+    got, want = (data.float() * scale), (expected_data.float() * expected_scale)
+    largest, row_scale = torch.maximum(got.abs(), want.abs()), torch.maximum(scale, expected_scale)
+    floor = row_scale * 448 * 2**-8
+    difference = (got - want).abs()
+    worst = (difference - largest * 2**-2 - floor).flatten().argmax()
+    where = f"worst at {worst.item()}: {got.flatten()[worst].item()} against {want.flatten()[worst].item()}"
+    assert torch.all(difference <= largest * 2**-2 + floor), where
+    beyond_one_step = (difference > largest * (2**-3 + 2**-5) + floor).float().mean().item()
+    assert beyond_one_step < 1e-4, (beyond_one_step, where)
+    return (data.view(torch.uint8) == expected_data.view(torch.uint8)).float().mean().item()
+
+
+@needs_fp8
+@pytest.mark.parametrize("tokens", [1, 1088, 4160])
+@pytest.mark.parametrize("batch", [1, 2])
+def test_block_glue_kernels_match_their_references_and_are_deterministic(batch, tokens):
+    torch.manual_seed(0)
+    width = 3840  # Z-Image's
+    x, branch = (torch.randn(batch, tokens, width, device="cuda", dtype=torch.bfloat16) * 2 for _ in range(2))
+    weights = [1 + 0.1 * torch.randn(width, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
+    modulation = 0.5 * torch.randn(batch, 4 * width, device="cuda", dtype=torch.bfloat16)
+    gate, scale = modulation[:, :width], modulation[:, 2 * width : 3 * width]  # rows of one product
+    assert block_glue.unavailable(x.device) is None
+    fp8 = torch.float8_e4m3fn
+
+    first = block_glue.modulated_norm_fp8(x, weights[0], 1e-5, scale)
+    equal = [_fp8_close(*first, *block_glue.reference_modulated_norm_fp8(x, weights[0], 1e-5, scale, fp8))]
+    second = block_glue.gated_residual_fp8(x, branch, weights[1], 1e-6, gate, weights[0], 1e-5, scale)
+    want = block_glue.reference_gated_residual_fp8(x, branch, weights[1], 1e-6, gate, weights[0], 1e-5, scale, fp8)
+    # the stream: one bf16 step at most (the norm's sum in another order, the GPU's rsqrt and tanh)
+    torch.testing.assert_close(second[0], want[0], rtol=2**-7, atol=2**-7)
+    equal.append(_fp8_close(*second[1:], *want[1:]))
+    third = block_glue.gated_residual(x, branch, weights[1], 1e-6, gate)
+    torch.testing.assert_close(third, block_glue.reference_gated_residual(x, branch, weights[1], 1e-6, gate),
+                               rtol=2**-7, atol=2**-7)  # fmt: skip
+    assert min(equal) > 0.98, equal
+    again = block_glue.gated_residual_fp8(x, branch, weights[1], 1e-6, gate, weights[0], 1e-5, scale)
+    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(again, second, strict=True))
+    print(f"\n{batch}x{tokens}: float8 bytes equal to the reference {equal}")

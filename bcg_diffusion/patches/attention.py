@@ -48,6 +48,7 @@ from diffusers.models.attention_dispatch import dispatch_attention_fn as _diffus
 
 from ..kernels import attention as kernels
 from ..kernels import cudnn_fp8_attention, qk_prologue, triton_available
+from .fp8_feed_forward import Fp8Rows, linear_on_fp8
 from .rope import rotate_pairs
 from .scoped import ProcessorPatch
 
@@ -60,6 +61,7 @@ __all__ = [
     "ZIMAGE_ROPE_PATCH",
     "FUSED_QKV_ATTRIBUTE",
     "FUSED_QKV_PROCESSORS",
+    "TAKES_FP8_ROWS",
     "cudnn_attention_unsupported",
     "dispatch_attention_fn",
     "qwen_joint_attention_per_group",
@@ -240,6 +242,9 @@ QK_PROLOGUE_DEFAULT = "auto"
 # :mod:`bcg_diffusion.features.fused_qkv` gave it one, and the processors (by class name) that use it.
 FUSED_QKV_ATTRIBUTE = "bcg_to_qkv"  # registered: in the state_dict while fused
 FUSED_QKV_PROCESSORS = ("ZSingleStreamAttnProcessor",)
+# Set on a processor's ``__call__`` that takes its input quantized already (:class:`Fp8Rows`) where the
+# module holds the fused FP8 product: fast mode's Z-Image processor.
+TAKES_FP8_ROWS = "_bcg_takes_fp8_rows"
 _TRITON = triton_available()  # once: compiled code must not trace importlib
 
 
@@ -488,10 +493,16 @@ def _fused_norm_rope(
     return qk_prologue.norm_rope(query, key, norms[0], norms[1], freqs)
 
 
-def _zimage_projections(attn: torch.nn.Module, hidden_states: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def _zimage_projections(attn: torch.nn.Module, hidden_states: torch.Tensor | Fp8Rows) -> tuple[torch.Tensor, ...]:
     """Query, key and value ``[B, S, H, D]``: three views of one product where the module holds a fused
-    projection (:data:`FUSED_QKV_ATTRIBUTE`), else the three products."""
+    projection (:data:`FUSED_QKV_ATTRIBUTE`), else the three products. ``hidden_states`` may come
+    quantized already (:class:`Fp8Rows`, from fast mode's Z-Image block), for the fused FP8 product only;
+    raises ValueError when the module holds none."""
     fused = getattr(attn, FUSED_QKV_ATTRIBUTE, None)
+    if isinstance(hidden_states, Fp8Rows):
+        if fused is None:
+            raise ValueError("an input quantized already needs the fused FP8 query, key and value product")
+        return linear_on_fp8(fused, *hidden_states).unflatten(-1, (3, attn.heads, -1)).unbind(-3)
     if fused is not None:
         return fused(hidden_states).unflatten(-1, (3, attn.heads, -1)).unbind(-3)
     return tuple(linear(hidden_states).unflatten(-1, (attn.heads, -1)) for linear in (attn.to_q, attn.to_k, attn.to_v))
@@ -511,7 +522,7 @@ def _zimage_attention_call(dispatch: Callable[..., torch.Tensor], default: str) 
         freqs_cis: torch.Tensor | None = None,
     ) -> torch.Tensor:
         query, key, value = _zimage_projections(attn, hidden_states)
-        fused = _fused_norm_rope(attn, query, key, freqs_cis) if _fused_prologue(attn, hidden_states) else None
+        fused = _fused_norm_rope(attn, query, key, freqs_cis) if _fused_prologue(attn, query) else None
         if fused is not None:
             query, key = fused
         else:
@@ -533,6 +544,7 @@ def _zimage_attention_call(dispatch: Callable[..., torch.Tensor], default: str) 
             output = attn.to_out[1](output)  # dropout
         return output
 
+    setattr(__call__, TAKES_FP8_ROWS, True)
     return __call__
 
 

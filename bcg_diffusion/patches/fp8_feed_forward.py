@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -42,8 +42,11 @@ __all__ = [
     "FP8_FEED_FORWARD_PATCH",
     "choose",
     "fused_forward",
+    "Fp8Rows",
+    "linear_on_fp8",
     "patch_fp8_feed_forwards",
     "unfit",
+    "unfit_weight",
 ]
 
 FP8_FEED_FORWARD_PATCH = "FP8 feed-forward: the activation and the down projection's input in one kernel"
@@ -65,7 +68,7 @@ def _mslk_installed() -> bool:
     return _is_mslk_available()
 
 
-def _row_wise_fp8(weight: Any) -> str | None:
+def unfit_weight(weight: Any) -> str | None:
     """Why ``weight`` is not a torchao FP8 weight with row-wise scales whose activations torchao
     quantizes row-wise with its PyTorch kernels (None: it is)."""
     try:
@@ -138,7 +141,7 @@ def unfit(module: torch.nn.Module) -> str | None:
     """Why ``module`` does not take :func:`fused_forward` (None: it does): it must be diffusers'
     ``FeedForward`` holding a tanh ``GELU``, or Z-Image's SwiGLU ``FeedForward``, with a dropout (if any)
     that drops nothing, its projections plain ``nn.Linear`` with torchao row-wise FP8 weights
-    (:func:`_row_wise_fp8`)."""
+    (:func:`unfit_weight`)."""
     parts = _locate(module)
     if isinstance(parts, str):
         return parts
@@ -148,7 +151,7 @@ def unfit(module: torch.nn.Module) -> str | None:
     if any(type(linear) is not torch.nn.Linear for linear in linears):
         return "a projection is not a plain nn.Linear (LoRA or another wrapper)"
     for linear in linears:
-        reason = _row_wise_fp8(linear.weight)
+        reason = unfit_weight(linear.weight)
         if reason is not None:
             return reason
     return None
@@ -179,27 +182,50 @@ def fused_forward(module: torch.nn.Module) -> Callable[..., torch.Tensor]:
         # torchao's FP8 products, their activation quantized as always
         ups = [projection(hidden_states) for projection in parts.projections]
         data, scale = kernel(*ups)
-        activation = Float8Tensor(
-            data,
-            scale,
-            block_size=[1] * (data.dim() - 1) + [data.shape[-1]],
-            mm_config=weight.mm_config,
-            kernel_preference=weight.kernel_preference,
-            dtype=ups[0].dtype,
-        )
-        # torchao refuses an activation already quantized for a weight that quantizes its own: the same
-        # weight without its activation settings runs the same product on ours
-        bare = Float8Tensor(
-            weight.qdata,
-            weight.scale,
-            block_size=weight.block_size,
-            mm_config=weight.mm_config,
-            kernel_preference=weight.kernel_preference,
-            dtype=weight.dtype,
-        )
-        return F.linear(activation, bare, parts.down.bias)
+        return linear_on_fp8(parts.down, data, scale, ups[0].dtype)
 
     return forward
+
+
+class Fp8Rows(NamedTuple):
+    """An input already quantized per row, as torchao would quantize it for a row-wise FP8 weight: ``data``
+    float8 ``[..., K]``, ``scale`` float32 ``[..., 1]``, and the dtype the input had (the product's output
+    dtype). What :func:`linear_on_fp8` takes, and what fast mode's Z-Image block hands its attention."""
+
+    data: torch.Tensor
+    scale: torch.Tensor
+    dtype: torch.dtype
+
+
+def linear_on_fp8(
+    linear: torch.nn.Linear, data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    """``linear`` (its weight a torchao row-wise FP8 tensor, :func:`unfit`'s conditions) on an input already
+    quantized per row (``data`` float8 ``[..., K]``, ``scale`` float32 ``[..., 1]``, as torchao's own
+    quantization of the input would give them); the output in ``dtype``. torchao's product, which then
+    quantizes nothing."""
+    from torchao.quantization.quantize_.workflows import Float8Tensor
+
+    weight = linear.weight
+    activation = Float8Tensor(
+        data,
+        scale,
+        block_size=[1] * (data.dim() - 1) + [data.shape[-1]],
+        mm_config=weight.mm_config,
+        kernel_preference=weight.kernel_preference,
+        dtype=dtype,
+    )
+    # torchao refuses an activation already quantized for a weight that quantizes its own: the same
+    # weight without its activation settings runs the same product on ours
+    bare = Float8Tensor(
+        weight.qdata,
+        weight.scale,
+        block_size=weight.block_size,
+        mm_config=weight.mm_config,
+        kernel_preference=weight.kernel_preference,
+        dtype=weight.dtype,
+    )
+    return F.linear(activation, bare, linear.bias)
 
 
 def _choice(module: torch.nn.Module) -> str:

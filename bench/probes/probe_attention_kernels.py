@@ -30,7 +30,10 @@
   (``patches.fp8_feed_forward``); then each kernel alone at its block's shape (Qwen-Image: 2 x 4,160 rows of
   12,288; Z-Image: 4,160 rows of 10,240) against the same arithmetic compiled, and its launch settings.
 
-    python -m bench.probes.probe_attention_kernels [--sections kernels,qwen-block,z-block,prologue,prologue-blocks,reductions,fp8-ff]
+* ``block-glue``: one Z-Image FP8 block with its glue compiled by inductor against ``kernels.block_glue``'s
+  kernels, then each kernel alone (``patches.zimage_block``).
+
+    python -m bench.probes.probe_attention_kernels [--sections kernels,qwen-block,z-block,prologue,prologue-blocks,reductions,fp8-ff,block-glue]
 """
 
 from __future__ import annotations
@@ -463,6 +466,77 @@ def fp8_feed_forward() -> None:
             _prologue_report(f"   config {config}", launch, nbytes)
 
 
+def _fp8_block_glue(fused: bool) -> Callable[[torch.nn.Module], None]:
+    """A ``prepare`` for :func:`time_block`: a Z-Image block as fast mode prepares it under FP8 (one product
+    for query, key and value, our feed-forward kernel), its glue compiled by inductor or, with ``fused``, in
+    ``kernels.block_glue``'s kernels (``patches.zimage_block``)."""
+    from bcg_diffusion.features.fused_qkv import fuse_qkv
+    from bcg_diffusion.features.quantization import FP8, default_filter, quantize_transformer, torchao_config
+    from bcg_diffusion.patches import fp8_feed_forward as patch
+    from bcg_diffusion.patches import zimage_block
+
+    def prepare(holder: torch.nn.Module) -> None:
+        done = quantize_transformer(holder, torchao_config(FP8), default_filter(holder))
+        assert fuse_qkv(holder, done), "no fused query, key and value product"
+        assert patch.patch_fp8_feed_forwards(holder, MethodPatches()) > 0  # dropped with the copy
+        if fused:
+            assert zimage_block.patch_zimage_blocks(holder, MethodPatches()) == 1
+
+    return prepare
+
+
+def block_glue() -> None:
+    """One Z-Image FP8 block as fast mode runs it (fused prologue, one product for query, key and value, our
+    feed-forward kernel), 512² then 1024², its glue compiled by inductor against ``kernels.block_glue``; then
+    each of the three kernels alone at both sizes against inductor compiling its reference, with launch
+    settings."""
+    from bcg_diffusion.kernels import block_glue as glue
+
+    base, inputs, processor_patches = _z_block_case()
+    inputs = dict(reversed(list(inputs.items())))  # 512² first: its kernel table is printed
+    for fused in (False, True):
+        label = f"z fp8, glue {'fused' if fused else 'compiled'}"
+        time_block(base, inputs, processor_patches, [(label, "cudnn", False, "fused")], prepare=_fp8_block_glue(fused))
+        torch.cuda.empty_cache()
+    fp8 = torch.float8_e4m3fn
+    for size, tokens in (("512²", 1088), ("1024²", 4160)):
+        x, branch = (torch.randn(1, tokens, Z_DIM, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        weights = [1 + 0.1 * torch.randn(Z_DIM, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
+        modulation = 0.5 * torch.randn(1, 4 * Z_DIM, device="cuda", dtype=torch.bfloat16)
+        gate, scale = modulation[:, :Z_DIM], modulation[:, Z_DIM : 2 * Z_DIM]
+        row = x.numel() * 2
+        cases = {
+            "norm + modulation + FP8 rows": (
+                (x, weights[0], 1e-5, scale, fp8), glue.reference_modulated_norm_fp8, glue.modulated_norm_fp8,
+                row + x.numel(), dict(weight=weights[0], eps=1e-5, scale=scale),
+            ),
+            "gated residual + norm + FP8 rows": (
+                (x, branch, weights[1], 1e-5, gate, weights[0], 1e-5, scale, fp8), glue.reference_gated_residual_fp8,
+                glue.gated_residual_fp8, 3 * row + x.numel(),
+                dict(branch=branch, branch_weight=weights[1], branch_eps=1e-5, gate=gate, weight=weights[0], eps=1e-5,
+                     scale=scale),
+            ),
+            "gated residual": (
+                (x, branch, weights[1], 1e-5, gate), glue.reference_gated_residual, glue.gated_residual, 3 * row,
+                dict(branch=branch, branch_weight=weights[1], branch_eps=1e-5, gate=gate),
+            ),
+        }  # fmt: skip
+        for name, (args, reference, kernel, nbytes, launch_kwargs) in cases.items():
+            print(f"   {name}, Z-Image {size}:")
+            compiled = functools.partial(torch.compile(reference), *args)
+            _prologue_report("inductor (the reference compiled)", compiled, nbytes)
+            kernel_args = args[:-1] if args[-1] is fp8 else args
+            _prologue_report("our kernel", functools.partial(kernel, *kernel_args), nbytes)
+            for config in [(1, 4, True), (1, 8, True), (1, 16, True), (2, 8, True), (4, 8, True), (1, 8, False)]:
+                outputs: dict[str, Any] = {}
+                if "branch" in launch_kwargs:
+                    outputs["stream"] = torch.empty_like(x)
+                if "scale" in launch_kwargs:
+                    outputs["data"], outputs["scales"] = glue._fp8_empty(x, fp8)
+                launch = functools.partial(glue._launch, x, config=config, **launch_kwargs, **outputs)
+                _prologue_report(f"   config {config}", launch, nbytes)
+
+
 SECTIONS = {
     "kernels": ("attention kernels", attention_kernels),
     "qwen-block": ("Qwen-Image block at 1024² CFG, per attention kernel", qwen_block),
@@ -471,6 +545,7 @@ SECTIONS = {
     "prologue-blocks": ("one block per model, attention's prologue compiled against fused", prologue_blocks),
     "reductions": ("one block per model, bf16 and FP8, inductor's persistent reductions widened", reductions),
     "fp8-ff": ("FP8 feed-forwards: the activation and input scales compiled against our kernel", fp8_feed_forward),
+    "block-glue": ("Z-Image FP8 block: its glue compiled against our three kernels", block_glue),
 }
 
 if __name__ == "__main__":

@@ -1,0 +1,316 @@
+"""Z-Image's block glue in three passes: sandwich RMS norms, tanh-gated residuals, ``1 + scale``
+modulation and the next product's row-wise FP8 input.
+
+A Z-Image block (``ZImageTransformerBlock`` with modulation) runs, around its two products::
+
+    h = attention_norm1(x) * (1 + scale_msa)                    # then quantized by the QKV product
+    x = x + tanh(gate_msa) * attention_norm2(attention(h))
+    h = ffn_norm1(x) * (1 + scale_mlp)                          # then quantized by w1 and w3
+    x = x + tanh(gate_mlp) * ffn_norm2(feed_forward(h))
+
+Under ``quantize="fp8"`` each product's input is quantized per row (torchao's dynamic FP8). Compiled,
+inductor makes three kernels of this glue, at 1.2–2.3 TB/s on an H200 (Z-Image 512²: 10, 24 and 11 µs of a
+535 µs FP8 block, run 113). Here each is one pass over the rows that reads each input once and writes
+each output once:
+
+* :func:`modulated_norm_fp8`: ``x`` to the FP8 input of the next product (the block's first line);
+* :func:`gated_residual_fp8`: the branch's output into the stream, and the stream to the next FP8 input
+  (the second and third lines);
+* :func:`gated_residual`: the branch's output into the stream (the last line).
+
+Arithmetic, per row: diffusers' ``RMSNorm`` as it rounds (normalized in float32, rounded to the weight's
+dtype, times the weight, rounded), every product and sum rounded to the model's dtype where PyTorch's
+operators round, ``tanh`` and ``1 + scale`` as PyTorch computes them; then torchao's row scale (the row's
+largest magnitude over the format's largest value, in the model's dtype) and the row divided by it,
+clamped and cast. The GPU kernel multiplies by the scale's reciprocal instead of dividing (a few float32
+ulps, about one float8 value in a hundred moves by one step, as in
+:mod:`bcg_diffusion.kernels.activation_fp8`) and sums each row in its own order. The ``reference_*``
+functions compute the same with PyTorch's operators; they run where the kernel cannot (CPU, no Triton)
+and the tests hold the kernel to them.
+
+Shapes: ``x`` and ``branch`` ``[B, S, C]`` (last dimension contiguous), norm weights ``[C]``, the
+modulation ``gate`` and ``scale`` ``[B, C]`` (rows of the block's modulation product, last dimension
+contiguous). PyTorch custom operators (``bcg_diffusion::modulated_norm_fp8``,
+``bcg_diffusion::gated_residual_fp8``, ``bcg_diffusion::gated_residual``), so a compiled block calls them
+without a graph break; a fixed launch configuration (no autotuning, whose timing-based choice could change
+bytes between processes). Needs Triton and a CUDA GPU (:func:`unavailable`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from . import triton_unavailable
+from .activation_fp8 import _row_wise
+from .qk_prologue import rms_norm
+
+__all__ = [
+    "gated_residual",
+    "gated_residual_fp8",
+    "modulated_norm_fp8",
+    "reference_gated_residual",
+    "reference_gated_residual_fp8",
+    "reference_modulated_norm_fp8",
+    "unavailable",
+    "unsupported",
+]
+
+_DTYPES = (torch.float16, torch.bfloat16)  # the model's dtype: the kernel rounds to it
+_FP8 = (torch.float8_e4m3fn,)  # torchao's default, what quantize="fp8" uses
+_MAX_WIDTH = 8192  # a row is held whole in registers
+# (rows per program, warps, approximate arithmetic) per pass: the first norm alone, the residual then the norm,
+# the residual alone. Fixed, so that the bytes never depend on a timing; the fastest of those timed by
+# bench.probes.probe_attention_kernels --sections block-glue (H200, run 136, alone at Z-Image 512² and 1024²:
+# 6.9 / 18.5, 16.8 / 49.5 and 10.9 / 32.4 µs; 1, 2 or 4 rows per program with 4, 8 or 16 warps tried).
+_CONFIGS = {"norm": (1, 4, True), "residual+norm": (1, 8, True), "residual": (1, 8, True)}
+
+_PASSES = {(False, True): "norm", (True, True): "residual+norm", (True, False): "residual"}  # (residual, quantize)
+
+unavailable = triton_unavailable  # why the Triton kernel cannot run on a device (None: it can)
+
+
+def unsupported(
+    x: torch.Tensor,
+    weights: tuple[torch.Tensor, ...],
+    modulation: tuple[torch.Tensor, ...],
+    branch: torch.Tensor | None = None,
+) -> str | None:
+    """Why the kernels refuse these tensors (None: they take them): ``x`` (and ``branch``) ``[B, S, C]``
+    in half precision, last dimension contiguous; norm ``weights`` ``[C]`` contiguous, in ``x``'s dtype;
+    ``modulation`` ``[B, C]``, last dimension contiguous; every tensor on ``x``'s device. Only tensor
+    properties, decided when a compiled block is traced."""
+    if x.dim() != 3:
+        return f"the stream is {x.dim()}-D, not [batch, tokens, width]"
+    batch, _, width = x.shape
+    if x.dtype not in _DTYPES:
+        return f"dtype {x.dtype} (needs one of {_DTYPES})"
+    if width > _MAX_WIDTH:
+        return f"width {width} is over {_MAX_WIDTH}"
+    if branch is not None and (branch.shape != x.shape or branch.dtype != x.dtype):
+        return f"the branch {tuple(branch.shape)} {branch.dtype} is not shaped like the stream {tuple(x.shape)}"
+    if any(t.stride(-1) != 1 for t in (x, *((branch,) if branch is not None else ()))):
+        return "the last dimension is not contiguous"
+    for weight in weights:
+        if weight.shape != (width,) or weight.dtype != x.dtype or not weight.is_contiguous():
+            return f"a norm weight {tuple(weight.shape)} {weight.dtype} is not a contiguous [{width}] in {x.dtype}"
+    for part in modulation:
+        if part.shape != (batch, width) or part.stride(-1) != 1:
+            return f"a modulation {tuple(part.shape)} is not [{batch}, {width}] with contiguous rows"
+    tensors = (x, *weights, *modulation, *((branch,) if branch is not None else ()))
+    if any(t.device != x.device for t in tensors):
+        return "the tensors are on different devices"
+    return None
+
+
+def _check(reason: str | None) -> None:
+    if reason is not None:
+        raise ValueError(f"bcg_diffusion's block-glue kernel cannot take these tensors: {reason}")
+
+
+def modulated_norm_fp8(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    scale: torch.Tensor,
+    fp8_dtype: torch.dtype = torch.float8_e4m3fn,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``RMSNorm(x) * (1 + scale)`` quantized per row: ``(data, row scales)``, ``data`` in ``fp8_dtype``
+    shaped like ``x``, the scales float32 ``[B, S, 1]``. Raises ValueError on what :func:`unsupported`
+    names.
+
+    >>> x, scale = torch.randn(1, 4, 64, dtype=torch.bfloat16), torch.randn(1, 64, dtype=torch.bfloat16)
+    >>> data, scales = modulated_norm_fp8(x, torch.ones(64, dtype=torch.bfloat16), 1e-5, scale)
+    >>> data.dtype, scales.shape
+    (torch.float8_e4m3fn, torch.Size([1, 4, 1]))
+    """
+    _check(unsupported(x, (weight,), (scale,)) or _fp8(fp8_dtype))
+    return tuple(torch.ops.bcg_diffusion.modulated_norm_fp8(x, weight, eps, scale, fp8_dtype))
+
+
+def gated_residual_fp8(
+    x: torch.Tensor,
+    branch: torch.Tensor,
+    branch_weight: torch.Tensor,
+    branch_eps: float,
+    gate: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    scale: torch.Tensor,
+    fp8_dtype: torch.dtype = torch.float8_e4m3fn,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``x + tanh(gate) * RMSNorm(branch)`` (the new stream), and the new stream's
+    ``RMSNorm * (1 + scale)`` quantized per row: ``(stream, data, row scales)``. Raises ValueError on what
+    :func:`unsupported` names."""
+    _check(unsupported(x, (branch_weight, weight), (gate, scale), branch) or _fp8(fp8_dtype))
+    return tuple(
+        torch.ops.bcg_diffusion.gated_residual_fp8(
+            x, branch, branch_weight, branch_eps, gate, weight, eps, scale, fp8_dtype
+        )
+    )
+
+
+def gated_residual(
+    x: torch.Tensor, branch: torch.Tensor, branch_weight: torch.Tensor, branch_eps: float, gate: torch.Tensor
+) -> torch.Tensor:
+    """``x + tanh(gate) * RMSNorm(branch)``, a new tensor. Raises ValueError on what :func:`unsupported`
+    names."""
+    _check(unsupported(x, (branch_weight,), (gate,), branch))
+    return torch.ops.bcg_diffusion.gated_residual(x, branch, branch_weight, branch_eps, gate)
+
+
+def _fp8(fp8_dtype: torch.dtype) -> str | None:
+    return None if fp8_dtype in _FP8 else f"float8 dtype {fp8_dtype} (needs one of {_FP8})"
+
+
+# ------------------------------------------------------------------------------------- references
+
+
+def reference_modulated_norm_fp8(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, scale: torch.Tensor, fp8_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`modulated_norm_fp8` with PyTorch's operators: Z-Image's steps, then torchao's."""
+    return _row_wise(rms_norm(x, weight, eps) * (1.0 + scale.unsqueeze(1)), fp8_dtype)
+
+
+def reference_gated_residual(
+    x: torch.Tensor, branch: torch.Tensor, branch_weight: torch.Tensor, branch_eps: float, gate: torch.Tensor
+) -> torch.Tensor:
+    """:func:`gated_residual` with PyTorch's operators, as Z-Image's block computes it."""
+    return x + gate.unsqueeze(1).tanh() * rms_norm(branch, branch_weight, branch_eps)
+
+
+def reference_gated_residual_fp8(
+    x: torch.Tensor,
+    branch: torch.Tensor,
+    branch_weight: torch.Tensor,
+    branch_eps: float,
+    gate: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    scale: torch.Tensor,
+    fp8_dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`gated_residual_fp8` with PyTorch's operators."""
+    stream = reference_gated_residual(x, branch, branch_weight, branch_eps, gate)
+    return (stream, *reference_modulated_norm_fp8(stream, weight, eps, scale, fp8_dtype))
+
+
+# ------------------------------------------------------------------------------------------ launch
+
+
+def _launch(
+    x: torch.Tensor,
+    *,
+    branch: torch.Tensor | None = None,
+    branch_weight: torch.Tensor | None = None,
+    branch_eps: float = 0.0,
+    gate: torch.Tensor | None = None,
+    stream: torch.Tensor | None = None,
+    weight: torch.Tensor | None = None,
+    eps: float = 0.0,
+    scale: torch.Tensor | None = None,
+    data: torch.Tensor | None = None,
+    scales: torch.Tensor | None = None,
+    config: tuple[int, int, bool] | None = None,
+) -> None:
+    """Run the kernel over the rows of ``x``: with ``branch`` the gated residual into ``stream``; with
+    ``data`` the quantized norm into ``data`` and ``scales`` (contiguous). On CPU tensors it runs only in
+    Triton's interpreter (``TRITON_INTERPRET=1``)."""
+    import triton.language as tl
+
+    from . import _block_glue_triton as kernels
+
+    residual, quantize = branch is not None, data is not None
+    rows_per_program, warps, approximate = config or _CONFIGS[_PASSES[residual, quantize]]
+    batch, tokens, width = x.shape
+    n_rows = batch * tokens
+    rows = x.reshape(n_rows, width)  # a view wherever the rows have one stride (a copy otherwise)
+    branch_rows = branch.reshape(n_rows, width) if residual else rows
+    stream_rows = stream.view(n_rows, width) if residual else rows
+    out_rows = data.view(n_rows, width) if quantize else rows
+    gate = gate if residual else (scale if quantize else rows)
+    scale = scale if quantize else gate
+    tl_types = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float8_e4m3fn: tl.float8e4nv}
+    fp8_max = float(torch.finfo(data.dtype).max) if quantize else 0.0
+    grid = (-(-n_rows // rows_per_program),)
+    device = torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext()  # CPU: interpreter
+    with device:
+        kernels.block_glue_rows[grid](
+            rows, branch_rows, branch_weight if residual else rows, gate, stream_rows,
+            weight if quantize else rows, scale, out_rows, scales if quantize else rows,
+            n_rows, tokens, rows.stride(0), branch_rows.stride(0), stream_rows.stride(0), out_rows.stride(0),
+            gate.stride(0), scale.stride(0), branch_eps, eps, fp8_max,
+            COLUMNS=width, BLOCK=1 << (width - 1).bit_length(), ROWS=rows_per_program,
+            HP_TY=tl_types[x.dtype], FP8_TY=tl_types[data.dtype] if quantize else tl_types[x.dtype],
+            RESIDUAL=residual, QUANTIZE=quantize, APPROXIMATE=approximate, num_warps=warps,
+        )  # fmt: skip
+
+
+def _fp8_empty(x: torch.Tensor, fp8_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    data = torch.empty(x.shape, dtype=fp8_dtype, device=x.device)
+    return data, torch.empty((*x.shape[:-1], 1), dtype=torch.float32, device=x.device)
+
+
+@torch.library.custom_op("bcg_diffusion::modulated_norm_fp8", mutates_args=())
+def _modulated_norm_fp8_op(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, scale: torch.Tensor, fp8_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if unavailable(x.device) is not None:
+        return reference_modulated_norm_fp8(x, weight, eps, scale, fp8_dtype)
+    data, scales = _fp8_empty(x, fp8_dtype)
+    if x.numel():
+        _launch(x, weight=weight, eps=eps, scale=scale, data=data, scales=scales)
+    return data, scales
+
+
+@_modulated_norm_fp8_op.register_fake
+def _(x, weight, eps, scale, fp8_dtype):  # noqa: ANN001, ANN202
+    return _fp8_empty(x, fp8_dtype)
+
+
+@torch.library.custom_op("bcg_diffusion::gated_residual_fp8", mutates_args=())
+def _gated_residual_fp8_op(
+    x: torch.Tensor,
+    branch: torch.Tensor,
+    branch_weight: torch.Tensor,
+    branch_eps: float,
+    gate: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    scale: torch.Tensor,
+    fp8_dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    if unavailable(x.device) is not None:
+        return reference_gated_residual_fp8(x, branch, branch_weight, branch_eps, gate, weight, eps, scale, fp8_dtype)
+    stream = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    data, scales = _fp8_empty(x, fp8_dtype)
+    if x.numel():
+        _launch(
+            x, branch=branch, branch_weight=branch_weight, branch_eps=branch_eps, gate=gate, stream=stream,
+            weight=weight, eps=eps, scale=scale, data=data, scales=scales,
+        )  # fmt: skip
+    return stream, data, scales
+
+
+@_gated_residual_fp8_op.register_fake
+def _(x, branch, branch_weight, branch_eps, gate, weight, eps, scale, fp8_dtype):  # noqa: ANN001, ANN202
+    return (torch.empty(x.shape, dtype=x.dtype, device=x.device), *_fp8_empty(x, fp8_dtype))
+
+
+@torch.library.custom_op("bcg_diffusion::gated_residual", mutates_args=())
+def _gated_residual_op(
+    x: torch.Tensor, branch: torch.Tensor, branch_weight: torch.Tensor, branch_eps: float, gate: torch.Tensor
+) -> torch.Tensor:
+    if unavailable(x.device) is not None:
+        return reference_gated_residual(x, branch, branch_weight, branch_eps, gate)
+    stream = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if x.numel():
+        _launch(x, branch=branch, branch_weight=branch_weight, branch_eps=branch_eps, gate=gate, stream=stream)
+    return stream
+
+
+@_gated_residual_op.register_fake
+def _(x, branch, branch_weight, branch_eps, gate):  # noqa: ANN001, ANN202
+    return torch.empty(x.shape, dtype=x.dtype, device=x.device)

@@ -1,0 +1,91 @@
+"""The block-glue Triton kernel in Triton's interpreter, against its plain-PyTorch references.
+
+Run as a script by ``test_block_glue.py`` in a process of its own: ``TRITON_INTERPRET=1`` must be set before
+Triton is imported. fp16 only (the interpreter's bf16 is not reliable on this machine). Exits non-zero on the
+first case out of tolerance; prints one line per case.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"
+
+import types  # noqa: E402
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402 - after the environment Triton reads on import
+import triton.language as tl  # noqa: E402
+from triton.runtime.interpreter import TensorHandle  # noqa: E402
+
+from bcg_diffusion.kernels import _block_glue_triton, block_glue  # noqa: E402
+
+
+def _numpy(function):  # noqa: ANN001, ANN202
+    def apply(y: tl.tensor) -> tl.tensor:
+        return tl.tensor(TensorHandle(function(y.handle.data).astype(np.float32), y.handle.dtype), y.type)
+
+    return apply
+
+
+# The interpreter has no libdevice; numpy's float32 functions stand in for it (the GPU's may differ by an ulp).
+_block_glue_triton.libdevice = types.SimpleNamespace(tanh=_numpy(np.tanh), rsqrt=_numpy(lambda v: 1 / np.sqrt(v)))
+
+FP8 = torch.float8_e4m3fn
+
+
+def _close_fp8(data: torch.Tensor, expected: torch.Tensor) -> float:
+    """Assert float8 ``data`` within one mantissa step of ``expected``; return the share of equal bytes."""
+    got, want = data.float(), expected.float()
+    bound = torch.maximum(got.abs(), want.abs()) * 2.0**-3 + torch.finfo(FP8).tiny
+    # The interpreter's float32-to-float8 cast loses the carry when rounding up reaches the next power of
+    # two (124.3 becomes 64, not 128; the GPU's cast instruction does not): accept exactly that.
+    carried = (want.abs() == torch.exp2(torch.round(torch.log2(want.abs())))) & (got == want / 2)
+    assert torch.all(((got - want).abs() <= bound) | carried), (got - want).abs().max()
+    return (data.view(torch.uint8) == expected.view(torch.uint8)).float().mean().item()
+
+
+def case(shape: tuple[int, int, int], config: tuple[int, int, bool], strided: bool) -> None:
+    dtype = torch.float16
+    batch, tokens, width = shape
+    torch.manual_seed(sum(shape))
+    pad = 8 if strided else 0
+    x, branch = ((torch.randn(batch, tokens, width + pad) * 2).to(dtype)[..., :width] for _ in range(2))
+    weights = [(1 + 0.1 * torch.randn(width)).to(dtype) for _ in range(2)]
+    modulation = (0.5 * torch.randn(batch, 4 * width)).to(dtype)  # gate and scale: rows of one product
+    gate, scale = modulation[:, :width], modulation[:, 2 * width : 3 * width]
+
+    data, scales = block_glue._fp8_empty(x, FP8)
+    block_glue._launch(x, weight=weights[0], eps=1e-5, scale=scale, data=data, scales=scales, config=config)
+    want_data, want_scales = block_glue.reference_modulated_norm_fp8(x, weights[0], 1e-5, scale, FP8)
+    torch.testing.assert_close(scales, want_scales, rtol=2e-3, atol=0)
+    equal = [_close_fp8(data, want_data)]
+
+    stream = torch.empty(x.shape, dtype=dtype)
+    block_glue._launch(x, branch=branch, branch_weight=weights[1], branch_eps=1e-6, gate=gate, stream=stream,
+                       config=config)  # fmt: skip
+    want_stream = block_glue.reference_gated_residual(x, branch, weights[1], 1e-6, gate)
+    torch.testing.assert_close(stream, want_stream, rtol=2e-3, atol=2e-3)
+    equal.append((stream == want_stream).float().mean().item())
+
+    stream = torch.empty(x.shape, dtype=dtype)
+    data, scales = block_glue._fp8_empty(x, FP8)
+    block_glue._launch(x, branch=branch, branch_weight=weights[1], branch_eps=1e-6, gate=gate, stream=stream,
+                       weight=weights[0], eps=1e-5, scale=scale, data=data, scales=scales, config=config)  # fmt: skip
+    want = block_glue.reference_gated_residual_fp8(x, branch, weights[1], 1e-6, gate, weights[0], 1e-5, scale, FP8)
+    torch.testing.assert_close(stream, want[0], rtol=2e-3, atol=2e-3)
+    torch.testing.assert_close(scales, want[2], rtol=5e-3, atol=0)
+    equal.append(_close_fp8(data, want[1]))
+    assert min(equal) > 0.9, equal
+    print(f"{shape}, config {config}, strided {strided}: {', '.join(f'{e:.4%}' for e in equal)} equal")
+
+
+def main() -> None:
+    case((1, 5, 96), (1, 4, False), strided=False)
+    case((2, 3, 100), (2, 4, True), strided=True)  # a ragged width, two rows per program past the end
+    case((2, 7, 64), (4, 8, True), strided=True)  # the batch's modulation rows per token
+    print("all cases within tolerance")
+
+
+if __name__ == "__main__":
+    main()
