@@ -202,6 +202,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--warmup", type=runs.at_least(0), default=1, help="untimed runs per mode after the first call"
     )
     parser.add_argument(
+        "--stage-syncs",
+        action="store_true",
+        help="synchronise the GPU at each stage boundary (encode, denoise, decode) inside the timed calls, as bench "
+        "did before run 140; by default the stages are CUDA events and nothing inside a call waits for the GPU",
+    )
+    parser.add_argument(
         "--profile",
         action="store_true",
         help="also profile the denoising loop, after the timed runs (kernel time on a GPU)",
@@ -298,6 +304,7 @@ def main(argv: list[str] | None = None) -> int:
         "command": command,
         "weights": args.weights,
         "runs": args.runs,
+        "stage_syncs": args.stage_syncs,
         "environment": measure.environment(args.device),
         "modes": {name: DESCRIPTIONS[name] for name in args.modes},
         "cases": [],

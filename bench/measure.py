@@ -43,40 +43,66 @@ class CallTiming:
     images: torch.Tensor
 
 
-def timed_call(pipe: Any, case: Case, device: torch.device, seed: int = 0) -> CallTiming:
-    """One call with synchronised clocks at the stage boundaries.
+class _Clock:
+    """Marks at a call's stage boundaries. On a GPU, CUDA events on the current stream, read once the call has
+    synchronised at its end: the call runs as a user's would, with no synchronisation inside it. With
+    ``stage_syncs`` (and on a CPU), host clock readings, each after a synchronisation on a GPU: the stage
+    split is then host time, and the GPU idles at each boundary while the host catches up (bench's measure
+    before run 140)."""
 
-    Stages: ``encode_prompt`` is timed by wrapping it on the pipeline instance; the end of denoising
-    by a ``callback_on_step_end`` that synchronises at the last step only; decode is the rest. The
-    instance's own ``encode_prompt``, if it had one (``text_buckets`` installs its padding there),
-    is what the timing wrapper calls and what is put back afterwards.
+    def __init__(self, device: torch.device, stage_syncs: bool) -> None:
+        self.device, self.stage_syncs = device, stage_syncs
+        self.events = device.type == "cuda" and not stage_syncs
+
+    def mark(self) -> Any:
+        if self.events:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        synchronize(self.device)
+        return time.perf_counter()
+
+    def seconds(self, start: Any, end: Any) -> float:
+        """Seconds from mark ``start`` to mark ``end`` (events: once the device has synchronised)."""
+        return start.elapsed_time(end) / 1e3 if self.events else end - start
+
+
+def timed_call(pipe: Any, case: Case, device: torch.device, seed: int = 0, stage_syncs: bool = False) -> CallTiming:
+    """One call, timed end to end from a synchronised start to a synchronised end, and split into stages.
+
+    Stages: ``encode_prompt`` is marked by wrapping it on the pipeline instance; the end of denoising by a
+    ``callback_on_step_end`` that marks the last step; decode is the rest. On a GPU the marks are CUDA events,
+    so nothing inside the call waits for the device (:class:`_Clock`; ``stage_syncs=True`` synchronises at
+    each mark instead, as bench did before run 140). The instance's own ``encode_prompt``, if it had one
+    (``text_buckets`` installs its padding there), is what the timing wrapper calls and what is put back
+    afterwards.
     """
-    encode_time = [0.0]
-    marks: dict[str, float] = {}
+    clock = _Clock(device, stage_syncs)
+    encodes: list[tuple[Any, Any]] = []
+    marks: dict[str, Any] = {}
     original_encode = pipe.encode_prompt
     missing = object()
     previous = pipe.__dict__.get("encode_prompt", missing)
 
     def encode_prompt(*args: Any, **kwargs: Any) -> Any:
-        synchronize(device)
-        start = time.perf_counter()
+        started = clock.mark()
         result = original_encode(*args, **kwargs)
-        synchronize(device)
-        encode_time[0] += time.perf_counter() - start
-        marks["encoded"] = time.perf_counter()
+        marks["encoded"] = clock.mark()
+        encodes.append((started, marks["encoded"]))
         return result
 
     def on_step_end(pipeline: Any, step: int, timestep: Any, callback_kwargs: dict) -> dict:
         if step == case.steps - 1:
-            synchronize(device)
-            marks["denoised"] = time.perf_counter()
+            marks["denoised"] = clock.mark()
         return {}
 
     pipe.encode_prompt = encode_prompt
     try:
         synchronize(device)
         start = time.perf_counter()
+        first = clock.mark()
         images = pipe(**case.kwargs(seed=seed), callback_on_step_end=on_step_end).images
+        last = clock.mark()
         synchronize(device)
         end = time.perf_counter()
     finally:
@@ -84,9 +110,15 @@ def timed_call(pipe: Any, case: Case, device: torch.device, seed: int = 0) -> Ca
             del pipe.encode_prompt
         else:
             pipe.encode_prompt = previous
-    denoised = marks.get("denoised", end)
-    encoded = marks.get("encoded", start)
-    return CallTiming(end - start, encode_time[0], denoised - encoded, end - denoised, images.detach().cpu())
+    denoised = marks.get("denoised", last)
+    encoded = marks.get("encoded", first)
+    return CallTiming(
+        end - start,
+        sum(clock.seconds(a, b) for a, b in encodes),
+        clock.seconds(encoded, denoised),
+        clock.seconds(denoised, last),
+        images.detach().cpu(),
+    )
 
 
 def image_md5(images: torch.Tensor) -> str:

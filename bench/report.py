@@ -27,6 +27,13 @@ def markdown(record: dict[str, Any]) -> str:
         "Same as eager: every timed run byte-equal to eager's first (untimed) call with the same inputs and "
         "seed; eager's own row compares its timed runs with that call.",
         "",
+        "Stages: "
+        + (
+            "host time between synchronisations at each boundary (--stage-syncs)."
+            if record.get("stage_syncs")
+            else "GPU time between CUDA events at each boundary; nothing inside a timed call waits for the GPU."
+        ),
+        "",
     ]
     for case in record["cases"]:
         out += [f"### {case['label']}", ""]

@@ -156,13 +156,13 @@ def _time_group(
                 )
             measure.reset_peak(device)
             logger.info("%s: %s first call", case.label, name)
-            first = measure.timed_call(mode.pipe, case, device)
+            first = measure.timed_call(mode.pipe, case, device, stage_syncs=args.stage_syncs)
             entry["first_call_s"] = first.total_s
             if name in ("eager", "eager+cache", "eager-fp8", "eager+cachedit"):
                 baselines[name] = first.images
             logger.info("%s: %s first call took %.2f s", case.label, name, first.total_s)
             for _ in range(args.warmup):
-                measure.timed_call(mode.pipe, case, device)
+                measure.timed_call(mode.pipe, case, device, stage_syncs=args.stage_syncs)
             progress.update(1 + args.warmup)
             calls[name] = []
             checked[name] = mode.state_check_seconds()
@@ -180,7 +180,7 @@ def _time_group(
             progress.set_postfix_str(f"{case.label}: {name} run {run + 1}")
             try:
                 measure.reset_peak(device)
-                timing = measure.timed_call(prepared[name].pipe, case, device)
+                timing = measure.timed_call(prepared[name].pipe, case, device, stage_syncs=args.stage_syncs)
             except Exception as exc:
                 logger.exception("mode %s failed on %s", name, case.label)
                 entries[name]["error"] = f"{type(exc).__name__}: {exc}"

@@ -30,6 +30,7 @@ def record(tmp_path_factory):
 def test_outputs_are_written(record):
     out, data = record
     assert (out / "results.md").read_text().startswith("`python -m bench")
+    assert data["stage_syncs"] is False and "Stages: GPU time between CUDA events" in (out / "results.md").read_text()
     assert (out / "results.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert {"torch", "diffusers", "device", "date"} <= set(data["environment"])
     assert "not meaningful" in (out / "results.md").read_text()
@@ -181,6 +182,21 @@ def test_timed_call_puts_back_the_instances_encode_prompt():
     finally:
         restore(pipe)
     assert "encode_prompt" not in pipe.__dict__
+
+
+def test_timed_call_with_stage_syncs_splits_the_same_call_in_host_time():
+    from bcg_diffusion.models import build_pipeline
+    from bench.cases import Case
+    from bench.measure import timed_call
+
+    pipe = build_pipeline("z-image", "tiny", device="cpu")
+    pipe.set_progress_bar_config(disable=True)
+    case, cpu = Case("z-image", 32, 32, steps=2, guidance=0.0), torch.device("cpu")
+    plain, synced = timed_call(pipe, case, cpu), timed_call(pipe, case, cpu, stage_syncs=True)
+    assert torch.equal(plain.images, synced.images)
+    for timing in (plain, synced):
+        assert timing.encode_s > 0 and timing.denoise_s > 0 and timing.decode_s >= 0
+        assert timing.encode_s + timing.denoise_s + timing.decode_s <= timing.total_s
 
 
 def test_verdict_says_plainly_when_a_peer_beats_bcg():
@@ -542,6 +558,7 @@ def test_every_mode_name_parses_to_a_base_mode_and_its_options():
         "fast", fp8=True, fp8_attention=True, triton_attention=True
     )
     assert modes.parse("fast-fp8-attn+cache") == modes.ModeOptions("fast", cache=True, fp8=True, fp8_attention=True)
+    assert modes.parse("fast-fp8-inductor-glue") == modes.ModeOptions("fast", fp8=True, inductor_glue=True)
     with pytest.raises(ValueError, match="unknown mode"):
         modes.parse("fast-fp9")
 
