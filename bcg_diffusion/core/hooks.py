@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import logging
 import threading
+import types
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -27,6 +28,7 @@ __all__ = [
     "baked_state",
     "current_call",
     "diffusers_hooks",
+    "private_copy",
     "register_graph_safe_hooks",
     "serialise_calls",
     "unserialise_calls",
@@ -285,3 +287,19 @@ def unserialise_calls(pipe: Any) -> None:
             BCGWarning,
             stacklevel=3,
         )
+
+
+def private_copy(function: types.FunctionType) -> types.FunctionType:
+    """``function`` with a code object of its own. Dynamo caches compiled code per code object, so
+    the blocks of one pipeline share their compiles, while another pipeline or a peer's
+    ``compile_repeated_blocks`` neither reuses nor evicts them (and the benchmark's first calls stay
+    fair)."""
+    copy = types.FunctionType(
+        function.__code__.replace(),
+        function.__globals__,
+        function.__name__,
+        function.__defaults__,
+        function.__closure__,
+    )
+    copy.__kwdefaults__ = function.__kwdefaults__
+    return functools.update_wrapper(copy, function)

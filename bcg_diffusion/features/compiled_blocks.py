@@ -47,7 +47,7 @@ from typing import Any
 import torch
 
 from ..core.graphs import call_untracked
-from ..core.hooks import MethodPatches
+from ..core.hooks import MethodPatches, private_copy
 from ..core.python_state import through_compiled
 from ..core.runner import BCGWarning
 from . import persistent_reductions
@@ -207,22 +207,6 @@ def inductor_options() -> dict[str, Any]:
     ours = {name: versions[package] for name, package in _CACHEABLE_FUNCTIONS.items() if versions[package]}
     marks = dict(marked) | ours
     return options | {"unsafe_marked_cacheable_functions": marks}
-
-
-def private_copy(function: types.FunctionType) -> types.FunctionType:
-    """``function`` with a code object of its own. Dynamo caches compiled code per code object, so
-    the blocks of one pipeline share their compiles, while another pipeline or a peer's
-    ``compile_repeated_blocks`` neither reuses nor evicts them (and the benchmark's first calls stay
-    fair)."""
-    copy = types.FunctionType(
-        function.__code__.replace(),
-        function.__globals__,
-        function.__name__,
-        function.__defaults__,
-        function.__closure__,
-    )
-    copy.__kwdefaults__ = function.__kwdefaults__
-    return functools.update_wrapper(copy, function)
 
 
 def _unviewed(value: Any) -> Any:

@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from ..core.hooks import MethodPatches
+from ..core.hooks import MethodPatches, private_copy
 from ..kernels import block_glue
 from ..kernels.activation_fp8 import swiglu_fp8
 from .attention import FUSED_QKV_ATTRIBUTE, TAKES_FP8_ROWS
@@ -168,8 +168,6 @@ def patch_zimage_blocks(model: torch.nn.Module, patches: MethodPatches) -> int:
     """Give every block of ``model`` that fits (:func:`unfit`) the forward of :func:`fused_block_forward`,
     recorded in ``patches``; returns how many. The blocks share one function (a copy of its own per call),
     so fast mode compiles it once for all of them."""
-    from ..features.compiled_blocks import private_copy
-
     forward = private_copy(fused_block_forward)
     patched = 0
     for module in model.modules():
