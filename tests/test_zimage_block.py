@@ -94,10 +94,16 @@ def test_a_call_that_does_not_fit_runs_the_class_forward():
                 noise_mask = torch.zeros(2, TOKENS, dtype=torch.bool)
                 block(x, mask, freqs, None, noise_mask, adaln, adaln)  # per-token modulation (omni mode)
                 assert calls == [1]
+                # a feed-forward projection wrapped (as a LoRA layer wraps it): its own forward must run
+                w1 = block.feed_forward.w1
+                block.feed_forward.w1 = torch.nn.Sequential(w1)
+                expected = original(block, x, mask, freqs, adaln)
+                assert torch.equal(block(x, mask, freqs, adaln), expected) and calls == [1, 1]
+                block.feed_forward.w1 = w1
                 # the fused product dropped (a projection replaced): the three projections again
                 block.attention._modules.pop(FUSED_QKV_ATTRIBUTE)
                 expected = original(block, x, mask, freqs, adaln)
-                assert torch.equal(block(x, mask, freqs, adaln), expected) and calls == [1, 1]
+                assert torch.equal(block(x, mask, freqs, adaln), expected) and calls == [1, 1, 1]
             finally:
                 ZImageTransformerBlock.forward = original
         finally:

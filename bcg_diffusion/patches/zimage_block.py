@@ -98,6 +98,12 @@ def unfit(block: torch.nn.Module) -> str | None:
     return None
 
 
+def _plain_fp8_linear(module: Any, float8_tensor: type) -> bool:
+    """Whether ``module`` is a plain ``nn.Linear`` holding a torchao FP8 weight (a LoRA layer put in its place
+    computes more than its weight, which the kernels' path would skip)."""
+    return type(module) is torch.nn.Linear and isinstance(module.weight, float8_tensor)
+
+
 def _ready(block: torch.nn.Module, x: torch.Tensor) -> bool:
     """Whether this call can take the kernels' path: what :func:`unfit` checked at patch time still holds
     (identities and types only: dynamo guards on them)."""
@@ -109,7 +115,7 @@ def _ready(block: torch.nn.Module, x: torch.Tensor) -> bool:
         fused is not None
         and isinstance(fused.weight, Float8Tensor)
         and getattr(type(attention.processor).__call__, TAKES_FP8_ROWS, False)
-        and all(isinstance(getattr(feed_forward, n).weight, Float8Tensor) for n in ("w1", "w2", "w3"))
+        and all(_plain_fp8_linear(getattr(feed_forward, name, None), Float8Tensor) for name in ("w1", "w2", "w3"))
         and all(_plain_norm(getattr(block, name)) for name in _NORMS)
         and all(getattr(block, name).weight.dtype == x.dtype for name in _NORMS)
     )
