@@ -70,6 +70,16 @@ def test_fp8_option_equals_the_same_fp8_model_and_restores_bf16(name, mode):
         assert torch.equal(_run(pipe, name), plain)
 
 
+def _assert_the_images_follow(pipe, before, after, change: str) -> None:
+    """Each image of ``after`` (calls made after ``change``) equals ``eager(pipe)``'s image now (the eager
+    forwards; in fast mode the compiled blocks without graphs), which ``change`` moved from ``before``."""
+    with eager(pipe):
+        reference = _run(pipe, "z-image")
+    assert not torch.equal(reference, before), f"{change} changes the image"
+    for image in after:
+        assert torch.equal(image, reference)
+
+
 @fp8
 def test_fast_fp8_replays_a_replaced_projection_not_the_fused_product():
     # Z-Image's query, key and value run as one FP8 product in fast mode (features/fused_qkv.py); a
@@ -88,11 +98,7 @@ def test_fast_fp8_replays_a_replaced_projection_not_the_fused_product():
             after = [_run(pipe, "z-image") for _ in range(2)]
             report = assert_graphs_ran(pipe, components=("transformer",))
             assert report["fused_qkv_dropped"] == 1 and report["fused_qkv"] == 3, report
-            with eager(pipe):
-                reference = _run(pipe, "z-image")
-            assert not torch.equal(reference, before), "the new projection changes the image"
-            for image in after:
-                assert torch.equal(image, reference)
+            _assert_the_images_follow(pipe, before, after, "the new projection")
         finally:
             restore(pipe)
 
@@ -113,11 +119,7 @@ def test_an_fp8_weights_data_assigned_after_capture_reaches_the_images(mode):
             report = assert_graphs_ran(pipe, components=("transformer",))
             assert report["state_changes"] >= 1, report
             assert report["fused_qkv_dropped"] == (1 if mode == "fast" else 0), report
-            with eager(pipe):
-                reference = _run(pipe, "z-image")
-            assert not torch.equal(reference, before), "the new data changes the image"
-            for image in after:
-                assert torch.equal(image, reference)
+            _assert_the_images_follow(pipe, before, after, "the new data")
         finally:
             restore(pipe)
 
