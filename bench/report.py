@@ -18,6 +18,15 @@ def _mib(value: int | None) -> str:
     return "–" if not value else f"{value / 2**20:.0f}"
 
 
+def _stages_note(record: dict[str, Any]) -> str:
+    """How the stage times of ``record`` were measured (``bench.measure.timed_call``)."""
+    if record["environment"].get("device", "").startswith("cpu"):
+        return "host time (a CPU run)."
+    if record.get("stage_syncs"):
+        return "host time between synchronisations at each boundary (--stage-syncs)."
+    return "GPU time between CUDA events at each boundary; nothing inside a timed call waits for the GPU."
+
+
 def markdown(record: dict[str, Any]) -> str:
     """One table per case: a row per mode, plus a plain sentence on who is fastest."""
     out = [f"`{record['command']}`", "", "Environment: " + json.dumps(record["environment"]), ""]
@@ -27,12 +36,7 @@ def markdown(record: dict[str, Any]) -> str:
         "Same as eager: every timed run byte-equal to eager's first (untimed) call with the same inputs and "
         "seed; eager's own row compares its timed runs with that call.",
         "",
-        "Stages: "
-        + (
-            "host time between synchronisations at each boundary (--stage-syncs)."
-            if record.get("stage_syncs")
-            else "GPU time between CUDA events at each boundary; nothing inside a timed call waits for the GPU."
-        ),
+        "Stages: " + _stages_note(record),
         "",
     ]
     for case in record["cases"]:

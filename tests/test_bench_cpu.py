@@ -30,7 +30,7 @@ def record(tmp_path_factory):
 def test_outputs_are_written(record):
     out, data = record
     assert (out / "results.md").read_text().startswith("`python -m bench")
-    assert data["stage_syncs"] is False and "Stages: GPU time between CUDA events" in (out / "results.md").read_text()
+    assert data["stage_syncs"] is False and "Stages: host time (a CPU run)." in (out / "results.md").read_text()
     assert (out / "results.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert {"torch", "diffusers", "device", "date"} <= set(data["environment"])
     assert "not meaningful" in (out / "results.md").read_text()
@@ -182,6 +182,15 @@ def test_timed_call_puts_back_the_instances_encode_prompt():
     finally:
         restore(pipe)
     assert "encode_prompt" not in pipe.__dict__
+
+
+def test_the_report_says_how_the_stages_were_timed():
+    from bench.report import _stages_note
+
+    gpu = {"environment": {"device": "NVIDIA H200"}}
+    assert "CUDA events" in _stages_note(gpu | {"stage_syncs": False})
+    assert "--stage-syncs" in _stages_note(gpu | {"stage_syncs": True})
+    assert "CPU" in _stages_note({"environment": {"device": "cpu"}, "stage_syncs": False})
 
 
 def test_timed_call_with_stage_syncs_splits_the_same_call_in_host_time():
