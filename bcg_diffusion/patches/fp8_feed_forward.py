@@ -17,6 +17,10 @@ unpatched one's bytes. On a GPU the kernel's arithmetic is a few float32 ulps fr
 about one float8 value in a hundred by one step (Qwen-Image's PSNR against eager unchanged, 45.0 dB); fast
 mode allows it, its contract being with its own compiled blocks, which use the same kernel.
 
+:func:`linear_on_fp8` runs torchao's product on an input quantized already (:class:`Fp8Rows`), as this forward
+does for the down projection and fast mode's Z-Image block (:mod:`bcg_diffusion.patches.zimage_block`) for every
+product of its block.
+
 On by default (:data:`FP8_FEED_FORWARD_DEFAULT`); an attribute on a feed-forward module
 (:data:`FP8_FEED_FORWARD_ATTRIBUTE`, ``"fused"`` or ``"torchao"``) chooses for that module, read when
 ``accelerate`` prepares the model. Applies only where torchao itself would run its PyTorch kernels
@@ -40,9 +44,9 @@ __all__ = [
     "FP8_FEED_FORWARD_CHOICES",
     "FP8_FEED_FORWARD_DEFAULT",
     "FP8_FEED_FORWARD_PATCH",
+    "Fp8Rows",
     "choose",
     "fused_forward",
-    "Fp8Rows",
     "linear_on_fp8",
     "patch_fp8_feed_forwards",
     "unfit",
