@@ -20,6 +20,7 @@ from bcg_diffusion.features.quantization import FP8, default_filter, quantize_tr
 from bcg_diffusion.patches import zimage_block
 from bcg_diffusion.patches.attention import ZIMAGE_ATTENTION_PATCH, ZIMAGE_ROPE_PATCH
 from bcg_diffusion.patches.fp8_feed_forward import patch_fp8_feed_forwards
+from bench.probes.probe_fast_floor import random_block
 
 pytestmark = [
     pytest.mark.cuda,
@@ -37,14 +38,8 @@ def _prepared_block() -> tuple[torch.nn.Module, MethodPatches]:
 
     torch.manual_seed(0)
     holder = torch.nn.Module()
-    with torch.device("cuda"):
-        holder.block = ZImageTransformerBlock(0, WIDTH, HEADS, HEADS, 1e-5, qk_norm=True)
-    for parameter in holder.block.parameters():  # trained-like scales: matrices ~ N(0, 1/fan_in), norms ~ 1
-        if parameter.dim() > 1:
-            torch.nn.init.normal_(parameter, std=parameter.shape[-1] ** -0.5)
-        else:
-            torch.nn.init.normal_(parameter, mean=1.0, std=0.02)
-    holder.to(torch.bfloat16).eval()
+    with torch.device("cuda"):  # trained-like scales: matrices ~ N(0, 1/fan_in), norms ~ 1; bf16
+        holder.block = random_block(ZImageTransformerBlock(0, WIDTH, HEADS, HEADS, 1e-5, qk_norm=True))
     holder._repeated_blocks = ["ZImageTransformerBlock"]
     done = quantize_transformer(holder, torchao_config(FP8), default_filter(holder))
     assert fuse_qkv(holder, done)
