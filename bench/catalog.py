@@ -115,8 +115,8 @@ DESCRIPTIONS = {
     '(features.vae_decoder.choose(pipe.vae, "compiled"))',
     "fast-fp8-patched-vae": "fast-fp8 with the VAE decoder as fast mode ran it before run 133: contiguous, only "
     'its group norms patched (features.vae_decoder.choose(pipe.vae, "patched"))',
-    "fast-fp8-inductor-glue": "fast-fp8 with Z-Image's block glue (norms, modulation, gated residuals, FP8 input "
-    "scales) compiled by inductor, not in our three kernels (patches.zimage_block.choose)",
+    "fast-fp8-inductor-glue": "fast-fp8 with the Z-Image or Qwen-Image block glue (norms, modulation, gated "
+    "residuals, FP8 input scales) compiled by inductor, not in our three kernels (patches.block_glue.choose)",
     "eager-fp8+cache": "eager-fp8 with the step cache (--cache)",
     "fast-fp8+cache": "fast-fp8 with the same step cache inside its graphs",
     "fast-fp8-attn+cache": "fast-fp8-attn with the same step cache inside its graphs",

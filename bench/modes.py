@@ -23,7 +23,7 @@ from bcg_diffusion import accelerate, eager, restore, stats
 from bcg_diffusion.features import compiled_text_encoder, fp8_attention, fused_qkv, vae_decoder
 from bcg_diffusion.features.quantization import FP8, quantize_transformer
 from bcg_diffusion.features.step_caching import enable_cache
-from bcg_diffusion.patches import fp8_feed_forward, zimage_block
+from bcg_diffusion.patches import block_glue, fp8_feed_forward
 
 from .catalog import (  # noqa: F401 - the names, re-exported for the modules that import them from here
     ABLATIONS,
@@ -153,7 +153,7 @@ class ModeOptions:
     uncompiled_text_encoder: bool = False  # -uncompiled-te: the text encoder's layers eager
     compiled_vae: bool = False  # -compiled-vae: the VAE decoder compiled whole (an opt-in)
     patched_vae: bool = False  # -patched-vae: the VAE decoder contiguous, only its group norms patched
-    inductor_glue: bool = False  # -inductor-glue: Z-Image's FP8 block glue compiled by inductor
+    inductor_glue: bool = False  # -inductor-glue: the FP8 block glue compiled by inductor
 
 
 def parse(name: str) -> ModeOptions:
@@ -220,7 +220,7 @@ def prepare(
     if options.patched_vae:
         vae_decoder.choose(pipe.vae, "patched")
     if options.inductor_glue:
-        zimage_block.choose(pipe.transformer, False)
+        block_glue.choose(pipe.transformer, False)
     quantize = FP8 if options.fp8 else None
     base_name = options.base
     if base_name == "eager" and quantize is not None:

@@ -38,6 +38,11 @@
 #                    and an FP8 weight's data assigned after capture reaching the images, exact and fast
 #   bench-block-glue-z Z-Image-Turbo 512² and 1024², 8 steps: eager, fast-fp8, fast-fp8-inductor-glue, timed as bench
 #                    times by default and again with --stage-syncs (BLOCK_GLUE_MODES picks the modes)
+#   qwen-block-glue  the Qwen-Image block-glue kernels against their references, a Qwen-Image FP8 block with them (near
+#                    inductor's glue, its graph replaying its compiled bytes), then one full-width Qwen-Image FP8 block
+#                    at 1024² CFG with inductor's glue and with ours, each kernel alone with its launch settings
+#   bench-block-glue-qwen Qwen-Image 1024², 50 steps, true CFG 4: eager, fast-fp8, fast-fp8-inductor-glue,
+#                    fast-fp8-attn, fast-fp8-attn+cache (QWEN_GLUE_MODES picks the modes)
 #   tests-vae-fused  the fused channels-last VAE decoder's kernels and the full-size FLUX.1 decoder (tests/test_vae_fused_cuda.py)
 #   probe-fp8-ff     the FP8 feed-forward kernels (kernels/activation_fp8.py) against their references on the GPU, then
 #                    one Qwen-Image and one Z-Image FP8 block with inductor's kernel and with ours, each kernel alone
@@ -109,7 +114,7 @@
 #                    for `python scripts/screenshot_replay.py DIR OUT.png` here (the GPU machine has no browser)
 # Everything it writes is under $OUT (logs, results.json/.md/.png); copy it to bench/results/<date>-h200/.
 set -uo pipefail
-[ $# -gt 0 ] || { echo "usage: scripts/gpu_session.sh probe-attention|probe-cudnn-fp8|tests-vae-fused|bench-fused-qkv-z|tests-fused-qkv|tests-cudnn-fp8|bench-cudnn-fp8-z|bench-cudnn-fp8-qwen|tests-kernels|probe-fp8-ff|bench-fp8-ff-qwen|bench-kernels-qwen|bench-kernels-z|bench-cachedit-qwen|tests-state|bench-state|tests|tests-full|tests-fast|tests-coexist|tests-shared|tests-cache|bench-cache-qwen-1024|bench-cache-qwen-512|bench-cache-z|bench-cfg-cache-qwen|bench-cfg-cache-qwen-1024|bench-cfg-cache-qwen-512|tests-quant|tests-auto|probe-hand-patches|bench-auto|coverage|bench-fp8-z|bench-fp8-qwen|warm-start-fp8-z|probe-fp8-groups|probe-fp8-block|hotswap-z|tests-z|te-z|fast-check|profile-qwen|profile-z|fast-qwen-50|ab-attention|probe-floor|probe-outside|probe-norms|probe-blocks|compile-max-qwen|memory-z|bench-z|warm-start-z|first-call-qwen-none|first-call-qwen-magcache|first-call-qwen-cachedit|bench-qwen|bench-qwen-512|bench-qwen-1024|issue2|parallel|parallel-cfg|serving|demo ..." >&2; exit 2; }
+[ $# -gt 0 ] || { echo "usage: scripts/gpu_session.sh qwen-block-glue|bench-block-glue-qwen|probe-attention|probe-cudnn-fp8|tests-vae-fused|bench-fused-qkv-z|tests-fused-qkv|tests-cudnn-fp8|bench-cudnn-fp8-z|bench-cudnn-fp8-qwen|tests-kernels|probe-fp8-ff|bench-fp8-ff-qwen|bench-kernels-qwen|bench-kernels-z|bench-cachedit-qwen|tests-state|bench-state|tests|tests-full|tests-fast|tests-coexist|tests-shared|tests-cache|bench-cache-qwen-1024|bench-cache-qwen-512|bench-cache-z|bench-cfg-cache-qwen|bench-cfg-cache-qwen-1024|bench-cfg-cache-qwen-512|tests-quant|tests-auto|probe-hand-patches|bench-auto|coverage|bench-fp8-z|bench-fp8-qwen|warm-start-fp8-z|probe-fp8-groups|probe-fp8-block|hotswap-z|tests-z|te-z|fast-check|profile-qwen|profile-z|fast-qwen-50|ab-attention|probe-floor|probe-outside|probe-norms|probe-blocks|compile-max-qwen|memory-z|bench-z|warm-start-z|first-call-qwen-none|first-call-qwen-magcache|first-call-qwen-cachedit|bench-qwen|bench-qwen-512|bench-qwen-1024|issue2|parallel|parallel-cfg|serving|demo ..." >&2; exit 2; }
 out=${OUT:-/tmp/bcg-out}
 mkdir -p "$out"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -194,6 +199,20 @@ case "$phase" in
         --out "$out/$name" 2>&1 | grep -v "Warning\|warnings.warn" > "$out/$name.log"
       grep "^| \|Checking" "$out/$name.log" | grep -v "^|---"
     done
+    ;;
+  qwen-block-glue)
+    timeout 200 python3 -m pytest -m cuda -q -rs -s -p no:cacheprovider --tb=short -k "qwen_block_glue or qwenimage_block" \
+      tests/test_attention_kernels_cuda.py tests/test_qwenimage_block_cuda.py 2>&1 | grep -v "warnings.warn" \
+      | tee "$out/pytest-qwen-block-glue.log" | tail -16
+    timeout 360 python3 -m bench.probes.probe_attention_kernels --sections qwen-block-glue 2>&1 \
+      | grep -v "Warning\|warnings.warn\|_warn_once\|^W[0-9]" | tee "$out/probe-qwen-block-glue.log" \
+      | grep -v "^ *[0-9.]* ms  x" | tail -70
+    ;;
+  bench-block-glue-qwen)
+    timeout 590 python3 -m bench --pipeline qwen-image --weights random-full --resolutions 1024x1024 --steps 50 \
+      --guidance 4 --modes ${QWEN_GLUE_MODES:-eager,fast-fp8,fast-fp8-inductor-glue,fast-fp8-attn,fast-fp8-attn+cache} \
+      --runs 3 --warmup 0 --no-progress --out "$out/block-glue-qwen-1024" 2>&1 | grep -v "Warning\|warnings.warn" \
+      | tee "$out/block-glue-qwen-1024.log" | tail -14
     ;;
   bench-fp8-ff-qwen)
     timeout 480 python3 -m bench --pipeline qwen-image --weights random-full --resolutions 1024x1024 --steps 50 \

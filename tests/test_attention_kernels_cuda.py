@@ -313,3 +313,27 @@ def test_block_glue_kernels_match_their_references_and_are_deterministic(batch, 
     again = block_glue.gated_residual_fp8(x, branch, weights[1], 1e-6, gate, weights[0], 1e-5, scale)
     assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(again, second, strict=True))
     print(f"\n{batch}x{tokens}: float8 bytes equal to the reference {equal}")
+
+
+@needs_fp8
+@pytest.mark.parametrize("tokens", [64, 4096])
+@pytest.mark.parametrize("batch", [1, 2])
+def test_qwen_block_glue_kernels_match_their_references_and_are_deterministic(batch, tokens):
+    torch.manual_seed(0)
+    width = 3072  # Qwen-Image's
+    x, branch = (torch.randn(batch, tokens, width, device="cuda", dtype=torch.bfloat16) * 2 + 1 for _ in range(2))
+    modulation = 0.5 * torch.randn(batch, 6 * width, device="cuda", dtype=torch.bfloat16)
+    shift, scale, gate = (modulation[:, i * width : (i + 1) * width] for i in range(3))  # rows of one product
+    fp8 = torch.float8_e4m3fn
+
+    first = block_glue.modulated_layer_norm_fp8(x, 1e-6, scale, shift)
+    equal = [_fp8_close(*first, *block_glue.reference_modulated_layer_norm_fp8(x, 1e-6, scale, shift, fp8))]
+    second = block_glue.gated_add_layer_norm_fp8(x, branch, gate, 1e-6, scale, shift)
+    want = block_glue.reference_gated_add_layer_norm_fp8(x, branch, gate, 1e-6, scale, shift, fp8)
+    assert torch.equal(second[0], want[0])  # a product and a sum, each rounded as PyTorch rounds it
+    equal.append(_fp8_close(*second[1:], *want[1:]))
+    assert torch.equal(block_glue.gated_add(x, branch, gate), block_glue.reference_gated_add(x, branch, gate))
+    assert min(equal) > 0.98, equal
+    again = block_glue.gated_add_layer_norm_fp8(x, branch, gate, 1e-6, scale, shift)
+    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(again, second, strict=True))
+    print(f"\n{batch}x{tokens}: float8 bytes equal to the reference {equal}")

@@ -1,6 +1,6 @@
-"""Z-Image's block glue in three passes (``kernels/block_glue.py``).
+"""Z-Image's and Qwen-Image's block glue in three passes (``kernels/block_glue.py``).
 
-The references are held to Z-Image's own block arithmetic and torchao's quantization (byte for byte, on the
+The references are held to each block's own arithmetic and torchao's quantization (byte for byte, on the
 CPU); the Triton kernel to the references in Triton's interpreter (a process of its own) and on the GPU
 (``tests/test_attention_kernels_cuda.py``).
 """
@@ -63,6 +63,39 @@ def test_references_are_the_blocks_own_steps_and_torchaos_quantization():
     assert got[1].dtype == FP8 and got[2].shape == (2, 5, 1) and got[2].dtype == torch.float32
 
 
+def _qwen_block_and_inputs(batch: int = 2, tokens: int = 5, width: int = 64):
+    from diffusers.models.transformers.transformer_qwenimage import QwenImageTransformerBlock
+
+    torch.manual_seed(0)
+    block = QwenImageTransformerBlock(width, 2, width // 2).to(torch.bfloat16)
+    x = (torch.randn(batch, tokens, width) * 2 + 1).to(torch.bfloat16)
+    branch = (torch.randn(batch, tokens, width) * 3).to(torch.bfloat16)
+    modulation = (torch.randn(batch, 6 * width) * 0.5).to(torch.bfloat16)
+    return block, x, branch, modulation
+
+
+def test_qwen_references_are_the_blocks_own_steps_and_torchaos_quantization():
+    pytest.importorskip("torchao")
+    block, x, branch, modulation = _qwen_block_and_inputs()
+    # Qwen-Image's block, line by line (one stream, no modulate_index)
+    mod1, mod2 = modulation.chunk(2, dim=-1)
+    modulated, gate1 = block._modulate(block.img_norm1(x), mod1)
+    first = _torchao_rows(modulated)
+    stream = x + gate1 * branch
+    modulated, gate2 = block._modulate(block.img_norm2(stream), mod2)
+    second = _torchao_rows(modulated)
+    last = stream + gate2 * branch
+
+    shift1, scale1, g1 = mod1.chunk(3, dim=-1)
+    shift2, scale2, g2 = mod2.chunk(3, dim=-1)
+    eps = block.img_norm1.eps
+    assert _equal_fp8(block_glue.modulated_layer_norm_fp8(x, eps, scale1, shift1), first)
+    got = block_glue.gated_add_layer_norm_fp8(x, branch, g1, eps, scale2, shift2)
+    assert torch.equal(got[0], stream) and _equal_fp8(got[1:], second)
+    assert torch.equal(block_glue.gated_add(stream, branch, g2), last)
+    assert got[1].dtype == FP8 and got[2].shape == (2, 5, 1) and got[2].dtype == torch.float32
+
+
 def test_unsupported_tensors_are_refused_with_the_reason():
     _, x, branch, modulation = _block_and_inputs()
     weight, scale = torch.ones(64, dtype=torch.bfloat16), modulation[:, :64]
@@ -80,6 +113,10 @@ def test_unsupported_tensors_are_refused_with_the_reason():
         block_glue.modulated_norm_fp8(x.transpose(1, 2).contiguous().transpose(1, 2), weight, 1e-5, scale)
     with pytest.raises(ValueError, match="not shaped like the stream"):
         block_glue.gated_residual(x, branch[:, :3], weight, 1e-5, scale)
+    with pytest.raises(ValueError, match="a modulation in torch.float32"):
+        block_glue.modulated_layer_norm_fp8(x, 1e-6, scale.float(), scale)
+    with pytest.raises(ValueError, match="modulation"):
+        block_glue.gated_add(x, branch, modulation[:1, :64])
 
 
 def test_operators_pass_torchs_checks_and_compile():
@@ -89,6 +126,9 @@ def test_operators_pass_torchs_checks_and_compile():
     torch.library.opcheck(ops.modulated_norm_fp8.default, (x, weight, 1e-5, scale, FP8))
     torch.library.opcheck(ops.gated_residual_fp8.default, (x, branch, weight, 1e-6, gate, weight, 1e-5, scale, FP8))
     torch.library.opcheck(ops.gated_residual.default, (x, branch, weight, 1e-6, gate))
+    torch.library.opcheck(ops.modulated_layer_norm_fp8.default, (x, 1e-6, scale, gate, FP8))
+    torch.library.opcheck(ops.gated_add_layer_norm_fp8.default, (x, branch, gate, 1e-6, scale, gate, FP8))
+    torch.library.opcheck(ops.gated_add.default, (x, branch, gate))
 
     def glue(x, branch, modulation):
         gate, scale = modulation[:, :64], modulation[:, 128:192]

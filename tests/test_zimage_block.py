@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from bcg_diffusion.core.hooks import MethodPatches
+from bcg_diffusion.patches import block_glue, zimage_block
 from bcg_diffusion.patches import fp8_feed_forward as ff
-from bcg_diffusion.patches import zimage_block
 from bcg_diffusion.patches.attention import FUSED_QKV_ATTRIBUTE, ZIMAGE_ROPE_PATCH
 
 pytest.importorskip("torchao")
@@ -122,10 +122,10 @@ def test_blocks_that_do_not_fit_are_left_with_the_reason():
     setattr(block.feed_forward, ff.FP8_FEED_FORWARD_ATTRIBUTE, "torchao")
     assert "chose 'torchao'" in zimage_block.unfit(block)
     block = _block()
-    assert zimage_block.choose(torch.nn.Sequential(block, _block(1)), False) == 2
+    assert block_glue.choose(torch.nn.Sequential(block, _block(1)), False) == 2
     assert zimage_block.unfit(block) == "chosen off"
     with pytest.raises(TypeError, match="True or False"):
-        zimage_block.choose(block, "yes")
+        block_glue.choose(block, "yes")
 
 
 def test_the_patched_block_is_traced_whole_by_dynamo():

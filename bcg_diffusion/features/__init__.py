@@ -5,7 +5,7 @@ hooks (context parallelism decides about the collectives before fast mode decide
 step caching takes a cache's hooks off the blocks before they compile, quantization replaces
 the weights before they compile (and before the fused query, key and value projections are built
 from its originals, and before the GELU epilogue looks for plain projections and the
-FP8 feed-forward for FP8 ones; Z-Image's FP8 block glue needs the last two), FP8 attention marks the attention modules before they compile,
+FP8 feed-forward for FP8 ones; the FP8 block glue needs the last two), FP8 attention marks the attention modules before they compile,
 compiled blocks patch the attention processors before CFG batching asks what they accept; the text
 encoder's layers compile after text trimming wraps its forward, as the VAE decoder does; CFG across
 GPUs wraps the transformer's call last, outside everything else; CFG batch hints wrap the prompt
@@ -15,6 +15,7 @@ encoder after text buckets pad its results).
 from __future__ import annotations
 
 from .base import Feature, Setup, Target
+from .block_glue import FusedBlockGlue
 from .cfg_batching import CfgBatchHints, CfgBatching
 from .cfg_parallel import CfgParallel
 from .compiled_blocks import CompiledBlocks
@@ -29,7 +30,6 @@ from .step_caching import StepCaching
 from .text_buckets import TextBuckets
 from .text_trimming import TextTrimming
 from .vae_decoder import FastVaeDecoder
-from .zimage_block import FusedZImageBlocks
 
 __all__ = ["FEATURES", "Feature", "Setup", "Target", "defaults"]
 
@@ -40,7 +40,7 @@ FEATURES: list[type[Feature]] = [
     FusedQkv,
     GeluEpilogue,
     Fp8FeedForward,
-    FusedZImageBlocks,
+    FusedBlockGlue,
     Fp8Attention,
     CompiledBlocks,
     CfgBatching,

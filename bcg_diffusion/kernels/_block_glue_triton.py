@@ -2,10 +2,12 @@
 Triton costs about a second and needs a CUDA build of PyTorch, or ``TRITON_INTERPRET=1`` on a CPU).
 
 One program takes ``ROWS`` rows (tokens) of the model's width, each held whole in registers (``BLOCK``
-covers the width), and for each: with ``RESIDUAL``, the branch's output RMS-normed, times the tanh of the
-gate, added to the residual stream, which is stored; with ``QUANTIZE``, the stream RMS-normed, times
-``1 + scale``, and quantized row-wise to float8 (data and scale stored). Every step rounds to the model's
-dtype where PyTorch's operators would. A token's modulation (gate, scale) is that of its batch row.
+covers the width), and for each: with ``RESIDUAL``, the gate times the branch's output added to the
+residual stream, which is stored (Z-Image's block: the branch RMS-normed first, ``BRANCH_NORM``, and the
+gate's tanh taken, ``TANH_GATE``); with ``QUANTIZE``, the stream normalized (RMS-normed with a weight, or
+with ``LAYER_NORM`` a LayerNorm without one), times ``1 + scale`` (plus ``shift`` with ``SHIFT``), and
+quantized row-wise to float8 (data and scale stored). Every step rounds to the model's dtype where
+PyTorch's operators would. A token's modulation (gate, scale, shift) is that of its batch row.
 """
 
 import triton
@@ -26,12 +28,23 @@ def _rms_norm(v, W, offsets, mask, eps, COLUMNS: tl.constexpr, HP_TY: tl.constex
 
 
 @triton.jit
-def block_glue_rows(X, BRANCH, BRANCH_W, GATE, X_OUT, NORM_W, SCALE, OUT, OUT_SCALE,
+def _layer_norm(v, mask, eps, COLUMNS: tl.constexpr, HP_TY: tl.constexpr):
+    """PyTorch's ``LayerNorm`` without weight or bias of rows ``v`` (as :func:`_rms_norm` takes them): the
+    mean and variance in float32, ``(v - mean) * rsqrt(variance + eps)`` rounded once."""
+    mean = tl.sum(v, axis=1) / COLUMNS
+    centered = tl.where(mask[None, :], v - mean[:, None], 0.0)
+    variance = tl.sum(centered * centered, axis=1) / COLUMNS
+    return (centered * libdevice.rsqrt(variance + eps)[:, None]).to(HP_TY).to(tl.float32)
+
+
+@triton.jit
+def block_glue_rows(X, BRANCH, BRANCH_W, GATE, X_OUT, NORM_W, SCALE, SHIFT, OUT, OUT_SCALE,
                     n_rows, rows_per_batch, stride_x, stride_branch, stride_x_out, stride_out, stride_gate,
-                    stride_scale, branch_eps, eps, fp8_max,
+                    stride_scale, stride_shift, branch_eps, eps, fp8_max,
                     COLUMNS: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr, HP_TY: tl.constexpr,
-                    FP8_TY: tl.constexpr, RESIDUAL: tl.constexpr, QUANTIZE: tl.constexpr,
-                    APPROXIMATE: tl.constexpr):  # fmt: skip
+                    FP8_TY: tl.constexpr, RESIDUAL: tl.constexpr, BRANCH_NORM: tl.constexpr,
+                    TANH_GATE: tl.constexpr, QUANTIZE: tl.constexpr, LAYER_NORM: tl.constexpr,
+                    SHIFT_ADD: tl.constexpr, APPROXIMATE: tl.constexpr):  # fmt: skip
     row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS).to(tl.int64)
     batch = row // rows_per_batch
     offsets = tl.arange(0, BLOCK)
@@ -40,15 +53,25 @@ def block_glue_rows(X, BRANCH, BRANCH_W, GATE, X_OUT, NORM_W, SCALE, OUT, OUT_SC
     x = tl.load(X + row[:, None] * stride_x + offsets[None, :], mask=rows_mask, other=0.0).to(tl.float32)
     if RESIDUAL:
         branch = tl.load(BRANCH + row[:, None] * stride_branch + offsets[None, :], mask=rows_mask, other=0.0)
-        normed = _rms_norm(branch.to(tl.float32), BRANCH_W, offsets, mask, branch_eps, COLUMNS, HP_TY)
+        branch = branch.to(tl.float32)
+        if BRANCH_NORM:
+            branch = _rms_norm(branch, BRANCH_W, offsets, mask, branch_eps, COLUMNS, HP_TY)
         gate = tl.load(GATE + batch[:, None] * stride_gate + offsets[None, :], mask=rows_mask, other=0.0)
-        gate = libdevice.tanh(gate.to(tl.float32)).to(HP_TY).to(tl.float32)
-        x = (x + (gate * normed).to(HP_TY).to(tl.float32)).to(HP_TY).to(tl.float32)
+        gate = gate.to(tl.float32)
+        if TANH_GATE:
+            gate = libdevice.tanh(gate).to(HP_TY).to(tl.float32)
+        x = (x + (gate * branch).to(HP_TY).to(tl.float32)).to(HP_TY).to(tl.float32)
         tl.store(X_OUT + row[:, None] * stride_x_out + offsets[None, :], x.to(HP_TY), mask=rows_mask)
     if QUANTIZE:
-        hidden = _rms_norm(x, NORM_W, offsets, mask, eps, COLUMNS, HP_TY)
+        if LAYER_NORM:
+            hidden = _layer_norm(x, mask, eps, COLUMNS, HP_TY)
+        else:
+            hidden = _rms_norm(x, NORM_W, offsets, mask, eps, COLUMNS, HP_TY)
         scale = tl.load(SCALE + batch[:, None] * stride_scale + offsets[None, :], mask=rows_mask, other=0.0)
         hidden = (hidden * (1.0 + scale.to(tl.float32)).to(HP_TY).to(tl.float32)).to(HP_TY).to(tl.float32)
+        if SHIFT_ADD:
+            shift = tl.load(SHIFT + batch[:, None] * stride_shift + offsets[None, :], mask=rows_mask, other=0.0)
+            hidden = (hidden + shift.to(tl.float32)).to(HP_TY).to(tl.float32)
         largest = tl.reduce(tl.abs(hidden), 1, _max_keeping_nan)
         # torchao's row scale: the largest magnitude over the format's largest value, in the model's dtype
         row_scale = tl.math.div_rn(largest, fp8_max).to(HP_TY).to(tl.float32)

@@ -66,6 +66,7 @@ __all__ = [
     "dispatch_attention_fn",
     "qwen_joint_attention_per_group",
     "qwen_joint_projections",
+    "qwen_per_group_lengths",
 ]
 
 # The attention keyword argument through which fast mode's CFG batcher tells Qwen-Image's processors
@@ -242,8 +243,9 @@ QK_PROLOGUE_DEFAULT = "auto"
 # :mod:`bcg_diffusion.features.fused_qkv` gave it one, and the processors (by class name) that use it.
 FUSED_QKV_ATTRIBUTE = "bcg_to_qkv"  # registered: in the state_dict while fused
 FUSED_QKV_PROCESSORS = ("ZSingleStreamAttnProcessor",)
-# Set on a processor's ``__call__`` that takes its input quantized already (:class:`Fp8Rows`) where the
-# module holds the fused FP8 product: fast mode's Z-Image processor.
+# Set on a processor's ``__call__`` that takes its input quantized already (:class:`Fp8Rows`): fast mode's
+# Z-Image processor where the module holds the fused FP8 product, and its Qwen-Image processor where it
+# attends per group (:func:`qwen_per_group_lengths`).
 TAKES_FP8_ROWS = "_bcg_takes_fp8_rows"
 _TRITON = triton_available()  # once: compiled code must not trace importlib
 
@@ -301,15 +303,20 @@ def _fused_joint_qkv(
 
 
 def qwen_joint_projections(
-    attn: torch.nn.Module, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor, normed: bool = True
+    attn: torch.nn.Module,
+    hidden_states: torch.Tensor | Fp8Rows,
+    encoder_hidden_states: torch.Tensor | Fp8Rows,
+    normed: bool = True,
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Qwen-Image's query, key and value ``[B, S, H, D]`` of the image and of the text stream, the
     queries and keys RMS-normed (unless ``normed`` is false), before RoPE: ``([q, k, v] of the image,
-    [q, k, v] of the text)``."""
+    [q, k, v] of the text)``. A stream may come quantized already (:class:`Fp8Rows`, from fast mode's
+    Qwen-Image block), for projections with torchao's row-wise FP8 weights."""
     head_dim = attn.inner_dim // attn.heads
 
-    def project(x: torch.Tensor, linear: torch.nn.Module, norm: torch.nn.Module | None) -> torch.Tensor:
-        x = linear(x).unflatten(-1, (-1, head_dim))
+    def project(x: torch.Tensor | Fp8Rows, linear: torch.nn.Module, norm: torch.nn.Module | None) -> torch.Tensor:
+        x = linear_on_fp8(linear, *x) if isinstance(x, Fp8Rows) else linear(x)
+        x = x.unflatten(-1, (-1, head_dim))
         return x if norm is None or not normed else norm(x)
 
     image = [
@@ -328,8 +335,8 @@ def qwen_joint_projections(
 def qwen_joint_attention_per_group(
     processor: Any,
     attn: torch.nn.Module,
-    hidden_states: torch.Tensor,
-    encoder_hidden_states: torch.Tensor,
+    hidden_states: torch.Tensor | Fp8Rows,
+    encoder_hidden_states: torch.Tensor | Fp8Rows,
     image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None,
     text_lengths: tuple[int, ...],
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -341,16 +348,19 @@ def qwen_joint_attention_per_group(
     its own valid tokens without a mask; outputs at padded text positions are zeros (diffusers' are
     values no valid token ever reads). Returns ``(image_output, text_output)`` like the processor.
     Raises ValueError when the batch does not split into those groups or a length exceeds the text.
+    Either stream may come quantized already (:class:`Fp8Rows`, see :func:`qwen_joint_projections`).
     """
-    batch, text_tokens = encoder_hidden_states.shape[:2]
+    image_rows = hidden_states.data if isinstance(hidden_states, Fp8Rows) else hidden_states
+    text_rows = encoder_hidden_states.data if isinstance(encoder_hidden_states, Fp8Rows) else encoder_hidden_states
+    batch, text_tokens = text_rows.shape[:2]
     groups = len(text_lengths)
-    if groups == 0 or batch % groups or hidden_states.shape[0] != batch:
+    if groups == 0 or batch % groups or image_rows.shape[0] != batch:
         raise ValueError(f"{groups} text lengths cannot split a batch of {batch} rows into equal groups")
     # Checked eagerly only: compiled, the comparison would guard (and recompile) on which text is the
     # longer one; fast mode's batcher builds the lengths from the very texts it pads.
     if not torch.compiler.is_compiling() and max(text_lengths) > text_tokens:
         raise ValueError(f"text lengths {text_lengths} exceed the {text_tokens} text tokens given")
-    fused = _fused_prologue(attn, hidden_states)
+    fused = _fused_prologue(attn, image_rows)
     image, text = qwen_joint_projections(attn, hidden_states, encoder_hidden_states, normed=not fused)
     joints = _fused_joint_qkv(attn, image, text, image_rotary_emb, text_lengths) if fused else None
     if fused and joints is None:  # the kernel refuses these tensors: normed as in the compiled path
@@ -412,10 +422,36 @@ def _compiled_joint(
     return joint
 
 
+def qwen_per_group_lengths(
+    attn: torch.nn.Module,
+    hidden_states: torch.Tensor,
+    encoder_hidden_states: torch.Tensor | None,
+    encoder_hidden_states_mask: torch.Tensor | None,
+    attention_mask: torch.Tensor | None,
+    text_lengths: tuple[int, ...] | None,
+) -> tuple[int, ...] | None:
+    """The text lengths by which fast mode's Qwen-Image processor attends per group for this call
+    (:func:`qwen_joint_attention_per_group`), or None where it runs diffusers' processor instead: with
+    ``text_lengths`` from fast mode's CFG batcher; with none, one group of every text token where nothing
+    is masked and the module's kernel or prologue is ours. Only types, shapes and module attributes are
+    read (a compiled block guards on them)."""
+    if encoder_hidden_states is None or attention_mask is not None:
+        return None
+    if text_lengths is not None:
+        return tuple(text_lengths)
+    ours = getattr(attn, KERNEL_ATTRIBUTE, "dispatch") != "dispatch" or _fused_prologue(attn, hidden_states)
+    if encoder_hidden_states_mask is None and ours:
+        # No padding (one prompt, or a CFG batch of texts of one length): one group with every text token
+        # valid is the processor's own computation, through the chosen kernel or prologue.
+        return (encoder_hidden_states.shape[1],)
+    return None
+
+
 def _qwen_call_with_text_lengths(call: Callable[..., Any]) -> Callable[..., Any]:
-    """A ``__call__`` for Qwen-Image's processor that also takes ``bcg_text_lengths``: with it, the
-    per-group attention above (the text mask then only restates those lengths and is not read);
-    without it, the processor's own code."""
+    """A ``__call__`` for Qwen-Image's processor that also takes ``bcg_text_lengths``: where
+    :func:`qwen_per_group_lengths` gives lengths, the per-group attention above (the text mask then only
+    restates those lengths and is not read), its streams possibly quantized already (:class:`Fp8Rows`);
+    otherwise the processor's own code."""
 
     def __call__(
         self: Any,
@@ -427,13 +463,14 @@ def _qwen_call_with_text_lengths(call: Callable[..., Any]) -> Callable[..., Any]
         image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
         bcg_text_lengths: tuple[int, ...] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        unpadded = encoder_hidden_states is not None and encoder_hidden_states_mask is None and attention_mask is None
-        ours = getattr(attn, KERNEL_ATTRIBUTE, "dispatch") != "dispatch" or _fused_prologue(attn, hidden_states)
-        if bcg_text_lengths is None and unpadded and ours:
-            # No padding (one prompt, or a CFG batch of texts of one length): one group with every text token
-            # valid is the processor's own computation, through the chosen kernel or prologue.
-            bcg_text_lengths = (encoder_hidden_states.shape[1],)
-        if bcg_text_lengths is None or encoder_hidden_states is None or attention_mask is not None:
+        image_rows = hidden_states.data if isinstance(hidden_states, Fp8Rows) else hidden_states
+        text_rows = encoder_hidden_states.data if isinstance(encoder_hidden_states, Fp8Rows) else encoder_hidden_states
+        lengths = qwen_per_group_lengths(
+            attn, image_rows, text_rows, encoder_hidden_states_mask, attention_mask, bcg_text_lengths
+        )
+        if lengths is None:
+            if isinstance(hidden_states, Fp8Rows) or isinstance(encoder_hidden_states, Fp8Rows):
+                raise ValueError("diffusers' Qwen-Image processor cannot take an input quantized already")
             return call(
                 self,
                 attn,
@@ -444,9 +481,10 @@ def _qwen_call_with_text_lengths(call: Callable[..., Any]) -> Callable[..., Any]
                 image_rotary_emb,
             )
         return qwen_joint_attention_per_group(
-            self, attn, hidden_states, encoder_hidden_states, image_rotary_emb, tuple(bcg_text_lengths)
+            self, attn, hidden_states, encoder_hidden_states, image_rotary_emb, lengths
         )
 
+    setattr(__call__, TAKES_FP8_ROWS, True)
     return __call__
 
 

@@ -18,8 +18,9 @@ about one float8 value in a hundred by one step (Qwen-Image's PSNR against eager
 mode allows it, its contract being with its own compiled blocks, which use the same kernel.
 
 :func:`linear_on_fp8` runs torchao's product on an input quantized already (:class:`Fp8Rows`), as this forward
-does for the down projection and fast mode's Z-Image block (:mod:`bcg_diffusion.patches.zimage_block`) for every
-product of its block.
+does for the down projection and fast mode's Z-Image and Qwen-Image blocks
+(:mod:`bcg_diffusion.patches.zimage_block`, :mod:`bcg_diffusion.patches.qwenimage_block`) for the products
+of their blocks.
 
 On by default (:data:`FP8_FEED_FORWARD_DEFAULT`); an attribute on a feed-forward module
 (:data:`FP8_FEED_FORWARD_ATTRIBUTE`, ``"fused"`` or ``"torchao"``) chooses for that module, read when

@@ -37,6 +37,7 @@ from ..core.hooks import MethodPatches, private_copy
 from ..kernels import block_glue
 from ..kernels.activation_fp8 import swiglu_fp8
 from .attention import FUSED_QKV_ATTRIBUTE, TAKES_FP8_ROWS
+from .block_glue import chosen_off
 from .fp8_feed_forward import (
     FP8_FEED_FORWARD_ATTRIBUTE,
     FP8_FEED_FORWARD_DEFAULT,
@@ -47,17 +48,13 @@ from .fp8_feed_forward import (
 from .fp8_feed_forward import unfit as unfit_feed_forward
 
 __all__ = [
-    "ZIMAGE_BLOCK_CHOICE",
     "ZIMAGE_BLOCK_PATCH",
-    "choose",
     "fused_block_forward",
     "patch_zimage_blocks",
     "unfit",
 ]
 
 ZIMAGE_BLOCK_PATCH = "Z-Image FP8 block: norms, modulation, gated residuals and FP8 inputs in three kernels"
-# Set False on a block (:func:`choose`) to keep inductor's glue for it; read when ``accelerate`` prepares it.
-ZIMAGE_BLOCK_CHOICE = "_bcg_fused_block"
 _Z_IMAGE = "diffusers.models.transformers.transformer_z_image"
 _NORMS = ("attention_norm1", "attention_norm2", "ffn_norm1", "ffn_norm2")
 
@@ -72,7 +69,7 @@ def unfit(block: torch.nn.Module) -> str | None:
     """Why ``block`` does not take :func:`fused_block_forward` (None: it does)."""
     if type(block).__name__ != "ZImageTransformerBlock" or type(block).__module__ != _Z_IMAGE:
         return "not diffusers' ZImageTransformerBlock"
-    if getattr(block, ZIMAGE_BLOCK_CHOICE, True) is False:
+    if chosen_off(block):
         return "chosen off"
     if not getattr(block, "modulation", False):
         return "a block without modulation"
@@ -134,9 +131,13 @@ def fused_block_forward(
     """``ZImageTransformerBlock.forward`` with its glue in :mod:`bcg_diffusion.kernels.block_glue`'s
     kernels (the module docstring); the class's forward where the call does not fit (:func:`_ready`, or
     per-token modulation)."""
+    class_forward = type(self).forward
     if noise_mask is not None or adaln_input is None or not _ready(self, x):
-        return type(self).forward(self, x, attn_mask, freqs_cis, adaln_input, noise_mask, adaln_noisy, adaln_clean)
-    scale_msa, gate_msa, scale_mlp, gate_mlp = self.adaLN_modulation(adaln_input).chunk(4, dim=1)
+        return class_forward(self, x, attn_mask, freqs_cis, adaln_input, noise_mask, adaln_noisy, adaln_clean)
+    modulation = self.adaLN_modulation(adaln_input).chunk(4, dim=1)
+    if block_glue.unsupported(x, (), modulation) is not None:  # a stream or modulation the kernels do not take
+        return class_forward(self, x, attn_mask, freqs_cis, adaln_input, noise_mask, adaln_noisy, adaln_clean)
+    scale_msa, gate_msa, scale_mlp, gate_mlp = modulation
     norm = self.attention_norm1
     data, scale = block_glue.modulated_norm_fp8(x, norm.weight, norm.eps, scale_msa)
     attn_out = self.attention(Fp8Rows(data, scale, x.dtype), attention_mask=attn_mask, freqs_cis=freqs_cis)
@@ -153,21 +154,6 @@ def fused_block_forward(
     out = linear_on_fp8(feed_forward.w2, data, scale, x.dtype)
     branch_norm = self.ffn_norm2
     return block_glue.gated_residual(x, out, branch_norm.weight, branch_norm.eps, gate_mlp)
-
-
-def choose(model: torch.nn.Module, fused: bool) -> int:
-    """Let (``fused=True``, the default) or keep (False) ``model``'s Z-Image blocks from running their glue
-    in :mod:`bcg_diffusion.kernels.block_glue`'s kernels, before ``accelerate``. Returns how many blocks it
-    set.
-
-    >>> choose(pipe.transformer, False)  # doctest: +SKIP
-    """
-    if not isinstance(fused, bool):
-        raise TypeError(f"fused must be True or False, got {fused!r}")
-    blocks = [m for m in model.modules() if type(m).__name__ == "ZImageTransformerBlock"]
-    for block in blocks:
-        setattr(block, ZIMAGE_BLOCK_CHOICE, fused)
-    return len(blocks)
 
 
 def patch_zimage_blocks(model: torch.nn.Module, patches: MethodPatches) -> int:

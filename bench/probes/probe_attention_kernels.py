@@ -32,8 +32,11 @@
 
 * ``block-glue``: one Z-Image FP8 block with its glue compiled by inductor against ``kernels.block_glue``'s
   kernels, then each kernel alone (``patches.zimage_block``).
+* ``qwen-block-glue``: the same for one Qwen-Image FP8 block at 1024² in the CFG batch
+  (``patches.qwenimage_block``), with SDPA's attention and with cuDNN's FP8 attention; then each kernel
+  alone on the image stream's 2 x 4,096 rows.
 
-    python -m bench.probes.probe_attention_kernels [--sections kernels,qwen-block,z-block,prologue,prologue-blocks,reductions,fp8-ff,block-glue]
+    python -m bench.probes.probe_attention_kernels [--sections kernels,qwen-block,z-block,prologue,prologue-blocks,reductions,fp8-ff,block-glue,qwen-block-glue]
 """
 
 from __future__ import annotations
@@ -466,6 +469,28 @@ def fp8_feed_forward() -> None:
             _prologue_report(f"   config {config}", launch, nbytes)
 
 
+def _glue_kernels_alone(cases: dict[str, tuple], x: torch.Tensor, block: Any, label: str) -> None:
+    """Each block-glue kernel of ``cases`` (name: reference's arguments, reference, kernel, bytes moved,
+    ``_launch`` keywords) against inductor compiling its reference, then under each launch setting."""
+    from bcg_diffusion.kernels import block_glue as glue
+
+    fp8 = torch.float8_e4m3fn
+    for name, (args, reference, kernel, nbytes, launch_kwargs) in cases.items():
+        print(f"   {name}, {label}:")
+        compiled = functools.partial(torch.compile(reference), *args)
+        _prologue_report("inductor (the reference compiled)", compiled, nbytes)
+        kernel_args = args[:-1] if args[-1] is fp8 else args
+        _prologue_report("our kernel", functools.partial(kernel, *kernel_args), nbytes)
+        for config in [(1, 4, True), (1, 8, True), (1, 16, True), (2, 8, True), (4, 8, True), (1, 8, False)]:
+            outputs: dict[str, Any] = {}
+            if "branch" in launch_kwargs:
+                outputs["stream"] = torch.empty_like(x)
+            if "scale" in launch_kwargs:
+                outputs["data"], outputs["scales"] = glue._fp8_empty(x, fp8)
+            launch = functools.partial(glue._launch, x, block, config=config, **launch_kwargs, **outputs)
+            _prologue_report(f"   config {config}", launch, nbytes)
+
+
 def _fp8_block_glue(fused: bool) -> Callable[[torch.nn.Module], None]:
     """A ``prepare`` for :func:`time_block`: a Z-Image block as fast mode prepares it under FP8 (one product
     for query, key and value, our feed-forward kernel), its glue compiled by inductor or, with ``fused``, in
@@ -521,20 +546,55 @@ def block_glue() -> None:
                 dict(branch=branch, branch_weight=weights[1], branch_eps=1e-5, gate=gate),
             ),
         }  # fmt: skip
-        for name, (args, reference, kernel, nbytes, launch_kwargs) in cases.items():
-            print(f"   {name}, Z-Image {size}:")
-            compiled = functools.partial(torch.compile(reference), *args)
-            _prologue_report("inductor (the reference compiled)", compiled, nbytes)
-            kernel_args = args[:-1] if args[-1] is fp8 else args
-            _prologue_report("our kernel", functools.partial(kernel, *kernel_args), nbytes)
-            for config in [(1, 4, True), (1, 8, True), (1, 16, True), (2, 8, True), (4, 8, True), (1, 8, False)]:
-                outputs: dict[str, Any] = {}
-                if "branch" in launch_kwargs:
-                    outputs["stream"] = torch.empty_like(x)
-                if "scale" in launch_kwargs:
-                    outputs["data"], outputs["scales"] = glue._fp8_empty(x, fp8)
-                launch = functools.partial(glue._launch, x, config=config, **launch_kwargs, **outputs)
-                _prologue_report(f"   config {config}", launch, nbytes)
+        _glue_kernels_alone(cases, x, glue._ZIMAGE, f"Z-Image {size}")
+
+
+def _qwen_fp8_block_glue(fused: bool) -> Callable[[torch.nn.Module], None]:
+    """A ``prepare`` for :func:`time_block`: a Qwen-Image block as fast mode prepares it under FP8 (our
+    feed-forward kernel), its glue compiled by inductor or, with ``fused``, in ``kernels.block_glue``'s
+    kernels (``patches.qwenimage_block``)."""
+    from bcg_diffusion.patches import fp8_feed_forward as patch
+    from bcg_diffusion.patches import qwenimage_block
+
+    def prepare(holder: torch.nn.Module) -> None:
+        _fp8(holder)
+        assert patch.patch_fp8_feed_forwards(holder, MethodPatches()) == 1  # the image stream's; dropped with the copy
+        if fused:
+            assert qwenimage_block.patch_qwenimage_blocks(holder, MethodPatches()) == 1
+
+    return prepare
+
+
+def qwen_block_glue() -> None:
+    """One Qwen-Image FP8 block as fast mode runs it (fused prologue, our feed-forward kernel) at 1024² in the
+    CFG batch, its glue compiled by inductor against ``kernels.block_glue``, with SDPA's attention and with
+    cuDNN's FP8 attention; then each of the three kernels alone on the image stream's rows, with launch
+    settings."""
+    from bcg_diffusion.kernels import block_glue as glue
+
+    for kernel in ("dispatch", "cudnn-fp8"):
+        for fused in (False, True):
+            label = f"qwen fp8, {kernel} attention, glue {'fused' if fused else 'compiled'}"
+            time_block(*_qwen_block_case(), [(label, kernel, False, "fused")], prepare=_qwen_fp8_block_glue(fused))
+            torch.cuda.empty_cache()
+    fp8 = torch.float8_e4m3fn
+    x, branch = (torch.randn(2, 4096, QWEN_DIM, device="cuda", dtype=torch.bfloat16) + 0.5 for _ in range(2))
+    modulation = 0.5 * torch.randn(2, 6 * QWEN_DIM, device="cuda", dtype=torch.bfloat16)
+    shift, scale, gate = (modulation[:, i * QWEN_DIM : (i + 1) * QWEN_DIM] for i in range(3))
+    row = x.numel() * 2
+    cases = {
+        "layer norm + modulation + FP8 rows": (
+            (x, 1e-6, scale, shift, fp8), glue.reference_modulated_layer_norm_fp8, glue.modulated_layer_norm_fp8,
+            row + x.numel(), dict(eps=1e-6, scale=scale, shift=shift),
+        ),
+        "gated add + layer norm + FP8 rows": (
+            (x, branch, gate, 1e-6, scale, shift, fp8), glue.reference_gated_add_layer_norm_fp8,
+            glue.gated_add_layer_norm_fp8, 3 * row + x.numel(),
+            dict(branch=branch, gate=gate, eps=1e-6, scale=scale, shift=shift),
+        ),
+        "gated add": ((x, branch, gate), glue.reference_gated_add, glue.gated_add, 3 * row, dict(branch=branch, gate=gate)),
+    }  # fmt: skip
+    _glue_kernels_alone(cases, x, glue._QWEN, "Qwen-Image 1024² CFG, image rows")
 
 
 SECTIONS = {
@@ -546,6 +606,7 @@ SECTIONS = {
     "reductions": ("one block per model, bf16 and FP8, inductor's persistent reductions widened", reductions),
     "fp8-ff": ("FP8 feed-forwards: the activation and input scales compiled against our kernel", fp8_feed_forward),
     "block-glue": ("Z-Image FP8 block: its glue compiled against our three kernels", block_glue),
+    "qwen-block-glue": ("Qwen-Image FP8 block: its glue compiled against our three kernels", qwen_block_glue),
 }
 
 if __name__ == "__main__":
