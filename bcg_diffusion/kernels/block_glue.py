@@ -123,7 +123,7 @@ def unsupported(
 ) -> str | None:
     """Why the kernels refuse these tensors (None: they take them): ``x`` (and ``branch``) ``[B, S, C]``
     in half precision, last dimension contiguous; norm ``weights`` ``[C]`` contiguous, in ``x``'s dtype;
-    ``modulation`` ``[B, C]``, last dimension contiguous; every tensor on ``x``'s device. Only tensor
+    ``modulation`` ``[B, C]`` in ``x``'s dtype, last dimension contiguous; every tensor on ``x``'s device. Only tensor
     properties, decided when a compiled block is traced."""
     if x.dim() != 3:
         return f"the stream is {x.dim()}-D, not [batch, tokens, width]"

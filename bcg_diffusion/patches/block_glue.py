@@ -4,9 +4,15 @@ read when ``accelerate`` prepares the model (:mod:`bcg_diffusion.patches.zimage_
 
 from __future__ import annotations
 
+import types
+from collections.abc import Callable
+from typing import Any
+
 import torch
 
-__all__ = ["BLOCK_CLASSES", "FUSED_BLOCK_CHOICE", "choose", "chosen_off"]
+from ..core.hooks import MethodPatches, private_copy
+
+__all__ = ["BLOCK_CLASSES", "FUSED_BLOCK_CHOICE", "choose", "chosen_off", "patch_blocks"]
 
 # Set False on a block (:func:`choose`) to keep inductor's glue for it.
 FUSED_BLOCK_CHOICE = "_bcg_fused_block"
@@ -31,3 +37,21 @@ def choose(model: torch.nn.Module, fused: bool) -> int:
     for block in blocks:
         setattr(block, FUSED_BLOCK_CHOICE, fused)
     return len(blocks)
+
+
+def patch_blocks(
+    model: torch.nn.Module,
+    patches: MethodPatches,
+    unfit: Callable[[torch.nn.Module], str | None],
+    forward: Callable[..., Any],
+) -> int:
+    """Give every module of ``model`` that ``unfit`` accepts (None) ``forward`` as its forward, recorded in
+    ``patches``; returns how many. The blocks share one copy of ``forward`` (a function of its own per
+    call of this one), so fast mode compiles it once for all of them."""
+    shared = private_copy(forward)
+    patched = 0
+    for module in model.modules():
+        if unfit(module) is None:
+            patches.replace(module, "forward", types.MethodType(shared, module))
+            patched += 1
+    return patched

@@ -50,6 +50,7 @@ __all__ = [
     "fused_forward",
     "linear_on_fp8",
     "patch_fp8_feed_forwards",
+    "plain_fp8_linear",
     "unfit",
     "unfit_weight",
 ]
@@ -190,6 +191,14 @@ def fused_forward(module: torch.nn.Module) -> Callable[..., torch.Tensor]:
         return linear_on_fp8(parts.down, data, scale, ups[0].dtype)
 
     return forward
+
+
+def plain_fp8_linear(module: Any, float8_tensor: type) -> bool:
+    """Whether ``module`` is a plain ``nn.Linear`` holding a weight of type ``float8_tensor`` (torchao's
+    ``Float8Tensor``, passed in so that a compiled forward need not import it): a LoRA layer put in its
+    place computes more than its weight, which a path running :func:`linear_on_fp8` on the weight would
+    skip."""
+    return type(module) is torch.nn.Linear and isinstance(module.weight, float8_tensor)
 
 
 class Fp8Rows(NamedTuple):

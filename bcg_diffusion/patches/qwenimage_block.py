@@ -35,21 +35,21 @@ projection that is not a plain FP8 ``nn.Linear`` sends the text stream through t
 
 from __future__ import annotations
 
-import types
 from typing import Any, NamedTuple
 
 import torch
 
-from ..core.hooks import MethodPatches, private_copy
+from ..core.hooks import MethodPatches
 from ..kernels import block_glue
 from ..kernels.activation_fp8 import gelu_fp8
 from .attention import TAKES_FP8_ROWS, TEXT_LENGTHS_KWARG, qwen_per_group_lengths
-from .block_glue import chosen_off
+from .block_glue import chosen_off, patch_blocks
 from .fp8_feed_forward import (
     FP8_FEED_FORWARD_ATTRIBUTE,
     FP8_FEED_FORWARD_DEFAULT,
     Fp8Rows,
     linear_on_fp8,
+    plain_fp8_linear,
     unfit_weight,
 )
 from .fp8_feed_forward import unfit as unfit_feed_forward
@@ -117,12 +117,6 @@ def _unfit_stream(block: torch.nn.Module, stream: _Stream) -> str | None:
     return None
 
 
-def _plain_fp8_linear(module: Any, float8_tensor: type) -> bool:
-    """Whether ``module`` is a plain ``nn.Linear`` holding a torchao FP8 weight (a LoRA layer put in its place
-    computes more than its weight, which the kernels' path would skip)."""
-    return type(module) is torch.nn.Linear and isinstance(module.weight, float8_tensor)
-
-
 def _feed_forward_ready(feed_forward: torch.nn.Module, float8_tensor: type) -> bool:
     """Whether ``feed_forward`` still is diffusers' tanh-GELU ``FeedForward`` of plain FP8 projections whose
     dropout drops nothing."""
@@ -133,10 +127,10 @@ def _feed_forward_ready(feed_forward: torch.nn.Module, float8_tensor: type) -> b
     return (
         type(gelu).__name__ == "GELU"
         and getattr(gelu, "approximate", None) == "tanh"
-        and _plain_fp8_linear(getattr(gelu, "proj", None), float8_tensor)
+        and plain_fp8_linear(getattr(gelu, "proj", None), float8_tensor)
         and type(dropout) is torch.nn.Dropout
         and not (dropout.p and dropout.training)
-        and _plain_fp8_linear(down, float8_tensor)
+        and plain_fp8_linear(down, float8_tensor)
     )
 
 
@@ -149,7 +143,7 @@ def _stream_ready(block: torch.nn.Module, stream: _Stream, x: torch.Tensor, temb
 
     feed_forward = getattr(block, stream.feed_forward)
     return (
-        all(_plain_fp8_linear(getattr(block.attn, name, None), Float8Tensor) for name in stream.projections)
+        all(plain_fp8_linear(getattr(block.attn, name, None), Float8Tensor) for name in stream.projections)
         and getattr(feed_forward, FP8_FEED_FORWARD_ATTRIBUTE, FP8_FEED_FORWARD_DEFAULT) == "fused"
         and _feed_forward_ready(feed_forward, Float8Tensor)
         and all(_plain_norm(getattr(block, name)) for name in stream.norms)
@@ -277,12 +271,5 @@ def fused_block_forward(
 
 def patch_qwenimage_blocks(model: torch.nn.Module, patches: MethodPatches) -> int:
     """Give every block of ``model`` that fits (:func:`unfit`) the forward of :func:`fused_block_forward`,
-    recorded in ``patches``; returns how many. The blocks share one function (a copy of its own per call),
-    so fast mode compiles it once for all of them."""
-    forward = private_copy(fused_block_forward)
-    patched = 0
-    for module in model.modules():
-        if unfit(module) is None:
-            patches.replace(module, "forward", types.MethodType(forward, module))
-            patched += 1
-    return patched
+    recorded in ``patches``; returns how many (:func:`bcg_diffusion.patches.block_glue.patch_blocks`)."""
+    return patch_blocks(model, patches, unfit, fused_block_forward)

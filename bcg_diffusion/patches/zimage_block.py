@@ -28,21 +28,21 @@ replaced or the fused product dropped runs the class's forward.
 
 from __future__ import annotations
 
-import types
 from typing import Any
 
 import torch
 
-from ..core.hooks import MethodPatches, private_copy
+from ..core.hooks import MethodPatches
 from ..kernels import block_glue
 from ..kernels.activation_fp8 import swiglu_fp8
 from .attention import FUSED_QKV_ATTRIBUTE, TAKES_FP8_ROWS
-from .block_glue import chosen_off
+from .block_glue import chosen_off, patch_blocks
 from .fp8_feed_forward import (
     FP8_FEED_FORWARD_ATTRIBUTE,
     FP8_FEED_FORWARD_DEFAULT,
     Fp8Rows,
     linear_on_fp8,
+    plain_fp8_linear,
     unfit_weight,
 )
 from .fp8_feed_forward import unfit as unfit_feed_forward
@@ -95,12 +95,6 @@ def unfit(block: torch.nn.Module) -> str | None:
     return None
 
 
-def _plain_fp8_linear(module: Any, float8_tensor: type) -> bool:
-    """Whether ``module`` is a plain ``nn.Linear`` holding a torchao FP8 weight (a LoRA layer put in its place
-    computes more than its weight, which the kernels' path would skip)."""
-    return type(module) is torch.nn.Linear and isinstance(module.weight, float8_tensor)
-
-
 def _ready(block: torch.nn.Module, x: torch.Tensor) -> bool:
     """Whether this call can take the kernels' path: what :func:`unfit` checked at patch time still holds
     (identities and types only: dynamo guards on them)."""
@@ -112,7 +106,7 @@ def _ready(block: torch.nn.Module, x: torch.Tensor) -> bool:
         fused is not None
         and isinstance(fused.weight, Float8Tensor)
         and getattr(type(attention.processor).__call__, TAKES_FP8_ROWS, False)
-        and all(_plain_fp8_linear(getattr(feed_forward, name, None), Float8Tensor) for name in ("w1", "w2", "w3"))
+        and all(plain_fp8_linear(getattr(feed_forward, name, None), Float8Tensor) for name in ("w1", "w2", "w3"))
         and all(_plain_norm(getattr(block, name)) for name in _NORMS)
         and all(getattr(block, name).weight.dtype == x.dtype for name in _NORMS)
     )
@@ -158,12 +152,5 @@ def fused_block_forward(
 
 def patch_zimage_blocks(model: torch.nn.Module, patches: MethodPatches) -> int:
     """Give every block of ``model`` that fits (:func:`unfit`) the forward of :func:`fused_block_forward`,
-    recorded in ``patches``; returns how many. The blocks share one function (a copy of its own per call),
-    so fast mode compiles it once for all of them."""
-    forward = private_copy(fused_block_forward)
-    patched = 0
-    for module in model.modules():
-        if unfit(module) is None:
-            patches.replace(module, "forward", types.MethodType(forward, module))
-            patched += 1
-    return patched
+    recorded in ``patches``; returns how many (:func:`bcg_diffusion.patches.block_glue.patch_blocks`)."""
+    return patch_blocks(model, patches, unfit, fused_block_forward)
