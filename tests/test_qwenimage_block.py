@@ -15,6 +15,7 @@ from bcg_diffusion.core.hooks import MethodPatches
 from bcg_diffusion.patches import block_glue, qwenimage_block
 from bcg_diffusion.patches import fp8_feed_forward as ff
 from bcg_diffusion.patches.attention import QWEN_ATTENTION_PATCH, TEXT_LENGTHS_KWARG
+from bcg_diffusion.patches.zimage_block import ZIMAGE_BLOCK_PATCH
 
 pytest.importorskip("torchao")
 from diffusers.models.transformers.transformer_qwenimage import QwenImageTransformerBlock  # noqa: E402
@@ -170,3 +171,30 @@ def test_the_patched_block_is_traced_whole_by_dynamo():
     finally:
         patches.undo()
         torch._dynamo.reset()
+
+
+def test_the_feature_patches_both_models_blocks_counts_them_and_undoes():
+    import types
+
+    import test_zimage_block
+
+    from bcg_diffusion.features.block_glue import FusedBlockGlue
+
+    model = torch.nn.Module()
+    model.qwen, model.z = _block(), test_zimage_block._block()
+    patches = _prepared(model.qwen)
+    patches_z = test_zimage_block._prepared(model.z)
+    feature = FusedBlockGlue()
+    setup = types.SimpleNamespace(quantized="fp8", modules={"transformer": model})
+    feature.prepare(setup, patches)
+    try:
+        assert feature.stats() == {"fused_blocks": 2}
+        assert feature.patch_names() == [ZIMAGE_BLOCK_PATCH, qwenimage_block.QWENIMAGE_BLOCK_PATCH]
+        assert "forward" in model.qwen.__dict__ and "forward" in model.z.__dict__
+    finally:
+        patches.undo()
+        patches_z.undo()
+    assert "forward" not in model.qwen.__dict__ and "forward" not in model.z.__dict__
+    unquantized = FusedBlockGlue()  # quantize= did nothing (a model quantized before accelerate): no patch
+    unquantized.prepare(types.SimpleNamespace(quantized=None, modules={"transformer": model}), MethodPatches())
+    assert unquantized.stats() == {"fused_blocks": 0}
