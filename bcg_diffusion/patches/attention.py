@@ -332,6 +332,11 @@ def qwen_joint_projections(
     return image, text
 
 
+def _rows(x: torch.Tensor | Fp8Rows | None) -> torch.Tensor | None:
+    """A stream's rows: the tensor itself, or the float8 data of one quantized already (same shape)."""
+    return x.data if isinstance(x, Fp8Rows) else x
+
+
 def qwen_joint_attention_per_group(
     processor: Any,
     attn: torch.nn.Module,
@@ -350,8 +355,7 @@ def qwen_joint_attention_per_group(
     Raises ValueError when the batch does not split into those groups or a length exceeds the text.
     Either stream may come quantized already (:class:`Fp8Rows`, see :func:`qwen_joint_projections`).
     """
-    image_rows = hidden_states.data if isinstance(hidden_states, Fp8Rows) else hidden_states
-    text_rows = encoder_hidden_states.data if isinstance(encoder_hidden_states, Fp8Rows) else encoder_hidden_states
+    image_rows, text_rows = _rows(hidden_states), _rows(encoder_hidden_states)
     batch, text_tokens = text_rows.shape[:2]
     groups = len(text_lengths)
     if groups == 0 or batch % groups or image_rows.shape[0] != batch:
@@ -463,10 +467,13 @@ def _qwen_call_with_text_lengths(call: Callable[..., Any]) -> Callable[..., Any]
         image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
         bcg_text_lengths: tuple[int, ...] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        image_rows = hidden_states.data if isinstance(hidden_states, Fp8Rows) else hidden_states
-        text_rows = encoder_hidden_states.data if isinstance(encoder_hidden_states, Fp8Rows) else encoder_hidden_states
         lengths = qwen_per_group_lengths(
-            attn, image_rows, text_rows, encoder_hidden_states_mask, attention_mask, bcg_text_lengths
+            attn,
+            _rows(hidden_states),
+            _rows(encoder_hidden_states),
+            encoder_hidden_states_mask,
+            attention_mask,
+            bcg_text_lengths,
         )
         if lengths is None:
             if isinstance(hidden_states, Fp8Rows) or isinstance(encoder_hidden_states, Fp8Rows):

@@ -175,12 +175,13 @@ def _first_half(
     block: torch.nn.Module, norm: torch.nn.LayerNorm, x: torch.Tensor, modulation: torch.Tensor, kernels: bool
 ) -> tuple[torch.Tensor | Fp8Rows, torch.Tensor]:
     """One stream before attention: ``norm(x) * (1 + scale) + shift`` (``modulation`` is shift, scale, gate),
-    as FP8 rows with ``kernels`` or as the class computes it otherwise, and the gate."""
+    and the gate: with ``kernels`` FP8 rows and the gate ``[B, C]`` (as the kernels take it), otherwise as
+    the class computes them (the gate ``[B, 1, C]``)."""
     if not kernels:
         return block._modulate(norm(x), modulation)
     shift, scale, gate = modulation.chunk(3, dim=-1)
     data, scales = block_glue.modulated_layer_norm_fp8(x, norm.eps, scale, shift)
-    return Fp8Rows(data, scales, x.dtype), gate.unsqueeze(1)
+    return Fp8Rows(data, scales, x.dtype), gate
 
 
 def _feed_forward_on_fp8(feed_forward: torch.nn.Module, rows: Fp8Rows) -> torch.Tensor:
@@ -201,13 +202,14 @@ def _second_half(
     kernels: bool,
 ) -> torch.Tensor:
     """One stream after attention: ``x + gate * attention_output``, then the feed-forward on its modulated
-    norm, gated into it; in the kernels or, without ``kernels``, as the class computes it."""
+    norm, gated into it; in the kernels or, without ``kernels``, as the class computes it (``gate`` as
+    :func:`_first_half` gave it for the same ``kernels``)."""
     if not kernels:
         x = x + gate * attention_output
         modulated, mlp_gate = block._modulate(norm(x), modulation)
         return x + mlp_gate * feed_forward(modulated)
     shift, scale, mlp_gate = modulation.chunk(3, dim=-1)
-    x, data, scales = block_glue.gated_add_layer_norm_fp8(x, attention_output, gate.squeeze(1), norm.eps, scale, shift)
+    x, data, scales = block_glue.gated_add_layer_norm_fp8(x, attention_output, gate, norm.eps, scale, shift)
     return block_glue.gated_add(x, _feed_forward_on_fp8(feed_forward, Fp8Rows(data, scales, x.dtype)), mlp_gate)
 
 
