@@ -41,6 +41,9 @@
 #   qwen-block-glue  the Qwen-Image block-glue kernels against their references, a Qwen-Image FP8 block with them (near
 #                    inductor's glue, its graph replaying its compiled bytes), then one full-width Qwen-Image FP8 block
 #                    at 1024² CFG with inductor's glue and with ours, each kernel alone with its launch settings
+#   fp8-prologue     attention's prologue writing cuDNN's FP8 attention's query and key (qk_prologue.joint_qkv_fp8)
+#                    against its bf16 outputs quantized, the Qwen-Image processor with it compiled and replayed, then
+#                    the probe: its inputs alone and one Qwen-Image FP8 block, quantized after the prologue and in it
 #   bench-block-glue-qwen Qwen-Image 1024², 50 steps, true CFG 4: eager, fast-fp8, fast-fp8-inductor-glue,
 #                    fast-fp8-attn, fast-fp8-attn+cache (QWEN_GLUE_MODES picks the modes)
 #   tests-vae-fused  the fused channels-last VAE decoder's kernels and the full-size FLUX.1 decoder (tests/test_vae_fused_cuda.py)
@@ -87,6 +90,8 @@
 #   warm-start-z     fast mode's cold / warm / portable-cache start in fresh processes, Z-Image 512²
 #   first-call-qwen-none, first-call-qwen-magcache, first-call-qwen-cachedit  the same for Qwen-Image 1024², 50 steps,
 #                    true CFG 4, without a cache and with each (about 4 min each: two per device call)
+#   first-call-qwen-fp8  the same, fast mode with quantize="fp8" and no cache (the block glue and feed-forward
+#                    kernels of ours among what compiles; WARM_TIMEOUT, default 540 s)
 #   bench-qwen       Qwen-Image 512² and 1024², 10 steps, true CFG 4: every mode
 #   bench-qwen-512   Qwen-Image 512², 50 steps, true CFG 4: every mode
 #   bench-qwen-1024  Qwen-Image 1024², 20 steps, true CFG 4: every mode
@@ -114,7 +119,7 @@
 #                    for `python scripts/screenshot_replay.py DIR OUT.png` here (the GPU machine has no browser)
 # Everything it writes is under $OUT (logs, results.json/.md/.png); copy it to bench/results/<date>-h200/.
 set -uo pipefail
-[ $# -gt 0 ] || { echo "usage: scripts/gpu_session.sh qwen-block-glue|bench-block-glue-qwen|probe-attention|probe-cudnn-fp8|tests-vae-fused|bench-fused-qkv-z|tests-fused-qkv|tests-cudnn-fp8|bench-cudnn-fp8-z|bench-cudnn-fp8-qwen|tests-kernels|probe-fp8-ff|bench-fp8-ff-qwen|bench-kernels-qwen|bench-kernels-z|bench-cachedit-qwen|tests-state|bench-state|tests|tests-full|tests-fast|tests-coexist|tests-shared|tests-cache|bench-cache-qwen-1024|bench-cache-qwen-512|bench-cache-z|bench-cfg-cache-qwen|bench-cfg-cache-qwen-1024|bench-cfg-cache-qwen-512|tests-quant|tests-auto|probe-hand-patches|bench-auto|coverage|bench-fp8-z|bench-fp8-qwen|warm-start-fp8-z|probe-fp8-groups|probe-fp8-block|hotswap-z|tests-z|te-z|fast-check|profile-qwen|profile-z|fast-qwen-50|ab-attention|probe-floor|probe-outside|probe-norms|probe-blocks|compile-max-qwen|memory-z|bench-z|warm-start-z|first-call-qwen-none|first-call-qwen-magcache|first-call-qwen-cachedit|bench-qwen|bench-qwen-512|bench-qwen-1024|issue2|parallel|parallel-cfg|serving|demo ..." >&2; exit 2; }
+[ $# -gt 0 ] || { echo "usage: scripts/gpu_session.sh fp8-prologue|qwen-block-glue|bench-block-glue-qwen|probe-attention|probe-cudnn-fp8|tests-vae-fused|bench-fused-qkv-z|tests-fused-qkv|tests-cudnn-fp8|bench-cudnn-fp8-z|bench-cudnn-fp8-qwen|tests-kernels|probe-fp8-ff|bench-fp8-ff-qwen|bench-kernels-qwen|bench-kernels-z|bench-cachedit-qwen|tests-state|bench-state|tests|tests-full|tests-fast|tests-coexist|tests-shared|tests-cache|bench-cache-qwen-1024|bench-cache-qwen-512|bench-cache-z|bench-cfg-cache-qwen|bench-cfg-cache-qwen-1024|bench-cfg-cache-qwen-512|tests-quant|tests-auto|probe-hand-patches|bench-auto|coverage|bench-fp8-z|bench-fp8-qwen|warm-start-fp8-z|probe-fp8-groups|probe-fp8-block|hotswap-z|tests-z|te-z|fast-check|profile-qwen|profile-z|fast-qwen-50|ab-attention|probe-floor|probe-outside|probe-norms|probe-blocks|compile-max-qwen|memory-z|bench-z|warm-start-z|first-call-qwen-none|first-call-qwen-magcache|first-call-qwen-cachedit|first-call-qwen-fp8|bench-qwen|bench-qwen-512|bench-qwen-1024|issue2|parallel|parallel-cfg|serving|demo ..." >&2; exit 2; }
 out=${OUT:-/tmp/bcg-out}
 mkdir -p "$out"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -207,6 +212,13 @@ case "$phase" in
     timeout 360 python3 -m bench.probes.probe_attention_kernels --sections qwen-block-glue 2>&1 \
       | grep -v "Warning\|warnings.warn\|_warn_once\|^W[0-9]" | tee "$out/probe-qwen-block-glue.log" \
       | grep -v "^ *[0-9.]* ms  x" | tail -70
+    ;;
+  fp8-prologue)
+    timeout 300 python3 -m pytest -m cuda -q -rs -s -p no:cacheprovider --tb=short -k "prologue or cudnn_fp8_attention_matches or fast_mode_fp8_attention" \
+      tests/test_attention_kernels_cuda.py 2>&1 | grep -v "warnings.warn" | tee "$out/pytest-fp8-prologue.log" | tail -16
+    timeout 300 python3 -m bench.probes.probe_attention_kernels --sections fp8-prologue 2>&1 \
+      | grep -v "Warning\|warnings.warn\|_warn_once\|^W[0-9]" | tee "$out/probe-fp8-prologue.log" \
+      | grep -v "^ *[0-9.]* ms  x" | tail -60
     ;;
   bench-block-glue-qwen)
     timeout 590 python3 -m bench --pipeline qwen-image --weights random-full --resolutions 1024x1024 --steps 50 \
@@ -364,6 +376,11 @@ case "$phase" in
     flag=(); [ "$cache" = none ] || flag=(--cache "$cache")
     timeout 280 python3 -m bench.warm_start --pipeline qwen-image --weights random-full --size 1024 --steps 50 \
       --guidance 4 "${flag[@]}" --out "$out/first-call-qwen-$cache" 2>&1 | tail -3 | tee "$out/first-call-qwen-$cache.log"
+    ;;
+  first-call-qwen-fp8)
+    timeout "${WARM_TIMEOUT:-540}" python3 -m bench.warm_start --pipeline qwen-image --weights random-full --size 1024 \
+      --steps 50 --guidance 4 --quantize fp8 --out "$out/first-call-qwen-fp8" 2>&1 | tail -30 \
+      | tee "$out/first-call-qwen-fp8.log"
     ;;
   bench-qwen)
     # Ours and regional compile at both sizes first; reduce-overhead (minutes of compile for the 20B

@@ -16,6 +16,7 @@ import types  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402 - after the environment Triton reads on import
 import triton.language as tl  # noqa: E402
+from _fp8_interpret import close_fp8  # noqa: E402
 from triton.runtime.interpreter import TensorHandle  # noqa: E402
 
 from bcg_diffusion.kernels import _block_glue_triton, block_glue  # noqa: E402
@@ -34,17 +35,6 @@ _block_glue_triton.libdevice = types.SimpleNamespace(tanh=_numpy(np.tanh), rsqrt
 FP8 = torch.float8_e4m3fn
 
 
-def _close_fp8(data: torch.Tensor, expected: torch.Tensor) -> float:
-    """Assert float8 ``data`` within one mantissa step of ``expected``; return the share of equal bytes."""
-    got, want = data.float(), expected.float()
-    bound = torch.maximum(got.abs(), want.abs()) * 2.0**-3 + torch.finfo(FP8).tiny
-    # The interpreter's float32-to-float8 cast loses the carry when rounding up reaches the next power of
-    # two (124.3 becomes 64, not 128; the GPU's cast instruction does not): accept exactly that.
-    carried = (want.abs() == torch.exp2(torch.round(torch.log2(want.abs())))) & (got == want / 2)
-    assert torch.all(((got - want).abs() <= bound) | carried), (got - want).abs().max()
-    return (data.view(torch.uint8) == expected.view(torch.uint8)).float().mean().item()
-
-
 def case(shape: tuple[int, int, int], config: tuple[int, int, bool], strided: bool) -> None:
     """Z-Image's three passes."""
     dtype = torch.float16
@@ -61,7 +51,7 @@ def case(shape: tuple[int, int, int], config: tuple[int, int, bool], strided: bo
     block_glue._launch(x, zimage, weight=weights[0], eps=1e-5, scale=scale, data=data, scales=scales, config=config)
     want_data, want_scales = block_glue.reference_modulated_norm_fp8(x, weights[0], 1e-5, scale, FP8)
     torch.testing.assert_close(scales, want_scales, rtol=2e-3, atol=0)
-    equal = [_close_fp8(data, want_data)]
+    equal = [close_fp8(data, want_data)]
 
     stream = torch.empty(x.shape, dtype=dtype)
     block_glue._launch(x, zimage, branch=branch, branch_weight=weights[1], branch_eps=1e-6, gate=gate, stream=stream,
@@ -77,7 +67,7 @@ def case(shape: tuple[int, int, int], config: tuple[int, int, bool], strided: bo
     want = block_glue.reference_gated_residual_fp8(x, branch, weights[1], 1e-6, gate, weights[0], 1e-5, scale, FP8)
     torch.testing.assert_close(stream, want[0], rtol=2e-3, atol=2e-3)
     torch.testing.assert_close(scales, want[2], rtol=5e-3, atol=0)
-    equal.append(_close_fp8(data, want[1]))
+    equal.append(close_fp8(data, want[1]))
     assert min(equal) > 0.9, equal
     print(f"Z-Image {shape}, config {config}, strided {strided}: {', '.join(f'{e:.4%}' for e in equal)} equal")
 
@@ -98,7 +88,7 @@ def qwen_case(shape: tuple[int, int, int], config: tuple[int, int, bool], stride
     block_glue._launch(x, qwen, eps=1e-6, scale=scale, shift=shift, data=data, scales=scales, config=config)
     want_data, want_scales = block_glue.reference_modulated_layer_norm_fp8(x, 1e-6, scale, shift, FP8)
     torch.testing.assert_close(scales, want_scales, rtol=2e-3, atol=0)
-    equal = [_close_fp8(data, want_data)]
+    equal = [close_fp8(data, want_data)]
 
     stream = torch.empty(x.shape, dtype=dtype)
     block_glue._launch(x, qwen, branch=branch, gate=gate, stream=stream, config=config)
@@ -113,7 +103,7 @@ def qwen_case(shape: tuple[int, int, int], config: tuple[int, int, bool], stride
     want = block_glue.reference_gated_add_layer_norm_fp8(x, branch, gate, 1e-6, scale, shift, FP8)
     torch.testing.assert_close(stream, want[0], rtol=0, atol=0)
     torch.testing.assert_close(scales, want[2], rtol=5e-3, atol=0)
-    equal.append(_close_fp8(data, want[1]))
+    equal.append(close_fp8(data, want[1]))
     assert min(equal) > 0.9, equal
     print(f"Qwen-Image {shape}, config {config}, strided {strided}: {', '.join(f'{e:.4%}' for e in equal)} equal")
 

@@ -127,13 +127,15 @@ def flux2_klein_kv_case() -> tuple[Any, dict[str, Any]]:
     return pipe, {"image": image, "prompt_embeds": torch.randn(1, 8, 32), "height": 32, "width": 32}
 
 
-def zimage_block_call(block: Any, generator: torch.Generator, mask: bool) -> torch.Tensor:
-    """One tiny Z-Image block called on random inputs drawn from ``generator``: 2 rows of 24 tokens, RoPE
-    frequencies, and with ``mask`` the second row's last 7 tokens masked."""
+def zimage_block_call(
+    block: Any, generator: torch.Generator, mask: bool, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """One tiny Z-Image block called on random inputs drawn from ``generator`` (in ``dtype``): 2 rows of 24
+    tokens, RoPE frequencies, and with ``mask`` the second row's last 7 tokens masked."""
     tokens, dim = 24, block.dim
-    x = torch.randn(2, tokens, dim, generator=generator)
+    x = torch.randn(2, tokens, dim, generator=generator).to(dtype)
     angles = torch.rand(2, tokens, block.head_dim // 2, generator=generator) * 6.28
     freqs_cis = torch.polar(torch.ones_like(angles), angles)
     attn_mask = torch.arange(tokens)[None] < torch.tensor([[tokens], [17]]) if mask else None
-    adaln = torch.randn(2, block.adaLN_modulation[0].in_features, generator=generator)
+    adaln = torch.randn(2, block.adaLN_modulation[0].in_features, generator=generator).to(dtype)
     return block(x, attn_mask, freqs_cis, adaln)

@@ -13,8 +13,9 @@ import os
 os.environ["TRITON_INTERPRET"] = "1"
 
 import torch  # noqa: E402 - after the environment Triton reads on import
+from _fp8_interpret import close_fp8  # noqa: E402
 
-from bcg_diffusion.kernels import qk_prologue  # noqa: E402
+from bcg_diffusion.kernels import cudnn_fp8_attention, qk_prologue  # noqa: E402
 
 # float32: the mean of squares sums in another order (a few ulps); half precision: at most one step of
 # the dtype where a float32 difference crosses a rounding boundary.
@@ -71,6 +72,55 @@ def joint_case(dtype: torch.dtype, lengths: tuple[int, ...], rows: int, norm: bo
     check(label, got, want, dtype)
 
 
+def joint_fp8_case(dtype: torch.dtype, lengths: tuple[int, ...], rows: int, config, saturate: bool = False) -> None:
+    """The query and key quantized by their norms' bound (``saturate``: by a tenth of it, so that most
+    elements saturate at ±448), the value's largest magnitude per group."""
+    batch, text_tokens, image_tokens, heads, head_dim = rows * len(lengths), max(lengths) + 2, 13, 3, 16
+    image = strided(batch, image_tokens, heads, head_dim, dtype, "slices")
+    text = strided(batch, text_tokens, heads, head_dim, dtype, "heads-first")
+    for group in range(len(lengths)):  # each group's largest value somewhere else: text, image
+        stream = text if group % 2 else image
+        stream[2][group * rows, group % 3, 1, 2] = 40.0 + group
+    weights = [torch.randn(head_dim).to(dtype) for _ in range(4)]
+    eps = [1e-6, 1e-5, 1e-6, 1e-3]
+    freqs = (frequencies(image_tokens, head_dim // 2), frequencies(text_tokens + 3, head_dim // 2))
+    bound = cudnn_fp8_attention.rms_norm_bound(weights, head_dim) / (10 if saturate else 1)
+    descales = (cudnn_fp8_attention.descale(bound), cudnn_fp8_attention.descale(bound * 2))
+    expected = qk_prologue.reference_joint_qkv_fp8(image, text, weights, eps, freqs, lengths, *descales)
+    outputs = [torch.full_like(e, float("nan")) for e in expected[:3]]
+    largest = torch.zeros(len(lengths))
+    qk_prologue._launch(image, text, weights, eps, freqs, lengths, outputs, config, fp8=(*descales, largest))
+    label = f"joint fp8 {str(dtype)[6:]} lengths {lengths} rows {rows} config {config} saturate {saturate}"
+    assert outputs[0].dtype == outputs[1].dtype == torch.float8_e4m3fn, label
+    equal, saturated = [], 0
+    for out, ref in zip(outputs[:2], expected[:2]):
+        for got, want in zip(*(qk_prologue.group_slices(t, lengths, text_tokens) for t in (out, ref))):
+            equal.append(close_fp8(got, want))
+            saturated += int((got.float().abs() == 448).sum())
+    assert min(equal) > 0.9, (label, equal)
+    assert (saturated > 0) == saturate, (label, saturated)  # past the bound: ±448, never NaN
+    for got, want in zip(*(qk_prologue.group_slices(t, lengths, text_tokens) for t in (outputs[2], expected[2]))):
+        assert torch.equal(got, want), label  # the value is copied
+    assert torch.equal(largest, expected[3]), (label, largest, expected[3])
+    print(f"{label}: {min(equal):.4%} of float8 bytes equal at least", flush=True)
+
+
+def norm_rope_fp8_case(dtype: torch.dtype, config) -> None:
+    batch, tokens, heads, head_dim = 2, 11, 5, 32
+    query, key, _ = strided(batch, tokens, heads, head_dim, dtype, "slices")
+    weights = [torch.randn(head_dim).to(dtype) for _ in range(2)]
+    eps = [1e-5, 1e-6]
+    freqs = frequencies(tokens, head_dim // 2)
+    descales = [cudnn_fp8_attention.descale(cudnn_fp8_attention.rms_norm_bound([w], head_dim)) for w in weights]
+    expected = qk_prologue.reference_norm_rope_fp8(query, key, weights, eps, freqs, *descales)
+    outputs = qk_prologue._norm_rope_fp8_empty(query)
+    qk_prologue._launch((query, key, None), None, weights, eps, (freqs, None), [0], (*outputs, None), config,
+                        fp8=(*descales, descales[0]))  # fmt: skip
+    equal = min(close_fp8(got, want) for got, want in zip(outputs, expected))
+    assert equal > 0.9, equal
+    print(f"norm_rope fp8 {str(dtype)[6:]} config {config}: {equal:.4%} of float8 bytes equal at least", flush=True)
+
+
 def norm_rope_case(dtype: torch.dtype, freqs_batch: int | None, config) -> None:
     batch, tokens, heads, head_dim = 2, 11, 5, 32
     query, key, _ = strided(batch, tokens, heads, head_dim, dtype, "slices")
@@ -94,6 +144,10 @@ def main() -> None:
         joint_case(dtype, (2, 1, 6), 1, True, False, CONFIGS[0])  # no RoPE, three groups
         for freqs_batch in (None, 1, 2):
             norm_rope_case(dtype, freqs_batch, CONFIGS[1])
+        for config in CONFIGS:
+            norm_rope_fp8_case(dtype, config)
+            joint_fp8_case(dtype, (7, 4), 2, config)
+            joint_fp8_case(dtype, (5, 3, 6), 1, config, saturate=config == CONFIGS[0])
     print("all cases within tolerance")
 
 

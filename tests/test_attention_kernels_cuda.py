@@ -203,6 +203,115 @@ def test_qk_prologue_kernel_matches_its_reference_and_is_deterministic(layout):
     assert all(torch.equal(a, b) for a, b in zip(got, again)), "the kernel is not deterministic"
 
 
+def test_qk_prologue_fp8_outputs_are_its_bf16_outputs_quantized():
+    """``joint_qkv_fp8`` at Qwen-Image 1024² in fast mode's CFG batch: its query and key are the bytes of
+    ``cudnn_fp8_attention.quantize`` applied to ``joint_qkv``'s (the same values, divided with correct
+    rounding and cast to e4m3 as PyTorch does), the value is copied, each group's largest value magnitude
+    is PyTorch's ``amax`` of the group's slice to the bit; the same bytes on every call; a NaN in one
+    group's value is that group's largest, not the other's. Then ``norm_rope_fp8`` at Z-Image 1024²
+    against ``norm_rope`` quantized, likewise."""
+    from bcg_diffusion.kernels import qk_prologue
+
+    torch.manual_seed(0)
+    batch, text_tokens, image_tokens, heads, head_dim = 2, 205, 4096, 24, 128
+    lengths = (160, 205)
+    image, text = (
+        [torch.randn(batch, tokens, heads, head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
+        for tokens in (image_tokens, text_tokens)
+    )
+    text[2][1, 200, 3, 5] = 30.0  # the second group's largest value, in its text
+    weights = [(torch.randn(head_dim, device="cuda") * 0.5 + 1).to(torch.bfloat16) for _ in range(4)]
+    eps = [1e-6] * 4
+    freqs = (_frequencies(image_tokens, head_dim // 2), _frequencies(text_tokens, head_dim // 2))
+    bounds = (cudnn_fp8.rms_norm_bound(weights[0::2], head_dim), cudnn_fp8.rms_norm_bound(weights[1::2], head_dim))
+    descales = [cudnn_fp8.descale(bound) for bound in bounds]
+    plain = qk_prologue.joint_qkv(image, text, weights, eps, freqs, lengths)
+    joint = qk_prologue.joint_qkv_fp8(image, text, weights, eps, freqs, lengths, *descales)
+    assert joint.query.dtype == joint.key.dtype == torch.float8_e4m3fn and joint.value.dtype == torch.bfloat16
+    for got, bf16, descale in ((joint.query, plain[0], descales[0]), (joint.key, plain[1], descales[1])):
+        for g, e in zip(*(qk_prologue.group_slices(t, lengths, text_tokens) for t in (got, bf16))):
+            expected = cudnn_fp8.quantize(e, descale)
+            assert torch.equal(g.view(torch.uint8), expected.view(torch.uint8)), "not PyTorch's quantization"
+    values = qk_prologue.group_slices(plain[2], lengths, text_tokens)
+    for g, e in zip(qk_prologue.group_slices(joint.value, lengths, text_tokens), values):
+        assert torch.equal(g, e)
+    expected_largest = torch.stack([v.abs().amax().float() for v in values])
+    assert torch.equal(joint.value_largest, expected_largest) and expected_largest[1] == 30.0
+    again = qk_prologue.joint_qkv_fp8(image, text, weights, eps, freqs, lengths, *descales)
+    for a, b in zip(again[:3], joint[:3]):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), "the kernel is not deterministic"
+    image[2][0, 7, 2, 9] = float("nan")
+    largest = qk_prologue.joint_qkv_fp8(image, text, weights, eps, freqs, lengths, *descales).value_largest
+    assert largest[0].isnan() and largest[1] == 30.0, largest
+
+    # Z-Image 1024² (4160 tokens, 30 heads): norm_rope_fp8 against norm_rope quantized.
+    query, key = (torch.randn(1, 4160, 30, head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    z_freqs = _frequencies(1, 4160, head_dim // 2)
+    plain = qk_prologue.norm_rope(query, key, weights[:2], [1e-5] * 2, z_freqs)
+    quantized = qk_prologue.norm_rope_fp8(query, key, weights[:2], [1e-5] * 2, z_freqs, *descales)
+    for got, bf16, descale in zip(quantized, plain, descales):
+        assert torch.equal(got.view(torch.uint8), cudnn_fp8.quantize(bf16, descale).view(torch.uint8))
+
+
+def test_qwen_processor_with_cudnn_fp8_attention_from_the_fp8_prologue_compiles_and_replays():
+    """One attention module of Qwen-Image's shape (3072 wide, 24 heads of 128) with cuDNN's FP8 attention
+    and the fused prologue (which then writes the query and key in float8), compiled whole: near the same
+    processor with the compiled prologue (bf16 tensors quantized before attention), and a CUDA graph of
+    the compiled function replays its bytes."""
+    from diffusers.models.transformers.transformer_qwenimage import QwenImageTransformerBlock
+
+    from bcg_diffusion.kernels import qk_prologue
+    from bcg_diffusion.patches.attention import QK_PROLOGUE_ATTRIBUTE, qwen_joint_attention_per_group
+
+    if _cudnn_fp8_reason() is not None:
+        pytest.skip(_cudnn_fp8_reason())
+    torch.manual_seed(0)
+    attn = QwenImageTransformerBlock(3072, 24, 128).attn.to("cuda", torch.bfloat16).eval()
+    for norm in (attn.norm_q, attn.norm_k, attn.norm_added_q, attn.norm_added_k):
+        norm.weight.data.normal_(1.0, 0.5)
+    setattr(attn, KERNEL_ATTRIBUTE, "cudnn-fp8")
+    hidden = torch.randn(2, 1024, 3072, device="cuda", dtype=torch.bfloat16)
+    text = torch.randn(2, 77, 3072, device="cuda", dtype=torch.bfloat16)
+    angles = (torch.rand(1024, 64, device="cuda") * 6.28, torch.rand(77, 64, device="cuda") * 6.28)
+    rope = tuple(torch.polar(torch.ones_like(a), a) for a in angles)
+    args = (attn.processor, attn, hidden, text, rope, (50, 77))
+    calls = []
+    original = qk_prologue.joint_qkv_fp8
+    qk_prologue.joint_qkv_fp8 = lambda *a: calls.append(1) or original(*a)
+    try:
+        with torch.no_grad():
+            setattr(attn, QK_PROLOGUE_ATTRIBUTE, "compiled")
+            reference = qwen_joint_attention_per_group(*args)
+            assert not calls
+            setattr(attn, QK_PROLOGUE_ATTRIBUTE, "fused")
+            eager_fp8 = qwen_joint_attention_per_group(*args)
+            assert calls
+            torch._dynamo.reset()
+            compiled_fn = torch.compile(qwen_joint_attention_per_group, fullgraph=True)
+            compiled = compiled_fn(*args)
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                compiled_fn(*args)  # warm-up on the capture stream
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                captured = compiled_fn(*args)
+            graph.replay()
+            torch.cuda.synchronize()
+    finally:
+        qk_prologue.joint_qkv_fp8 = original
+        torch._dynamo.reset()
+    assert all(torch.equal(c, e) for c, e in zip(captured, compiled, strict=True))
+    errors = [
+        max(((a.float() - b.float()).norm() / b.float().norm()).item() for a, b in zip(outputs, reference))
+        for outputs in (eager_fp8, compiled)
+    ]
+    print(f"\nrelative error against the bf16 prologue quantized before attention: {errors}")
+    assert max(errors) < 2e-2, errors
+    assert cudnn_fp8.refusals() == {}
+
+
 def test_qwen_processor_compiled_with_the_fused_prologue_stays_near_the_compiled_one():
     """One attention module of Qwen-Image's shape (3072 wide), bf16, compiled by inductor with the
     switch on and off, against the processor uncompiled: the operator stays inside the compiled graph

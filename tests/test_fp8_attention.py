@@ -170,6 +170,31 @@ def test_cudnn_fp8_attention_reference_is_near_attention_and_saturates():
     assert torch.isfinite(cudnn_fp8.attention(q, k, v, too_small, too_small)).all()
 
 
+def test_cudnn_fp8_attention_on_a_query_and_key_quantized_already():
+    """``attention_quantized`` (what attention's prologue kernel feeds) computes ``attention``'s bytes when
+    the query and key were quantized as ``attention`` quantizes them, and the value's largest magnitude,
+    given or reduced, scales the value alike."""
+    from bcg_diffusion.kernels import cudnn_fp8_attention as cudnn_fp8
+
+    torch.manual_seed(0)
+    weight = torch.rand(128) + 0.5
+    q, k = (_normed_rotated(torch.randn(2, 40, 3, 128), weight).to(torch.bfloat16) for _ in range(2))
+    v = torch.randn(2, 40, 3, 128, dtype=torch.bfloat16) * 3
+    bound = cudnn_fp8.rms_norm_bound([weight], 128)
+    descale = cudnn_fp8.descale(bound)
+    torch.testing.assert_close(descale, bound / 448)
+    q8, k8 = cudnn_fp8.quantize(q, descale), cudnn_fp8.quantize(k, descale)
+    out = cudnn_fp8.attention_quantized(q8, k8, descale, descale, v)
+    assert out.dtype == torch.bfloat16 and torch.equal(out, cudnn_fp8.attention(q, k, v, bound, bound))
+    largest = v.abs().amax().float()
+    assert torch.equal(cudnn_fp8.attention_quantized(q8, k8, descale, descale, v, largest), out)
+    assert "must be float8_e4m3fn, not torch.bfloat16" in cudnn_fp8.unsupported_quantized(q, k8, v)
+    assert "value dtype torch.float32" in cudnn_fp8.unsupported_quantized(q8, k8, v.float())
+    assert "head size 64" in cudnn_fp8.unsupported_quantized(q8[..., :64], k8[..., :64], v[..., :64])
+    with pytest.raises(ValueError, match="cannot take these tensors: .*must be float8_e4m3fn"):
+        cudnn_fp8.attention_quantized(q, k, descale, descale, v)
+
+
 def test_cudnn_fp8_attention_refuses_clearly():
     from bcg_diffusion.kernels import cudnn_fp8_attention as cudnn_fp8
 

@@ -28,11 +28,13 @@ from bcg_diffusion.patches.attention import QK_PROLOGUE_ATTRIBUTE, qwen_joint_at
 HEAD_DIM, HEADS = 16, 4
 
 
-def _qwen_attention(dtype: torch.dtype = torch.float32, seed: int = 0) -> torch.nn.Module:
+def _qwen_attention(
+    dtype: torch.dtype = torch.float32, seed: int = 0, heads: int = HEADS, head_dim: int = HEAD_DIM
+) -> torch.nn.Module:
     from diffusers.models.transformers.transformer_qwenimage import QwenImageTransformerBlock
 
     torch.manual_seed(seed)
-    attn = QwenImageTransformerBlock(HEADS * HEAD_DIM, HEADS, HEAD_DIM).attn
+    attn = QwenImageTransformerBlock(heads * head_dim, heads, head_dim).attn
     for norm in (attn.norm_q, attn.norm_k, attn.norm_added_q, attn.norm_added_k):
         norm.weight.data.normal_(1.0, 0.5)  # not ones: the weight's rounding is part of the contract
     return attn.to(dtype).eval()
@@ -56,7 +58,8 @@ def _qwen_inputs(attn, lengths, rows, image_tokens=10, exact=True, dtype=torch.f
     batch, text_tokens, width = rows * len(lengths), max(lengths) + 1, attn.inner_dim
     hidden = torch.randn(batch, image_tokens, width, generator=generator).to(dtype)
     text = torch.randn(batch, text_tokens, width, generator=generator).to(dtype)
-    make = _exact_freqs if exact else (lambda n: _random_freqs(n, HEAD_DIM // 2))
+    head_dim = width // attn.heads
+    make = _exact_freqs if exact else (lambda n: _random_freqs(n, head_dim // 2))
     return hidden, text, (make(image_tokens), make(text_tokens))
 
 
@@ -161,6 +164,23 @@ def test_operators_are_registered_for_compilation():
     for a, b in zip(compiled(*image, *text, *weights, *freqs), joint(*image, *text, *weights, *freqs)):
         assert torch.equal(a, b)
 
+    descales = [torch.tensor(0.02), torch.tensor(0.03)]
+    arguments = (*image, *text, weights, [1e-6] * 4, *freqs, [7, 4], *descales)
+    torch.library.opcheck(torch.ops.bcg_diffusion.joint_qkv_fp8, arguments)
+
+    def joint_fp8(*tensors):
+        joint = qk_prologue.joint_qkv_fp8(
+            tensors[:3], tensors[3:6], tensors[6:10], [1e-6] * 4, tensors[10:12], (7, 4), *tensors[12:]
+        )
+        return [joint.query.float() * joint.query_descale, joint.value * 2, joint.value_largest]
+
+    inputs = (*image, *text, *weights, *freqs, *descales)
+    compiled = torch.compile(joint_fp8, backend="aot_eager", fullgraph=True)
+    for a, b in zip(compiled(*inputs), joint_fp8(*inputs)):
+        assert torch.equal(a, b)
+    arguments = (image[0], image[1], weights[:2], [1e-5] * 2, freqs[0], *descales)
+    torch.library.opcheck(torch.ops.bcg_diffusion.norm_rope_fp8, arguments)
+
 
 def test_unsupported_calls_are_named():
     q = torch.randn(2, 5, 3, 16)
@@ -174,6 +194,20 @@ def test_unsupported_calls_are_named():
     assert qk_prologue.unavailable(torch.device("cpu")) == "the model is on cpu, not a CUDA GPU"
     with pytest.raises(ValueError, match="cannot take these tensors"):
         qk_prologue.norm_rope(q, q[:, :4], [None, None], [0.0, 0.0], None)
+    scalar = torch.tensor(0.1)
+    assert qk_prologue.unsupported_joint_fp8([q] * 3, [q] * 3, weights, (None, None), (5,), (scalar, scalar)) is None
+    for descales in ((scalar, scalar.double()), (scalar, torch.ones(2))):
+        reason = qk_prologue.unsupported_joint_fp8([q] * 3, [q] * 3, weights, (None, None), (5,), descales)
+        assert "descales are not one float32 number each" in reason
+    assert "groups" in qk_prologue.unsupported_joint_fp8(
+        [q] * 3, [q] * 3, weights, (None, None), (5,) * 5, [scalar] * 2
+    )
+    with pytest.raises(ValueError, match="cannot take these tensors: the query's and key's descales"):
+        qk_prologue.joint_qkv_fp8([q] * 3, [q] * 3, weights, [0.0] * 4, (None, None), (5,), scalar, scalar.half())
+    assert qk_prologue.unsupported_norm_rope_fp8(q, q, [None] * 2, None, (scalar, scalar)) is None
+    assert "descales" in qk_prologue.unsupported_norm_rope_fp8(q, q, [None] * 2, None, (scalar, torch.ones(3)))
+    with pytest.raises(ValueError, match="cannot take these tensors: query and key differ in tokens"):
+        qk_prologue.norm_rope_fp8(q, q[:, :4], [None, None], [0.0, 0.0], None, scalar, scalar)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -194,6 +228,86 @@ def test_qwen_processor_with_the_switch_on_equals_it_off(dtype, lengths, rows, m
     assert len(calls) == (len(lengths) <= qk_prologue.MAX_GROUPS)
     for a, b in zip(outputs["fused"], outputs["compiled"]):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize(("lengths", "rows"), [((9, 4), 1), ((3, 7), 2), ((5,), 1)])
+def test_qwen_processor_quantizes_for_cudnn_fp8_attention_in_the_prologue(lengths, rows, monkeypatch):
+    """With cuDNN's FP8 attention and the fused prologue, the query and key come out of the prologue in
+    float8 and the value's largest magnitude with them (``joint_qkv_fp8``): on a CPU, where the operators
+    compute their references, the same bytes as quantizing the compiled path's bf16 tensors."""
+    from bcg_diffusion.kernels import cudnn_fp8_attention
+
+    calls = {"bf16": 0, "fp8": 0, "quantized": 0}
+    for name, key in (("joint_qkv", "bf16"), ("joint_qkv_fp8", "fp8")):
+        original = getattr(qk_prologue, name)
+        monkeypatch.setattr(
+            qk_prologue, name, lambda *a, o=original, k=key: calls.__setitem__(k, calls[k] + 1) or o(*a)
+        )
+    original = cudnn_fp8_attention.attention_quantized
+    monkeypatch.setattr(
+        cudnn_fp8_attention,
+        "attention_quantized",
+        lambda *a, **kw: calls.__setitem__("quantized", calls["quantized"] + 1) or original(*a, **kw),
+    )
+    attn = _qwen_attention(torch.bfloat16, heads=2, head_dim=128)  # cuDNN's FP8 kernel takes heads of 128
+    setattr(attn, attention.KERNEL_ATTRIBUTE, "cudnn-fp8")
+    hidden, text, rope = _qwen_inputs(attn, lengths, rows, exact=False, dtype=torch.bfloat16)
+    outputs = {}
+    with torch.no_grad():
+        for switch in ("compiled", "fused"):
+            setattr(attn, QK_PROLOGUE_ATTRIBUTE, switch)
+            outputs[switch] = qwen_joint_attention_per_group(attn.processor, attn, hidden, text, rope, lengths)
+    # compiled: attend quantizes the bf16 tensors (through attention_quantized); fused: the prologue does
+    assert calls == {"bf16": 0, "fp8": 1, "quantized": 2 * len(lengths)}, calls
+    for a, b in zip(outputs["fused"], outputs["compiled"]):
+        assert a.dtype == torch.bfloat16 and torch.equal(a, b)
+    # Without norms there is no bound: the bf16 prologue runs, and attend quantizes by the largest values.
+    attn.norm_q = attn.norm_k = attn.norm_added_q = attn.norm_added_k = None
+    with torch.no_grad():
+        qwen_joint_attention_per_group(attn.processor, attn, hidden, text, rope, lengths)
+    assert calls == {"bf16": 1, "fp8": 1, "quantized": 3 * len(lengths)}, calls
+
+
+@pytest.mark.parametrize("mask", [False, True])
+def test_zimage_processor_quantizes_for_cudnn_fp8_attention_in_the_prologue(mask, monkeypatch):
+    """Z-Image with cuDNN's FP8 attention and the fused prologue: unmasked, the query and key come out of
+    the prologue in float8 (``norm_rope_fp8``); on a CPU, where the operators compute their references, the
+    block's bytes are those of the bf16 prologue quantized before attention. Masked: the bf16 prologue and
+    diffusers' dispatch, as without FP8 attention."""
+    from diffusers.models.transformers.transformer_z_image import ZImageTransformerBlock
+
+    from bcg_diffusion.core.hooks import MethodPatches
+
+    calls = []
+    original_fp8 = qk_prologue.norm_rope_fp8
+    monkeypatch.setattr(qk_prologue, "norm_rope_fp8", lambda *a: calls.append(1) or original_fp8(*a))
+    torch.manual_seed(0)
+    block = ZImageTransformerBlock(0, 256, 2, 2, 1e-5, qk_norm=True, modulation=True).to(torch.bfloat16).eval()
+    block.attention.norm_q.weight.data.normal_(1.0, 0.5)  # two bounds, each its own
+    patches = MethodPatches()
+    assert attention.ZIMAGE_ROPE_PATCH.apply(block, patches) == 1
+    setattr(block.attention, attention.KERNEL_ATTRIBUTE, "cudnn-fp8")
+    setattr(block.attention, QK_PROLOGUE_ATTRIBUTE, "fused")
+
+    def call() -> torch.Tensor:
+        generator = torch.Generator().manual_seed(1)
+        with torch.no_grad():
+            return zimage_block_call(block, generator, mask, torch.bfloat16)
+
+    try:
+        quantized_in_prologue = call()
+        assert len(calls) == (0 if mask else 1)
+        original = attention._fused_norm_rope
+        monkeypatch.setattr(  # the bf16 prologue, quantized by attend
+            attention,
+            "_fused_norm_rope",
+            lambda a, q, k, f, fp8_value=None: None if fp8_value is not None else original(a, q, k, f),
+        )
+        quantized_after = call()
+    finally:
+        patches.undo()
+    assert len(calls) == (0 if mask else 1)
+    assert quantized_in_prologue.dtype == torch.bfloat16 and torch.equal(quantized_in_prologue, quantized_after)
 
 
 @pytest.mark.parametrize("mask", [False, True])

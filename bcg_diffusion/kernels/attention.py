@@ -39,6 +39,7 @@ __all__ = [
     "fp8_attention",
     "layout_unsupported",
     "quantize_for_fp8_attention",
+    "shapes_unsupported",
     "unavailable",
     "unsupported",
 ]
@@ -84,11 +85,19 @@ def layout_unsupported(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, head_dims: tuple[int, ...]
 ) -> str | None:
     """Why these tensors are not the ``[B, S, H, D]`` query, key and value that FP8 attention kernels
-    take (None: they are): half precision, one batch and head count, a head size in ``head_dims``."""
-    if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
-        return "the tensors are not [batch, tokens, heads, dim]"
+    take (None: they are): half precision, and what :func:`shapes_unsupported` asks."""
     if query.dtype not in (torch.bfloat16, torch.float16) or not (query.dtype == key.dtype == value.dtype):
         return f"dtype {query.dtype} (needs bfloat16 or float16, the same for query, key and value)"
+    return shapes_unsupported(query, key, value, head_dims)
+
+
+def shapes_unsupported(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, head_dims: tuple[int, ...]
+) -> str | None:
+    """Why these tensors' shapes are not a ``[B, S, H, D]`` query, key and value (None: they are): one
+    batch and head count, the key's and value's tokens alike, a head size in ``head_dims``."""
+    if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
+        return "the tensors are not [batch, tokens, heads, dim]"
     if query.shape[0] != key.shape[0] or key.shape[:3] != value.shape[:3] or query.shape[2] != key.shape[2]:
         return "query, key and value disagree in batch, tokens or heads (grouped heads are not supported)"
     if not (query.shape[-1] == key.shape[-1] == value.shape[-1]) or query.shape[-1] not in head_dims:

@@ -21,7 +21,10 @@ What it needs, and how this module feeds it:
   the probabilities to e4m3 (at most 2**-4 relative each). The output is scaled back in plain PyTorch,
   which inductor fuses into the kernel that reads it next.
 
-The quantization is plain PyTorch, traced into fast mode's compiled blocks; the kernel is a PyTorch
+The quantization is plain PyTorch, traced into fast mode's compiled blocks, or comes done already: the
+query and key scaled by their bounds straight out of attention's prologue kernel, with the value's largest
+magnitude reduced there too (:func:`attention_quantized`, fed by
+:func:`bcg_diffusion.kernels.qk_prologue.joint_qkv_fp8`). The kernel is a PyTorch
 custom operator (``bcg_diffusion::cudnn_fp8_attention``) that inductor calls as it is, with every scale
 it reads computed beforehand in the compiled code (:func:`pack_scales`). cuDNN builds one graph per
 shape, on the first call with that shape (an eager warm-up before any capture), and the same engine
@@ -38,17 +41,21 @@ import warnings
 
 import torch
 
-from .attention import layout_unsupported
+from .attention import layout_unsupported, shapes_unsupported
 
 __all__ = [
     "FP8_MAX",
     "attention",
+    "attention_quantized",
+    "descale",
     "pack_scales",
+    "quantize",
     "reference",
     "refusals",
     "rms_norm_bound",
     "unavailable",
     "unsupported",
+    "unsupported_quantized",
 ]
 
 FP8_MAX = 448.0  # largest float8 e4m3 value
@@ -96,6 +103,16 @@ def unsupported(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> 
     return layout_unsupported(query, key, value, _HEAD_DIMS)
 
 
+def unsupported_quantized(query8: torch.Tensor, key8: torch.Tensor, value: torch.Tensor) -> str | None:
+    """Why a query and key quantized already and a value in half precision (all ``[B, S, H, D]``) cannot
+    go to the kernel (None: they can): :func:`unsupported`'s conditions, the query and key in float8 e4m3."""
+    if query8.dtype != torch.float8_e4m3fn or key8.dtype != torch.float8_e4m3fn:
+        return f"a query and key quantized already must be float8_e4m3fn, not {query8.dtype} and {key8.dtype}"
+    if value.dtype not in (torch.bfloat16, torch.float16):
+        return f"value dtype {value.dtype} (needs bfloat16 or float16)"
+    return shapes_unsupported(query8, key8, value, _HEAD_DIMS)
+
+
 def rms_norm_bound(weights: list[torch.Tensor], head_dim: int) -> torch.Tensor:
     """The largest magnitude an element of a row of ``head_dim`` elements can have after an RMS norm
     with any of these weights, then RoPE: ``max|w| * sqrt(head_dim)``, as a float32 scalar tensor
@@ -109,12 +126,28 @@ def rms_norm_bound(weights: list[torch.Tensor], head_dim: int) -> torch.Tensor:
     return torch.stack([w.detach().abs().amax().float() for w in weights]).amax() * math.sqrt(head_dim)
 
 
+def descale(bound: torch.Tensor) -> torch.Tensor:
+    """The descale (a float32 scalar) by which :func:`quantize` maps ``bound``, a magnitude no element
+    exceeds, to e4m3's largest value, 448 (a bound of zero counts as 1e-12).
+
+    >>> descale(torch.tensor(896.0))
+    tensor(2.)
+    """
+    return bound.float().clamp(min=1e-12) / FP8_MAX
+
+
+def quantize(x: torch.Tensor, descale: torch.Tensor) -> torch.Tensor:
+    """``x`` in float8 e4m3 at ``descale`` (a float32 scalar): ``x / descale`` in float32, rounded to the
+    nearest e4m3 value, saturated at ±448 (a value past the bound, bf16 rounding of a bounded one, must
+    not become NaN). The arithmetic attention's prologue kernel repeats for the query and key."""
+    return (x.float() / descale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+
+
 def _quantize(x: torch.Tensor, bound: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x`` in e4m3 with one scale and that scale's inverse (the descale): ``bound`` maps to 448."""
-    largest = x.abs().amax().float() if bound is None else bound.to(device=x.device, dtype=torch.float32)
-    descale = largest.clamp(min=1e-12) / FP8_MAX
-    # Saturate: a value past the bound (bf16 rounding of a bounded one) must not become NaN.
-    return (x.float() / descale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), descale
+    """``x`` in e4m3 with its descale: ``bound`` (else ``x``'s largest magnitude) maps to 448."""
+    largest = x.abs().amax() if bound is None else bound.to(device=x.device)
+    scale = descale(largest)
+    return quantize(x, scale), scale
 
 
 def attention(
@@ -134,13 +167,36 @@ def attention(
     reason = unsupported(query, key, value)
     if reason is not None:
         raise ValueError(f"cuDNN's FP8 attention cannot take these tensors: {reason}")
-    scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
     query8, descale_q = _quantize(query, query_bound)
     key8, descale_k = _quantize(key, key_bound)
-    value8, descale_v = _quantize(value, None)
-    scales = pack_scales(descale_q, descale_k, descale_v)
+    return attention_quantized(query8, key8, descale_q, descale_k, value, scale=scale)
+
+
+def attention_quantized(
+    query8: torch.Tensor,
+    key8: torch.Tensor,
+    query_descale: torch.Tensor,
+    key_descale: torch.Tensor,
+    value: torch.Tensor,
+    value_largest: torch.Tensor | None = None,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """:func:`attention` on a query and key quantized already: ``[B, S, H, D]`` float8 e4m3 with their
+    descales (float32 scalars, :func:`quantize`), ``value`` ``[B, S, H, D]`` in bf16 or fp16, scaled by
+    ``value_largest`` (a float32 scalar: its largest magnitude, e.g. reduced by attention's prologue
+    kernel; None: reduced here). Returns ``[B, S, H, D]`` in the value's dtype; the bytes of
+    :func:`attention` where the query and key were quantized as it quantizes them.
+
+    Refuses (ValueError) what :func:`unsupported_quantized` names.
+    """
+    reason = unsupported_quantized(query8, key8, value)
+    if reason is not None:
+        raise ValueError(f"cuDNN's FP8 attention cannot take these tensors: {reason}")
+    scale = 1.0 / math.sqrt(query8.shape[-1]) if scale is None else float(scale)
+    value8, descale_v = _quantize(value, value_largest)
+    scales = pack_scales(query_descale, key_descale, descale_v)
     out8 = torch.ops.bcg_diffusion.cudnn_fp8_attention(query8, key8, value8, scales, scale)
-    return (out8.float() * scales[3]).to(query.dtype)
+    return (out8.float() * scales[3]).to(value.dtype)
 
 
 def pack_scales(descale_q: torch.Tensor, descale_k: torch.Tensor, descale_v: torch.Tensor) -> torch.Tensor:

@@ -14,7 +14,12 @@ key: read each once, write each once. This kernel does exactly that, in one laun
   mode's CFG batch: cond rows, then uncond); each group's joint tensor is a slice of one buffer
   ``[B, S_text + S_image, H, D]``, its valid text placed right before the image
   (:func:`group_slices`), so no copy is left between this kernel and attention.
-* :func:`norm_rope` (Z-Image): query and key normed and rotated, one ``[B, S, H, D]`` each.
+* :func:`joint_qkv_fp8` (Qwen-Image, for cuDNN's FP8 attention): the same, with the query and key written
+  in float8 e4m3 at scales given beforehand (their RMS norms' bounds need no reduction) and the value's
+  largest magnitude per group reduced on the way, so that no pass over the query and key is left
+  between this kernel and attention, and none to scale the value but its cast.
+* :func:`norm_rope` (Z-Image): query and key normed and rotated, one ``[B, S, H, D]`` each;
+  :func:`norm_rope_fp8` the same written in float8 at given scales.
 
 Arithmetic, per row of ``D``: diffusers' ``RMSNorm`` as it rounds (mean of squares and normalization in
 float32, cast to the weight's dtype, times the weight, rounded), then the pairwise rotation of
@@ -34,22 +39,31 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 
 from . import triton_unavailable
+from .cudnn_fp8_attention import quantize
 
 __all__ = [
     "MAX_GROUPS",
+    "Fp8Joint",
     "group_slices",
     "joint_qkv",
+    "joint_qkv_fp8",
     "norm_rope",
+    "norm_rope_fp8",
     "reference_joint_qkv",
+    "reference_joint_qkv_fp8",
     "reference_norm_rope",
+    "reference_norm_rope_fp8",
     "rms_norm",
     "unavailable",
     "unsupported_joint",
+    "unsupported_joint_fp8",
     "unsupported_norm_rope",
+    "unsupported_norm_rope_fp8",
 ]
 
 MAX_GROUPS = 4  # groups of rows with their own text length, as the kernel takes them (scalars)
@@ -135,6 +149,26 @@ def unsupported_joint(
     return reason
 
 
+def unsupported_joint_fp8(
+    image: Sequence[torch.Tensor],
+    text: Sequence[torch.Tensor],
+    weights: Sequence[torch.Tensor | None],
+    freqs: tuple[torch.Tensor | None, torch.Tensor | None],
+    text_lengths: Sequence[int],
+    descales: tuple[torch.Tensor, torch.Tensor],
+) -> str | None:
+    """Why :func:`joint_qkv_fp8` refuses these arguments (None: it takes them): what
+    :func:`unsupported_joint` names, or descales that are not one float32 number each on the tensors'
+    device."""
+    return unsupported_joint(image, text, weights, freqs, text_lengths) or _descales_unsupported(descales, image[0])
+
+
+def _descales_unsupported(descales: Sequence[torch.Tensor], like: torch.Tensor) -> str | None:
+    if any(d.dtype != torch.float32 or d.numel() != 1 or d.device != like.device for d in descales):
+        return "the query's and key's descales are not one float32 number each on the tensors' device"
+    return None
+
+
 def unsupported_norm_rope(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -147,6 +181,19 @@ def unsupported_norm_rope(
         reason = "query and key differ in tokens"
     reason = reason or _weights_unsupported(weights, query)
     return reason or _freqs_unsupported(freqs, query, query.shape[1], (3, 4))
+
+
+def unsupported_norm_rope_fp8(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    weights: Sequence[torch.Tensor | None],
+    freqs: torch.Tensor | None,
+    descales: tuple[torch.Tensor, torch.Tensor],
+) -> str | None:
+    """Why :func:`norm_rope_fp8` refuses these arguments (None: it takes them): what
+    :func:`unsupported_norm_rope` names, or descales that are not one float32 number each on the tensors'
+    device."""
+    return unsupported_norm_rope(query, key, weights, freqs) or _descales_unsupported(descales, query)
 
 
 def joint_qkv(
@@ -180,6 +227,55 @@ def joint_qkv(
     )
 
 
+class Fp8Joint(NamedTuple):
+    """:func:`joint_qkv_fp8`'s outputs: the joint tensors ``[B, S_text + S_image, H, D]`` (the query and
+    key in float8 e4m3, the value in the inputs' dtype), the descales the query and key were quantized
+    at, and ``value_largest`` ``[groups]`` (float32), the largest magnitude of each group's value rows."""
+
+    query: torch.Tensor
+    key: torch.Tensor
+    value: torch.Tensor
+    query_descale: torch.Tensor
+    key_descale: torch.Tensor
+    value_largest: torch.Tensor
+
+
+def joint_qkv_fp8(
+    image: Sequence[torch.Tensor],
+    text: Sequence[torch.Tensor],
+    weights: Sequence[torch.Tensor | None],
+    eps: Sequence[float],
+    freqs: tuple[torch.Tensor | None, torch.Tensor | None],
+    text_lengths: Sequence[int],
+    query_descale: torch.Tensor,
+    key_descale: torch.Tensor,
+) -> Fp8Joint:
+    """:func:`joint_qkv` with the query and key quantized on the way for FP8 attention (cuDNN's, through
+    :func:`bcg_diffusion.kernels.cudnn_fp8_attention.attention_quantized`).
+
+    Takes :func:`joint_qkv`'s arguments and the query's and key's descales (float32 scalars: each tensor
+    is stored as ``cudnn_fp8_attention.quantize(x, descale)`` of what :func:`joint_qkv` would store, so a
+    bound no element exceeds, over 448; past it an element saturates). Returns :class:`Fp8Joint`, laid out
+    as :func:`joint_qkv`'s outputs (:func:`group_slices` applies), with each group's largest value
+    magnitude over its valid text and its image (NaN where the group's value holds one). Raises
+    ValueError on what :func:`unsupported_joint_fp8` names.
+
+    >>> joint = joint_qkv_fp8(image, text, weights, eps, freqs, (77,), descale_q, descale_k)  # doctest: +SKIP
+    >>> joint.query.dtype, joint.value_largest.shape  # doctest: +SKIP
+    (torch.float8_e4m3fn, torch.Size([1]))
+    """
+    descales = (query_descale, key_descale)
+    reason = unsupported_joint_fp8(image, text, weights, freqs, text_lengths, descales)
+    if reason is not None:
+        raise ValueError(f"bcg_diffusion's attention prologue cannot take these tensors: {reason}")
+    normed = [w for w in weights if w is not None]
+    descales = tuple(d.reshape(()) for d in descales)
+    outputs = torch.ops.bcg_diffusion.joint_qkv_fp8(
+        *image, *text, normed, [float(e) for e in eps], *freqs, list(text_lengths), *descales
+    )
+    return Fp8Joint(*outputs[:3], *descales, outputs[3])
+
+
 def group_slices(joint: torch.Tensor, text_lengths: Sequence[int], text_tokens: int) -> list[torch.Tensor]:
     """Each group's joint tensor ``[B / groups, text_lengths[g] + S_image, H, D]`` in one of
     :func:`joint_qkv`'s outputs (views: no copy). ``text_tokens``: ``S_text``."""
@@ -203,6 +299,29 @@ def norm_rope(
         raise ValueError(f"bcg_diffusion's attention prologue cannot take these tensors: {reason}")
     normed = [w for w in weights if w is not None]
     return tuple(torch.ops.bcg_diffusion.norm_rope(query, key, normed, [float(e) for e in eps], freqs))
+
+
+def norm_rope_fp8(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    weights: Sequence[torch.Tensor | None],
+    eps: Sequence[float],
+    freqs: torch.Tensor | None,
+    query_descale: torch.Tensor,
+    key_descale: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`norm_rope` with the query and key written in float8 e4m3 for FP8 attention: each is
+    ``cudnn_fp8_attention.quantize(x, descale)`` of what :func:`norm_rope` would return (``query_descale``,
+    ``key_descale``: float32 scalars, a bound no element exceeds over 448; past it an element saturates).
+    Returns two new contiguous ``[B, S, H, D]`` float8 tensors. Raises ValueError on what
+    :func:`unsupported_norm_rope_fp8` names."""
+    descales = (query_descale, key_descale)
+    reason = unsupported_norm_rope_fp8(query, key, weights, freqs, descales)
+    if reason is not None:
+        raise ValueError(f"bcg_diffusion's attention prologue cannot take these tensors: {reason}")
+    normed = [w for w in weights if w is not None]
+    descales = tuple(d.reshape(()) for d in descales)
+    return tuple(torch.ops.bcg_diffusion.norm_rope_fp8(query, key, normed, [float(e) for e in eps], freqs, *descales))
 
 
 # -- the plain-PyTorch reference ------------------------------------------------------------------------
@@ -271,6 +390,24 @@ def reference_joint_qkv(
     return outputs[0], outputs[1], outputs[2]
 
 
+def reference_joint_qkv_fp8(
+    image: Sequence[torch.Tensor],
+    text: Sequence[torch.Tensor],
+    weights: Sequence[torch.Tensor | None],
+    eps: Sequence[float],
+    freqs: tuple[torch.Tensor | None, torch.Tensor | None],
+    text_lengths: Sequence[int],
+    query_descale: torch.Tensor,
+    key_descale: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`joint_qkv_fp8` in plain PyTorch: query, key, value and ``value_largest`` (the same
+    contract; rows before a group's valid text are zeros here)."""
+    query, key, value = reference_joint_qkv(image, text, weights, eps, freqs, text_lengths)
+    groups = group_slices(value, text_lengths, text[0].shape[1])
+    largest = torch.stack([group.abs().amax().float() for group in groups])
+    return quantize(query, query_descale), quantize(key, key_descale), value, largest
+
+
 def reference_norm_rope(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -285,6 +422,20 @@ def reference_norm_rope(
         out = _norm_rope_reference(x, weights[index], eps[index], normed, freqs)
         outputs.append(out.contiguous() if out is not x else x.clone(memory_format=torch.contiguous_format))
     return outputs[0], outputs[1]
+
+
+def reference_norm_rope_fp8(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    weights: Sequence[torch.Tensor | None],
+    eps: Sequence[float],
+    freqs: torch.Tensor | None,
+    query_descale: torch.Tensor,
+    key_descale: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`norm_rope_fp8` in plain PyTorch."""
+    query, key = reference_norm_rope(query, key, weights, eps, freqs)
+    return quantize(query, query_descale), quantize(key, key_descale)
 
 
 # -- the kernel's launch and the operators ----------------------------------------------------------------
@@ -308,11 +459,13 @@ def _launch(
     text_lengths: Sequence[int],
     outputs: Sequence[torch.Tensor | None],
     config: tuple[int, int] | None = None,
+    fp8: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """Run the kernel: ``image`` (query, key, value or None), ``text`` likewise or None (no text stream);
     ``weights`` four (image q, k, text q, k) or two (no text) or none; ``outputs`` (query, key, value or
-    None) ``[B, S_text + S_image, H, D]`` with equal strides. On CPU tensors it runs only in Triton's
-    interpreter (``TRITON_INTERPRET=1``)."""
+    None) ``[B, S_text + S_image, H, D]`` with equal strides. ``fp8``: (query's descale, key's descale,
+    the value's largest magnitude per group, zeros) for float8 query and key outputs (see
+    :func:`joint_qkv_fp8`). On CPU tensors it runs only in Triton's interpreter (``TRITON_INTERPRET=1``)."""
     import triton
 
     from . import _qk_prologue_triton as kernels
@@ -339,6 +492,7 @@ def _launch(
     rows_per_group = batch // len(text_lengths)
     out_q, out_k, out_v = outputs
     out_v = out_v if has_v else out_q
+    descale_q, descale_k, value_largest = fp8 if fp8 is not None else (q_img, q_img, q_img)  # unread: any pointer
 
     def strides(t: torch.Tensor) -> tuple[int, int, int]:
         return t.stride(0), t.stride(1), t.stride(2)
@@ -352,9 +506,10 @@ def _launch(
             *strides(q_img), *strides(k_img), *strides(v_img), *_freq_strides(freqs[0], batch), e[0], e[1],
             q_txt, k_txt, v_txt, w[2], w[3], f_txt,
             *strides(q_txt), *strides(k_txt), *strides(v_txt), *_freq_strides(freqs[1], batch), e[2], e[3],
-            out_q, out_k, out_v, *strides(out_q),
+            out_q, out_k, out_v, *strides(out_q), descale_q, descale_k, value_largest,
             heads, seq_img, seq_txt, txt_tiles, rows_per_group, *lengths,
-            HEAD_DIM=head_dim, BLOCK_R=block_r, HAS_V=has_v, NORM=normed, ROPE=rope, num_warps=warps,
+            HEAD_DIM=head_dim, BLOCK_R=block_r, HAS_V=has_v, NORM=normed, ROPE=rope, FP8=fp8 is not None,
+            num_warps=warps,
         )  # fmt: skip
 
 
@@ -396,6 +551,49 @@ def _(q_img, k_img, v_img, q_txt, k_txt, v_txt, weights, eps, image_freqs, text_
     return _joint_empty(q_img, q_txt.shape[1])
 
 
+@torch.library.custom_op("bcg_diffusion::joint_qkv_fp8", mutates_args=())
+def _joint_qkv_fp8_op(
+    q_img: torch.Tensor,
+    k_img: torch.Tensor,
+    v_img: torch.Tensor,
+    q_txt: torch.Tensor,
+    k_txt: torch.Tensor,
+    v_txt: torch.Tensor,
+    weights: list[torch.Tensor],
+    eps: list[float],
+    image_freqs: torch.Tensor | None,
+    text_freqs: torch.Tensor | None,
+    text_lengths: list[int],
+    query_descale: torch.Tensor,
+    key_descale: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    image, text, freqs = (q_img, k_img, v_img), (q_txt, k_txt, v_txt), (image_freqs, text_freqs)
+    if not _use_triton(q_img):
+        four = list(weights) if weights else [None] * 4
+        return reference_joint_qkv_fp8(
+            image, text, four, eps or [0.0] * 4, freqs, text_lengths, query_descale, key_descale
+        )
+    query, key, value, largest = _joint_fp8_empty(q_img, q_txt.shape[1], len(text_lengths))
+    largest.zero_()  # the kernel folds each tile's largest magnitude in by atomic max
+    fp8 = (query_descale.contiguous(), key_descale.contiguous(), largest)
+    _launch(image, text, weights, eps, freqs, text_lengths, (query, key, value), fp8=fp8)
+    return query, key, value, largest
+
+
+def _joint_fp8_empty(
+    q_img: torch.Tensor, text_tokens: int, groups: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    batch, seq_img, heads, head_dim = q_img.shape
+    shape = (batch, text_tokens + seq_img, heads, head_dim)
+    query, key = (q_img.new_empty(shape, dtype=torch.float8_e4m3fn) for _ in range(2))
+    return query, key, q_img.new_empty(shape), q_img.new_empty(groups, dtype=torch.float32)
+
+
+@_joint_qkv_fp8_op.register_fake
+def _(q_img, k_img, v_img, q_txt, k_txt, v_txt, weights, eps, image_freqs, text_freqs, text_lengths, qd, kd):  # noqa: ANN001, ANN202
+    return _joint_fp8_empty(q_img, q_txt.shape[1], len(text_lengths))
+
+
 @torch.library.custom_op("bcg_diffusion::norm_rope", mutates_args=())
 def _norm_rope_op(
     query: torch.Tensor, key: torch.Tensor, weights: list[torch.Tensor], eps: list[float], freqs: torch.Tensor | None
@@ -411,3 +609,32 @@ def _norm_rope_op(
 @_norm_rope_op.register_fake
 def _(query, key, weights, eps, freqs):  # noqa: ANN001, ANN202
     return tuple(query.new_empty(query.shape) for _ in range(2))
+
+
+@torch.library.custom_op("bcg_diffusion::norm_rope_fp8", mutates_args=())
+def _norm_rope_fp8_op(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    weights: list[torch.Tensor],
+    eps: list[float],
+    freqs: torch.Tensor | None,
+    query_descale: torch.Tensor,
+    key_descale: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if not _use_triton(query):
+        two = list(weights) if weights else [None, None]
+        return reference_norm_rope_fp8(query, key, two, eps or [0.0, 0.0], freqs, query_descale, key_descale)
+    out_q, out_k = _norm_rope_fp8_empty(query)
+    descales = (query_descale.contiguous(), key_descale.contiguous())
+    # no value: the value's largest magnitude is not reduced here, its pointer is never read
+    _launch((query, key, None), None, weights, eps, (freqs, None), [0], (out_q, out_k, None), fp8=(*descales, out_q))
+    return out_q, out_k
+
+
+def _norm_rope_fp8_empty(query: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return tuple(query.new_empty(query.shape, dtype=torch.float8_e4m3fn) for _ in range(2))
+
+
+@_norm_rope_fp8_op.register_fake
+def _(query, key, weights, eps, freqs, query_descale, key_descale):  # noqa: ANN001, ANN202
+    return _norm_rope_fp8_empty(query)

@@ -186,9 +186,8 @@ def attend(
     ``dispatch(query, key, value, **dispatch_kwargs)`` when that kernel is ``"dispatch"``, the user chose
     an attention backend of diffusers' or a parallel config, or the kernel does not take these tensors
     (dtype, head size, device). Raises ValueError for a kernel name that is not one of :data:`KERNELS`."""
-    kernel = _choice(attn, KERNEL_ATTRIBUTE, default, KERNELS)
-    chosen_elsewhere = any(dispatch_kwargs.get(name) is not None for name in ("backend", "parallel_config"))
-    if kernel != "dispatch" and not chosen_elsewhere and _default_backend_active():
+    kernel = _kernel(attn, default, dispatch_kwargs)
+    if kernel != "dispatch":
         if kernel == "cudnn" and _cudnn_fits(query, key, value):
             return _cudnn_attention(query, key, value)
         if kernel in ("triton", "fp8") and kernels.unsupported(query, key, value) is None:
@@ -196,6 +195,14 @@ def attend(
         if kernel == "cudnn-fp8" and cudnn_fp8_attention.unsupported(query, key, value) is None:
             return cudnn_fp8_attention.attention(query, key, value, *_query_key_bounds(attn, query.shape[-1]))
     return dispatch(query, key, value, **dispatch_kwargs)
+
+
+def _kernel(attn: torch.nn.Module, default: str, dispatch_kwargs: dict[str, Any]) -> str:
+    """The kernel :func:`attend` tries for ``attn``: the one it names (else ``default``), or
+    ``"dispatch"`` where the user chose an attention backend of diffusers' or a parallel config."""
+    kernel = _choice(attn, KERNEL_ATTRIBUTE, default, KERNELS)
+    chosen_elsewhere = any(dispatch_kwargs.get(name) is not None for name in ("backend", "parallel_config"))
+    return "dispatch" if chosen_elsewhere or not _default_backend_active() else kernel
 
 
 def _query_key_bounds(attn: torch.nn.Module, head_dim: int) -> list[torch.Tensor | None]:
@@ -287,10 +294,13 @@ def _fused_joint_qkv(
     text: list[torch.Tensor],
     image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None,
     text_lengths: tuple[int, ...],
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    fp8: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | qk_prologue.Fp8Joint | None:
     """Qwen-Image's joint query, key and value from its projections before the norms, through
-    ``qk_prologue.joint_qkv`` (one buffer per tensor; each group's joint tensor a slice of it); None
-    where the kernel does not take them."""
+    ``qk_prologue.joint_qkv`` (one buffer per tensor; each group's joint tensor a slice of it); with
+    ``fp8``, through ``qk_prologue.joint_qkv_fp8``, the query and key quantized for cuDNN's FP8 attention
+    by their norms' bounds. None where the kernel does not take them, or, with ``fp8``, where cuDNN's
+    kernel does not or a bound is missing (the bf16 prologue then runs, and :func:`attend` quantizes)."""
     norms = _norm_weights((attn.norm_q, attn.norm_k, attn.norm_added_q, attn.norm_added_k))
     freqs: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
     if image_rotary_emb is not None:
@@ -299,7 +309,13 @@ def _fused_joint_qkv(
         freqs = (torch.view_as_real(image_rotary_emb[0]), torch.view_as_real(image_rotary_emb[1]))
     if norms is None or qk_prologue.unsupported_joint(image, text, norms[0], freqs, text_lengths) is not None:
         return None
-    return qk_prologue.joint_qkv(image, text, norms[0], norms[1], freqs, text_lengths)
+    if not fp8:
+        return qk_prologue.joint_qkv(image, text, norms[0], norms[1], freqs, text_lengths)
+    bounds = _query_key_bounds(attn, image[0].shape[-1])
+    if any(bound is None for bound in bounds) or cudnn_fp8_attention.unsupported(*image) is not None:
+        return None
+    descales = [cudnn_fp8_attention.descale(bound) for bound in bounds]
+    return qk_prologue.joint_qkv_fp8(image, text, norms[0], norms[1], freqs, text_lengths, *descales)
 
 
 def qwen_joint_projections(
@@ -366,7 +382,12 @@ def qwen_joint_attention_per_group(
         raise ValueError(f"text lengths {text_lengths} exceed the {text_tokens} text tokens given")
     fused = _fused_prologue(attn, image_rows)
     image, text = qwen_joint_projections(attn, hidden_states, encoder_hidden_states, normed=not fused)
-    joints = _fused_joint_qkv(attn, image, text, image_rotary_emb, text_lengths) if fused else None
+    options = {"backend": processor._attention_backend, "parallel_config": processor._parallel_config}
+    joints = None
+    if fused and _kernel(attn, "dispatch", options) == "cudnn-fp8":
+        joints = _fused_joint_qkv(attn, image, text, image_rotary_emb, text_lengths, fp8=True)
+    if fused and joints is None:
+        joints = _fused_joint_qkv(attn, image, text, image_rotary_emb, text_lengths)
     if fused and joints is None:  # the kernel refuses these tensors: normed as in the compiled path
         for stream, norms in ((image, (attn.norm_q, attn.norm_k)), (text, (attn.norm_added_q, attn.norm_added_k))):
             for index, norm in enumerate(norms):
@@ -380,19 +401,15 @@ def qwen_joint_attention_per_group(
     for group, length in enumerate(text_lengths):
         first, last = group * rows, (group + 1) * rows
         if joints is not None:  # the fused prologue's buffers: this group's valid text, then the image
-            query, key, value = (tensor[first:last, text_tokens - length :] for tensor in joints)
+            query, key, value = (tensor[first:last, text_tokens - length :] for tensor in joints[:3])
         else:
             query, key, value = _compiled_joint(image, text, freqs, first, last, length)
-        out = attend(
-            attn,
-            query,
-            key,
-            value,
-            _diffusers_dispatch,
-            backend=processor._attention_backend,
-            parallel_config=processor._parallel_config,
-        )
-        out = out.flatten(2, 3).to(query.dtype)
+        if isinstance(joints, qk_prologue.Fp8Joint):
+            descales, largest = (joints.query_descale, joints.key_descale), joints.value_largest[group]
+            out = cudnn_fp8_attention.attention_quantized(query, key, *descales, value, largest)
+        else:
+            out = attend(attn, query, key, value, _diffusers_dispatch, **options)
+        out = out.flatten(2, 3).to(value.dtype)
         text_outputs.append(F.pad(out[:, :length], (0, 0, 0, text_tokens - length)))
         image_outputs.append(out[:, length:])
     image_output = attn.to_out[0](torch.cat(image_outputs))
@@ -525,17 +542,29 @@ def _complex_rotation(x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
 
 
 def _fused_norm_rope(
-    attn: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, freqs_cis: torch.Tensor | None
-) -> tuple[torch.Tensor, torch.Tensor] | None:
+    attn: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    freqs_cis: torch.Tensor | None,
+    fp8_value: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, ...] | None:
     """Z-Image's query and key normed and rotated by ``qk_prologue.norm_rope`` (one launch); None where
-    the kernel does not take them."""
+    the kernel does not take them. With ``fp8_value`` (the value, for cuDNN's FP8 attention): through
+    ``qk_prologue.norm_rope_fp8``, ``(query8, key8, query_descale, key_descale)`` quantized by their norms'
+    bounds, or None where cuDNN's kernel does not take these tensors or a bound is missing."""
     norms = _norm_weights((attn.norm_q, attn.norm_k))
     if freqs_cis is not None and freqs_cis.dtype != torch.complex64:
         return None
     freqs = None if freqs_cis is None else torch.view_as_real(freqs_cis)
     if norms is None or qk_prologue.unsupported_norm_rope(query, key, norms[0], freqs) is not None:
         return None
-    return qk_prologue.norm_rope(query, key, norms[0], norms[1], freqs)
+    if fp8_value is None:
+        return qk_prologue.norm_rope(query, key, norms[0], norms[1], freqs)
+    bounds = _query_key_bounds(attn, query.shape[-1])
+    if any(bound is None for bound in bounds) or cudnn_fp8_attention.unsupported(query, key, fp8_value) is not None:
+        return None
+    descales = [cudnn_fp8_attention.descale(bound) for bound in bounds]
+    return (*qk_prologue.norm_rope_fp8(query, key, norms[0], norms[1], freqs, *descales), *descales)
 
 
 def _zimage_projections(attn: torch.nn.Module, hidden_states: torch.Tensor | Fp8Rows) -> tuple[torch.Tensor, ...]:
@@ -553,10 +582,43 @@ def _zimage_projections(attn: torch.nn.Module, hidden_states: torch.Tensor | Fp8
     return tuple(linear(hidden_states).unflatten(-1, (attn.heads, -1)) for linear in (attn.to_q, attn.to_k, attn.to_v))
 
 
+def _zimage_attention(
+    attn: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    freqs_cis: torch.Tensor | None,
+    prologue: bool,
+    dispatch: Callable[..., torch.Tensor],
+    default: str,
+    options: dict[str, Any],
+) -> torch.Tensor:
+    """Z-Image's attention from its projections ``[B, S, H, D]``: the query and key normed and rotated (by
+    the fused prologue where ``prologue`` and the kernel takes them), then masked attention through
+    ``dispatch``, unmasked through :func:`attend`. Returns ``[B, S, H, D]``."""
+    fused = _fused_norm_rope(attn, query, key, freqs_cis) if prologue else None
+    if fused is not None:
+        query, key = fused
+    else:
+        if attn.norm_q is not None:
+            query = attn.norm_q(query)
+        if attn.norm_k is not None:
+            key = attn.norm_k(key)
+        if freqs_cis is not None:
+            query, key = _rotate_complex(query, freqs_cis), _rotate_complex(key, freqs_cis)
+    if attention_mask is None:
+        return attend(attn, query, key, value, dispatch, default, **options)
+    if attention_mask.ndim == 2:
+        attention_mask = attention_mask[:, None, None, :]  # [B, S] -> broadcast over heads and queries
+    return dispatch(query, key, value, attn_mask=attention_mask, dropout_p=0.0, is_causal=False, **options)
+
+
 def _zimage_attention_call(dispatch: Callable[..., torch.Tensor], default: str) -> Callable[..., torch.Tensor]:
     """A ``__call__`` for Z-Image's ``ZSingleStreamAttnProcessor``: diffusers' computation, with the RoPE
     of :func:`_rotate_complex`; masked attention through ``dispatch``, unmasked through :func:`attend`
-    with ``default`` as the kernel where the module names none."""
+    with ``default`` as the kernel where the module names none (with cuDNN's FP8 kernel and the fused
+    prologue, the prologue writes the query and key in float8 for it)."""
 
     def __call__(
         self: Any,
@@ -567,24 +629,18 @@ def _zimage_attention_call(dispatch: Callable[..., torch.Tensor], default: str) 
         freqs_cis: torch.Tensor | None = None,
     ) -> torch.Tensor:
         query, key, value = _zimage_projections(attn, hidden_states)
-        fused = _fused_norm_rope(attn, query, key, freqs_cis) if _fused_prologue(attn, query) else None
-        if fused is not None:
-            query, key = fused
-        else:
-            if attn.norm_q is not None:
-                query = attn.norm_q(query)
-            if attn.norm_k is not None:
-                key = attn.norm_k(key)
-            if freqs_cis is not None:
-                query, key = _rotate_complex(query, freqs_cis), _rotate_complex(key, freqs_cis)
-        if attention_mask is not None and attention_mask.ndim == 2:
-            attention_mask = attention_mask[:, None, None, :]  # [B, S] -> broadcast over heads and queries
         options = {"backend": self._attention_backend, "parallel_config": self._parallel_config}
-        if attention_mask is None:
-            out = attend(attn, query, key, value, dispatch, default, **options)
+        prologue = _fused_prologue(attn, query)
+        quantized = None  # cuDNN's FP8 attention: the query and key quantized by the fused prologue
+        if prologue and attention_mask is None and _kernel(attn, default, options) == "cudnn-fp8":
+            quantized = _fused_norm_rope(attn, query, key, freqs_cis, fp8_value=value)
+        if quantized is not None:
+            out = cudnn_fp8_attention.attention_quantized(*quantized, value)
         else:
-            out = dispatch(query, key, value, attn_mask=attention_mask, dropout_p=0.0, is_causal=False, **options)
-        output = attn.to_out[0](out.flatten(2, 3).to(query.dtype))
+            out = _zimage_attention(
+                attn, query, key, value, attention_mask, freqs_cis, prologue, dispatch, default, options
+            )
+        output = attn.to_out[0](out.flatten(2, 3).to(value.dtype))
         if len(attn.to_out) > 1:
             output = attn.to_out[1](output)  # dropout
         return output

@@ -35,8 +35,11 @@
 * ``qwen-block-glue``: the same for one Qwen-Image FP8 block at 1024² in the CFG batch
   (``patches.qwenimage_block``), with SDPA's attention and with cuDNN's FP8 attention; then each kernel
   alone on the image stream's 2 x 4,096 rows.
+* ``fp8-prologue``: cuDNN's FP8 attention's inputs for Qwen-Image 1024² in the CFG batch, the query and key
+  quantized after attention's prologue (inductor) against in it (``qk_prologue.joint_qkv_fp8``), alone and
+  in one Qwen-Image FP8 block.
 
-    python -m bench.probes.probe_attention_kernels [--sections kernels,qwen-block,z-block,prologue,prologue-blocks,reductions,fp8-ff,block-glue,qwen-block-glue]
+    python -m bench.probes.probe_attention_kernels [--sections kernels,qwen-block,z-block,prologue,prologue-blocks,reductions,fp8-ff,block-glue,qwen-block-glue,fp8-prologue]
 """
 
 from __future__ import annotations
@@ -597,6 +600,57 @@ def qwen_block_glue() -> None:
     _glue_kernels_alone(cases, x, glue._QWEN, "Qwen-Image 1024² CFG, image rows")
 
 
+def fp8_prologue() -> None:
+    """cuDNN's FP8 attention fed by attention's prologue: the query and key quantized after the bf16
+    prologue (inductor's passes over each group's slices, the value's largest magnitude reduced per group)
+    against in the prologue (``qk_prologue.joint_qkv_fp8``, the value's largest magnitude reduced on the
+    way). First the inputs of both groups' attention alone (Qwen-Image 1024² CFG batch), then one Qwen-Image
+    FP8 block as fast mode runs it (our feed-forward and block-glue kernels), both ways."""
+    from bcg_diffusion.kernels import cudnn_fp8_attention as cudnn_fp8
+    from bcg_diffusion.kernels.cudnn_fp8_attention import _quantize
+
+    torch.manual_seed(0)
+    batch, text_tokens, image_tokens, heads, head_dim, lengths = 2, 205, 4096, QWEN_HEADS, 128, (160, 205)
+    image = [torch.randn(batch, image_tokens, heads, head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
+    text = [torch.randn(batch, text_tokens, heads, head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
+    weights = [(1 + 0.1 * torch.randn(head_dim, device="cuda")).to(torch.bfloat16) for _ in range(4)]
+    eps = [1e-6] * 4
+    angles = [torch.rand(n, head_dim // 2, device="cuda") * 6.28 for n in (image_tokens, text_tokens)]
+    freqs = tuple(torch.view_as_real(torch.polar(torch.ones_like(a), a)) for a in angles)
+    bounds = [cudnn_fp8.rms_norm_bound(weights[i::2], head_dim) for i in (0, 1)]
+
+    def after() -> list[torch.Tensor]:
+        joints = qk_prologue.joint_qkv(image, text, weights, eps, freqs, lengths)
+        slices = [qk_prologue.group_slices(j, lengths, text_tokens) for j in joints]
+        return [
+            _quantize(tensor, bound)[0] for q, k, v in zip(*slices) for tensor, bound in ((q, bounds[0]), (k, bounds[1]), (v, None))
+        ]  # fmt: skip
+
+    def inside() -> list[torch.Tensor]:
+        joint = qk_prologue.joint_qkv_fp8(
+            image, text, weights, eps, freqs, lengths, *(cudnn_fp8.descale(b) for b in bounds)
+        )
+        slices = [qk_prologue.group_slices(j, lengths, text_tokens) for j in joint[:3]]
+        return [t for g, (q, k, v) in enumerate(zip(*slices)) for t in (q, k, _quantize(v, joint.value_largest[g])[0])]
+
+    rows = batch * image_tokens + sum(lengths)
+    nbytes = rows * heads * head_dim * (3 * 2 + 2 * 1 + 2 + 1)  # read q, k, v; write q8, k8, v; read v, write v8
+    for label, fn in (("quantized after the prologue (inductor)", after), ("quantized in the prologue", inside)):
+        _, out = _prologue_report(label, torch.compile(fn), nbytes)
+    print(f"   in the prologue against after it: {_difference(out, torch.compile(after)())}", flush=True)
+
+    original = attention._fused_joint_qkv
+    for in_prologue in (False, True):
+        if not in_prologue:  # the bf16 prologue, quantized by attend as before joint_qkv_fp8 existed
+            attention._fused_joint_qkv = lambda *a, fp8=False: original(*a)
+        label = f"qwen fp8, cudnn-fp8 attention, quantized {'in' if in_prologue else 'after'} the prologue"
+        try:
+            time_block(*_qwen_block_case(), [(label, "cudnn-fp8", False, "fused")], prepare=_qwen_fp8_block_glue(True))
+        finally:
+            attention._fused_joint_qkv = original
+        torch.cuda.empty_cache()
+
+
 SECTIONS = {
     "kernels": ("attention kernels", attention_kernels),
     "qwen-block": ("Qwen-Image block at 1024² CFG, per attention kernel", qwen_block),
@@ -607,6 +661,7 @@ SECTIONS = {
     "fp8-ff": ("FP8 feed-forwards: the activation and input scales compiled against our kernel", fp8_feed_forward),
     "block-glue": ("Z-Image FP8 block: its glue compiled against our three kernels", block_glue),
     "qwen-block-glue": ("Qwen-Image FP8 block: its glue compiled against our three kernels", qwen_block_glue),
+    "fp8-prologue": ("cuDNN's FP8 attention: query and key quantized after the prologue against in it", fp8_prologue),
 }
 
 if __name__ == "__main__":
