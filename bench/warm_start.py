@@ -7,12 +7,13 @@ Runs three child processes one after another, each building the pipeline, callin
 
 * ``cold``: an empty compile cache directory (everything is compiled);
 * ``warm``: the same directory again (PyTorch's on-disk caches hit);
-* ``portable``: a new directory holding only the portable artifacts file the cold run wrote, as
-  when the cache is shipped to another machine.
+* ``portable``: a new directory holding only the portable files the cold run wrote (PyTorch's
+  artifacts, and the zip of our Triton kernels), as when the cache is shipped to another machine.
 
 Each child's Triton cache (``TRITON_CACHE_DIR``, where the kernels of ``bcg_diffusion.kernels`` are
-kept) is a folder of its compile cache directory, so the cold and portable children compile those
-kernels too (since run 134; before, they could find them in the machine's default Triton cache).
+kept) is a folder of its compile cache directory, so the cold child compiles those kernels too (since
+run 134; before, it could find them in the machine's default Triton cache), and the portable child
+finds them only through the zip.
 
 Each child reports its time from process start to the first image, split into start-up (imports,
 building the pipeline) and the first call (compiles or cache loads, warm-up, capture, the call), and
@@ -216,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(problem)
     if args.profile and args.out is None:  # the profiles need a folder: never the current directory
         args.out = runs.default_out(f"warm-start-{args.pipeline}")
-    from bcg_diffusion.features.compiled_blocks import ARTIFACTS_FILE
+    from bcg_diffusion.features.compiled_blocks import ARTIFACTS_FILE, TRITON_KERNELS_FILE
 
     results: dict[str, Any] = {
         "command": "python -m bench.warm_start " + " ".join(sys.argv[1:] if argv is None else argv)
@@ -236,7 +237,10 @@ def main(argv: list[str] | None = None) -> int:
         results["warm"] = _run_child(args, first, "warm")
         save()
         second.mkdir()
-        artifacts = first / ARTIFACTS_FILE
+        artifacts, kernels = first / ARTIFACTS_FILE, first / TRITON_KERNELS_FILE
+        if kernels.is_file():
+            shutil.copy(kernels, second / TRITON_KERNELS_FILE)
+            results["portable_triton_kernels_bytes"] = kernels.stat().st_size
         if artifacts.is_file():
             shutil.copy(artifacts, second / ARTIFACTS_FILE)
             results["portable_artifacts_bytes"] = artifacts.stat().st_size

@@ -20,7 +20,10 @@ What makes the two fit:
 
 Warm starts come from PyTorch's own caches (FX graph, AOT autograd and Triton, on disk), optionally in
 a directory the user chooses, plus a portable copy (``torch.compiler.save_cache_artifacts``) written
-there after each compile, which a process on another machine loads at start.
+there after each compile, which a process on another machine loads at start. Beside it goes a zip of
+the Triton kernels of ours the process compiled (:mod:`bcg_diffusion.kernels.triton_cache`), which
+PyTorch's artifacts do not hold, written after any accelerated call that compiled one (the VAE's kernels
+first run after the transformer's last call) and unpacked into Triton's cache at start.
 
 The :class:`CompiledBlocks` feature decides when it applies (``mode="fast"`` with the transformer
 accelerated; under context parallelism the blocks compile as regions between the collectives, which
@@ -50,11 +53,13 @@ from ..core.graphs import call_untracked
 from ..core.hooks import MethodPatches, private_copy
 from ..core.python_state import through_compiled
 from ..core.runner import BCGWarning
+from ..kernels import triton_cache
 from . import persistent_reductions
 from .base import Feature, Setup, Target
 
 __all__ = [
     "ARTIFACTS_FILE",
+    "TRITON_KERNELS_FILE",
     "BlockCompiles",
     "CompiledBlocks",
     "compile_forward",
@@ -69,6 +74,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 ARTIFACTS_FILE = "bcg-compile-artifacts.bin"
+TRITON_KERNELS_FILE = "bcg-triton-kernels.zip"  # our Triton kernels' cache folders (kernels/triton_cache.py)
 
 
 def _compiles_so_far() -> int:
@@ -361,7 +367,8 @@ def compile_repeated_blocks(
 
 
 def use_compile_cache_dir(directory: str) -> None:
-    """Point PyTorch's compile caches at ``directory`` and load the portable copy kept there, if any.
+    """Point PyTorch's compile caches at ``directory`` and load the portable copy kept there, if any,
+    with our Triton kernels kept there (:data:`TRITON_KERNELS_FILE`, unpacked into Triton's cache).
 
     Sets ``TORCHINDUCTOR_CACHE_DIR`` for the whole process (PyTorch reads it at each compile); warns
     when it was already set to another directory, which is then replaced.
@@ -377,6 +384,7 @@ def use_compile_cache_dir(directory: str) -> None:
         )
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(path)
     load_compile_cache(path / ARTIFACTS_FILE)
+    triton_cache.load(path / TRITON_KERNELS_FILE)
 
 
 def load_compile_cache(file: str | os.PathLike[str]) -> bool:
@@ -442,6 +450,7 @@ class CompiledBlocks(Feature):
         # dynamo's compiles in this process (ours and any other: the text encoder's layers, a VAE decoder)
         # when the portable compile cache was last written
         self.compiles_saved = 0
+        self.kernels_saved = 0  # our Triton kernels compiled in this process when their zip was last written
 
     @classmethod
     def create(cls, setup: Setup) -> CompiledBlocks | None:
@@ -471,13 +480,17 @@ class CompiledBlocks(Feature):
         logger.info("fast mode: compiling %d blocks of %s", len(self.compiled.names), type(transformer).__name__)
 
     def wrap_call(self, target: Target, call: Callable[..., Any]) -> Callable[..., Any]:
-        if target.component != "transformer" or self.compiled is None:
+        if self.compiled is None or (target.component != "transformer" and self.cache_dir is None):
             return call
 
         def saving_compile_cache(*args: Any, **kwargs: Any) -> Any:
             result = call(*args, **kwargs)
-            if _compiles_so_far() != self.compiles_saved:  # one comparison on a replayed step
+            if target.component == "transformer" and _compiles_so_far() != self.compiles_saved:
                 self._save_compile_cache()
+            # Our kernels compile at their first launch, in any component (the VAE's after the
+            # transformer's last call): a walk over a dozen kernels' caches on a replayed call.
+            if self.cache_dir is not None and (count := triton_cache.compiled_count()) != self.kernels_saved:
+                self._save_triton_kernels(count)
             return result
 
         return saving_compile_cache
@@ -487,12 +500,19 @@ class CompiledBlocks(Feature):
         self.compiles_saved = _compiles_so_far()
         if self.cache_dir is None:
             return
+        self._saving(save_compile_cache, ARTIFACTS_FILE)
+
+    def _save_triton_kernels(self, count: int) -> None:
+        """After a call that compiled a kernel of ours (``count`` of them so far), keep their Triton cache
+        folders."""
+        self.kernels_saved = count
+        self._saving(triton_cache.save, TRITON_KERNELS_FILE)
+
+    def _saving(self, save: Callable[[str], Any], name: str) -> None:
         try:
-            save_compile_cache(f"{self.cache_dir}/{ARTIFACTS_FILE}")
+            save(f"{self.cache_dir}/{name}")
         except OSError as exc:
-            warnings.warn(
-                f"bcg-diffusion: could not save the compile cache in {self.cache_dir}: {exc}", BCGWarning, stacklevel=4
-            )
+            warnings.warn(f"bcg-diffusion: could not save {name} in {self.cache_dir}: {exc}", BCGWarning, stacklevel=5)
 
     def stats(self) -> dict[str, Any]:
         if self.compiled is None:
