@@ -107,17 +107,20 @@ def joint_fp8_case(dtype: torch.dtype, lengths: tuple[int, ...], rows: int, conf
 
 def norm_rope_fp8_case(dtype: torch.dtype, config) -> None:
     batch, tokens, heads, head_dim = 2, 11, 5, 32
-    query, key, _ = strided(batch, tokens, heads, head_dim, dtype, "slices")
+    query, key, value = strided(batch, tokens, heads, head_dim, dtype, "slices")  # the value: read only
+    value[1, 7, 3, 2] = -40.0  # its largest magnitude, negative
     weights = [torch.randn(head_dim).to(dtype) for _ in range(2)]
     eps = [1e-5, 1e-6]
     freqs = frequencies(tokens, head_dim // 2)
     descales = [cudnn_fp8_attention.descale(cudnn_fp8_attention.rms_norm_bound([w], head_dim)) for w in weights]
-    expected = qk_prologue.reference_norm_rope_fp8(query, key, weights, eps, freqs, *descales)
-    outputs = qk_prologue._norm_rope_fp8_empty(query)
-    qk_prologue._launch((query, key, None), None, weights, eps, (freqs, None), [0], (*outputs, None), config,
-                        fp8=(*descales, descales[0]))  # fmt: skip
+    expected = qk_prologue.reference_norm_rope_fp8(query, key, value, weights, eps, freqs, *descales)
+    *outputs, largest = qk_prologue._norm_rope_fp8_empty(query)
+    largest.zero_()
+    qk_prologue._launch((query, key, value), None, weights, eps, (freqs, None), [0], (*outputs, None), config,
+                        fp8=(*descales, largest))  # fmt: skip
     equal = min(close_fp8(got, want) for got, want in zip(outputs, expected))
     assert equal > 0.9, equal
+    assert torch.equal(largest, expected[2]) and float(largest) == 40.0, (largest, expected[2])
     print(f"norm_rope fp8 {str(dtype)[6:]} config {config}: {equal:.4%} of float8 bytes equal at least", flush=True)
 
 

@@ -244,13 +244,16 @@ def test_qk_prologue_fp8_outputs_are_its_bf16_outputs_quantized():
     largest = qk_prologue.joint_qkv_fp8(image, text, weights, eps, freqs, lengths, *descales).value_largest
     assert largest[0].isnan() and largest[1] == 30.0, largest
 
-    # Z-Image 1024² (4160 tokens, 30 heads): norm_rope_fp8 against norm_rope quantized.
-    query, key = (torch.randn(1, 4160, 30, head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    # Z-Image 1024² (4160 tokens, 30 heads; query, key and value views of one product): norm_rope_fp8
+    # against norm_rope quantized, and the value's largest magnitude.
+    qkv = torch.randn(1, 4160, 3, 30, head_dim, device="cuda", dtype=torch.bfloat16)
+    query, key, value = qkv.unbind(2)
     z_freqs = _frequencies(1, 4160, head_dim // 2)
     plain = qk_prologue.norm_rope(query, key, weights[:2], [1e-5] * 2, z_freqs)
-    quantized = qk_prologue.norm_rope_fp8(query, key, weights[:2], [1e-5] * 2, z_freqs, *descales)
+    *quantized, largest = qk_prologue.norm_rope_fp8(query, key, value, weights[:2], [1e-5] * 2, z_freqs, *descales)
     for got, bf16, descale in zip(quantized, plain, descales):
         assert torch.equal(got.view(torch.uint8), cudnn_fp8.quantize(bf16, descale).view(torch.uint8))
+    assert torch.equal(largest, value.abs().amax().float())
 
 
 def test_qwen_processor_with_cudnn_fp8_attention_from_the_fp8_prologue_compiles_and_replays():

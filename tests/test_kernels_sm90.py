@@ -61,16 +61,16 @@ def _prologue_launches(fp8: bool) -> list:
     lengths = (7, 4)
     from bcg_diffusion.kernels import _qk_prologue_triton as kernels
 
-    query, key = image[0][:1], image[1][:1]  # Z-Image's: no text stream, no value
+    query, key, value = image[0][:1], image[1][:1], image[2][:1]  # Z-Image's: no text stream
     z_freqs = torch.randn(1, image_tokens, head_dim // 2, 2)
     with launches(kernels, "qk_prologue") as recorded:
         if fp8:
             joint = qk_prologue._joint_fp8_empty(image[0], text_tokens, len(lengths))
             descales = (torch.tensor(0.02), torch.tensor(0.03))
             qk_prologue._launch(image, text, weights, [1e-6] * 4, freqs, lengths, joint[:3], fp8=(*descales, joint[3]))
-            z_outputs = (*qk_prologue._norm_rope_fp8_empty(query), None)
-            qk_prologue._launch((query, key, None), None, weights[:2], [1e-5] * 2, (z_freqs, None), [0], z_outputs,
-                                fp8=(*descales, descales[0]))  # fmt: skip
+            *z_outputs, largest = qk_prologue._norm_rope_fp8_empty(query)
+            qk_prologue._launch((query, key, value), None, weights[:2], [1e-5] * 2, (z_freqs, None), [0],
+                                (*z_outputs, None), fp8=(*descales, largest))  # fmt: skip
         else:
             outputs = qk_prologue._joint_empty(image[0], text_tokens)
             qk_prologue._launch(image, text, weights, [1e-6] * 4, freqs, lengths, outputs)
@@ -87,11 +87,9 @@ def test_the_attention_prologue_compiles_and_writes_float8_as_pytorch_rounds():
     values, an unsigned min for negative ones)."""
     for ptx in _compiled(_prologue_launches(fp8=False)):
         assert _count(ptx, "cvt.rn.satfinite.e4m3x2.f32") == 0 and "atom." not in ptx
-    joint, norm_rope = _compiled(_prologue_launches(fp8=True))
-    for ptx in (joint, norm_rope):
+    for ptx in _compiled(_prologue_launches(fp8=True)):  # Qwen-Image's joint tensors, Z-Image's
         assert _count(ptx, "cvt.rn.satfinite.e4m3x2.f32") > 0 and _count(ptx, "div.rn.f32") > 0
-    assert "atom.global.gpu.acq_rel.max.s32" in joint and "atom.global.gpu.acq_rel.min.u32" in joint
-    assert "atom." not in norm_rope  # Z-Image's value is not read
+        assert "atom.global.gpu.acq_rel.max.s32" in ptx and "atom.global.gpu.acq_rel.min.u32" in ptx
 
 
 # -- the block glue ---------------------------------------------------------------------------------------

@@ -178,7 +178,7 @@ def test_operators_are_registered_for_compilation():
     compiled = torch.compile(joint_fp8, backend="aot_eager", fullgraph=True)
     for a, b in zip(compiled(*inputs), joint_fp8(*inputs)):
         assert torch.equal(a, b)
-    arguments = (image[0], image[1], weights[:2], [1e-5] * 2, freqs[0], *descales)
+    arguments = (image[0], image[1], image[2], weights[:2], [1e-5] * 2, freqs[0], *descales)
     torch.library.opcheck(torch.ops.bcg_diffusion.norm_rope_fp8, arguments)
 
 
@@ -204,10 +204,12 @@ def test_unsupported_calls_are_named():
     )
     with pytest.raises(ValueError, match="cannot take these tensors: the query's and key's descales"):
         qk_prologue.joint_qkv_fp8([q] * 3, [q] * 3, weights, [0.0] * 4, (None, None), (5,), scalar, scalar.half())
-    assert qk_prologue.unsupported_norm_rope_fp8(q, q, [None] * 2, None, (scalar, scalar)) is None
-    assert "descales" in qk_prologue.unsupported_norm_rope_fp8(q, q, [None] * 2, None, (scalar, torch.ones(3)))
+    assert qk_prologue.unsupported_norm_rope_fp8(q, q, q, [None] * 2, None, (scalar, scalar)) is None
+    assert "descales" in qk_prologue.unsupported_norm_rope_fp8(q, q, q, [None] * 2, None, (scalar, torch.ones(3)))
+    assert "value's shape" in qk_prologue.unsupported_norm_rope_fp8(q, q, q[:, :4], [None] * 2, None, (scalar,) * 2)
+    assert "dtype" in qk_prologue.unsupported_norm_rope_fp8(q, q, q.double(), [None] * 2, None, (scalar,) * 2)
     with pytest.raises(ValueError, match="cannot take these tensors: query and key differ in tokens"):
-        qk_prologue.norm_rope_fp8(q, q[:, :4], [None, None], [0.0, 0.0], None, scalar, scalar)
+        qk_prologue.norm_rope_fp8(q, q[:, :4], q, [None, None], [0.0, 0.0], None, scalar, scalar)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -5,7 +5,7 @@ One program takes ``BLOCK_R`` rows of ``HEAD_DIM`` (a row: one token of one head
 as ``[S, H]`` is in memory) of one batch row of one stream, and for those rows: the query and the key
 RMS-normed and rotated, the value copied, each stored at its place in the joint tensors (with ``FP8``,
 the query and key quantized to float8 by given scales and the value's largest magnitude reduced per group
-of batch rows, by atomic max, as it is copied). Programs
+of batch rows, by atomic max, as it is read: Z-Image's value is only read, not copied). Programs
 ``[0, txt_tiles)`` of the first grid axis take the text stream, the rest the image stream; the second
 axis is the batch row. Everything is memory-bound: a row is read once and written once, the norm's
 reduction stays in registers, the rotation's cosines and sines (one per token) are loaded once per tile
@@ -53,11 +53,12 @@ def _store(OUT, rows, d, x, mask, HP_TY: tl.constexpr, DESCALE, FP8: tl.constexp
 def _tile(Q, K, V, WQ, WK, F, OQ, OK, OV, DQ, DK, VMAX,
           sq_b, sq_s, sq_h, sk_b, sk_s, sk_h, sv_b, sv_s, sv_h, sf_b, sf_s, so_b, so_s, so_h,
           eps_q, eps_k, batch, group, tile, heads, tokens, valid_tokens, shift,
-          HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr, HAS_V: tl.constexpr, NORM: tl.constexpr,
-          ROPE: tl.constexpr, FP8: tl.constexpr):  # fmt: skip
+          HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr, HAS_V: tl.constexpr, STORE_V: tl.constexpr,
+          NORM: tl.constexpr, ROPE: tl.constexpr, FP8: tl.constexpr):  # fmt: skip
     """One tile of one stream: rows of tokens ``< valid_tokens``, token ``t`` stored at ``shift + t``;
     with ``FP8``, the query and key stored in float8 (descales at ``DQ`` and ``DK``) and the largest
-    magnitude of the tile's value rows folded into ``VMAX[group]``."""
+    magnitude of the tile's value rows (read with ``HAS_V``, copied with ``STORE_V``) folded into
+    ``VMAX[group]``."""
     r = tile * BLOCK_R + tl.arange(0, BLOCK_R)
     token = r // heads
     head = r % heads
@@ -86,7 +87,8 @@ def _tile(Q, K, V, WQ, WK, F, OQ, OK, OV, DQ, DK, VMAX,
     _store(OK, out_rows, d, k, mask, hp_ty, DK, FP8)
     if HAS_V:
         v = tl.load(V + (b * sv_b + token64 * sv_s + head * sv_h)[:, None] + d[None, :], mask=mask, other=0.0)
-        tl.store(OV + out_rows[:, None] + d[None, :], v, mask=mask)
+        if STORE_V:
+            tl.store(OV + out_rows[:, None] + d[None, :], v, mask=mask)
         if FP8:  # masked rows load zeros, which no magnitude is below
             largest = tl.reduce(tl.reduce(tl.abs(v.to(tl.float32)), 1, _max_keeping_nan), 0, _max_keeping_nan)
             tl.atomic_max(VMAX + group, largest)
@@ -100,8 +102,8 @@ def qk_prologue(
     sqt_b, sqt_s, sqt_h, skt_b, skt_s, skt_h, svt_b, svt_s, svt_h, sft_b, sft_s, eps_qt, eps_kt,
     OQ, OK, OV, so_b, so_s, so_h, DQ, DK, VMAX,
     heads, seq_img, seq_txt, txt_tiles, rows_per_group, len0, len1, len2, len3,
-    HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr, HAS_V: tl.constexpr, NORM: tl.constexpr,
-    ROPE: tl.constexpr, FP8: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr, HAS_V: tl.constexpr, STORE_V: tl.constexpr,
+    NORM: tl.constexpr, ROPE: tl.constexpr, FP8: tl.constexpr,
 ):  # fmt: skip
     """Grid ``(txt_tiles + cdiv(seq_img * heads, BLOCK_R), batch)``. Batch row ``b`` belongs to group
     ``b // rows_per_group`` (at most four), whose valid text is ``len<group>`` tokens: its text token ``t``
@@ -122,9 +124,9 @@ def qk_prologue(
         _tile(QT, KT, VT, WQT, WKT, FT, OQ, OK, OV, DQ, DK, VMAX,
               sqt_b, sqt_s, sqt_h, skt_b, skt_s, skt_h, svt_b, svt_s, svt_h, sft_b, sft_s, so_b, so_s, so_h,
               eps_qt, eps_kt, batch, group, pid, heads, seq_txt, length, seq_txt - length,
-              HEAD_DIM, BLOCK_R, HAS_V, NORM, ROPE, FP8)  # fmt: skip
+              HEAD_DIM, BLOCK_R, HAS_V, STORE_V, NORM, ROPE, FP8)  # fmt: skip
     else:
         _tile(QI, KI, VI, WQI, WKI, FI, OQ, OK, OV, DQ, DK, VMAX,
               sqi_b, sqi_s, sqi_h, ski_b, ski_s, ski_h, svi_b, svi_s, svi_h, sfi_b, sfi_s, so_b, so_s, so_h,
               eps_qi, eps_ki, batch, group, pid - txt_tiles, heads, seq_img, seq_img, seq_txt,
-              HEAD_DIM, BLOCK_R, HAS_V, NORM, ROPE, FP8)  # fmt: skip
+              HEAD_DIM, BLOCK_R, HAS_V, STORE_V, NORM, ROPE, FP8)  # fmt: skip

@@ -19,7 +19,8 @@ key: read each once, write each once. This kernel does exactly that, in one laun
   largest magnitude per group reduced on the way, so that no pass over the query and key is left
   between this kernel and attention, and none to scale the value but its cast.
 * :func:`norm_rope` (Z-Image): query and key normed and rotated, one ``[B, S, H, D]`` each;
-  :func:`norm_rope_fp8` the same written in float8 at given scales.
+  :func:`norm_rope_fp8` the same written in float8 at given scales, the value's largest magnitude
+  reduced in the same pass.
 
 Arithmetic, per row of ``D``: diffusers' ``RMSNorm`` as it rounds (mean of squares and normalization in
 float32, cast to the weight's dtype, times the weight, rounded), then the pairwise rotation of
@@ -186,14 +187,18 @@ def unsupported_norm_rope(
 def unsupported_norm_rope_fp8(
     query: torch.Tensor,
     key: torch.Tensor,
+    value: torch.Tensor,
     weights: Sequence[torch.Tensor | None],
     freqs: torch.Tensor | None,
     descales: tuple[torch.Tensor, torch.Tensor],
 ) -> str | None:
     """Why :func:`norm_rope_fp8` refuses these arguments (None: it takes them): what
-    :func:`unsupported_norm_rope` names, or descales that are not one float32 number each on the tensors'
-    device."""
-    return unsupported_norm_rope(query, key, weights, freqs) or _descales_unsupported(descales, query)
+    :func:`unsupported_norm_rope` names, a value unlike the query (shape, dtype, device, a contiguous last
+    dimension), or descales that are not one float32 number each on the tensors' device."""
+    reason = unsupported_norm_rope(query, key, weights, freqs) or _rows_unsupported((value,), query)
+    if reason is None and value.shape != query.shape:
+        reason = "the value's shape is not the query's"
+    return reason or _descales_unsupported(descales, query)
 
 
 def joint_qkv(
@@ -304,24 +309,29 @@ def norm_rope(
 def norm_rope_fp8(
     query: torch.Tensor,
     key: torch.Tensor,
+    value: torch.Tensor,
     weights: Sequence[torch.Tensor | None],
     eps: Sequence[float],
     freqs: torch.Tensor | None,
     query_descale: torch.Tensor,
     key_descale: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`norm_rope` with the query and key written in float8 e4m3 for FP8 attention: each is
-    ``cudnn_fp8_attention.quantize(x, descale)`` of what :func:`norm_rope` would return (``query_descale``,
-    ``key_descale``: float32 scalars, a bound no element exceeds over 448; past it an element saturates).
-    Returns two new contiguous ``[B, S, H, D]`` float8 tensors. Raises ValueError on what
-    :func:`unsupported_norm_rope_fp8` names."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`norm_rope` with the query and key written in float8 e4m3 for FP8 attention, and the value
+    (``[B, S, H, D]`` like the query; read, not copied) reduced to its largest magnitude in the same pass.
+
+    Each of the query and key is ``cudnn_fp8_attention.quantize(x, descale)`` of what :func:`norm_rope`
+    would return (``query_descale``, ``key_descale``: float32 scalars, a bound no element exceeds over
+    448; past it an element saturates). Returns two new contiguous ``[B, S, H, D]`` float8 tensors and
+    the value's largest magnitude (a float32 scalar; NaN where the value holds one). Raises ValueError on
+    what :func:`unsupported_norm_rope_fp8` names."""
     descales = (query_descale, key_descale)
-    reason = unsupported_norm_rope_fp8(query, key, weights, freqs, descales)
+    reason = unsupported_norm_rope_fp8(query, key, value, weights, freqs, descales)
     if reason is not None:
         raise ValueError(f"bcg_diffusion's attention prologue cannot take these tensors: {reason}")
     normed = [w for w in weights if w is not None]
     descales = tuple(d.reshape(()) for d in descales)
-    return tuple(torch.ops.bcg_diffusion.norm_rope_fp8(query, key, normed, [float(e) for e in eps], freqs, *descales))
+    eps = [float(e) for e in eps]
+    return tuple(torch.ops.bcg_diffusion.norm_rope_fp8(query, key, value, normed, eps, freqs, *descales))
 
 
 # -- the plain-PyTorch reference ------------------------------------------------------------------------
@@ -427,15 +437,16 @@ def reference_norm_rope(
 def reference_norm_rope_fp8(
     query: torch.Tensor,
     key: torch.Tensor,
+    value: torch.Tensor,
     weights: Sequence[torch.Tensor | None],
     eps: Sequence[float],
     freqs: torch.Tensor | None,
     query_descale: torch.Tensor,
     key_descale: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`norm_rope_fp8` in plain PyTorch."""
     query, key = reference_norm_rope(query, key, weights, eps, freqs)
-    return quantize(query, query_descale), quantize(key, key_descale)
+    return quantize(query, query_descale), quantize(key, key_descale), value.abs().amax().float()
 
 
 # -- the kernel's launch and the operators ----------------------------------------------------------------
@@ -463,9 +474,10 @@ def _launch(
 ) -> None:
     """Run the kernel: ``image`` (query, key, value or None), ``text`` likewise or None (no text stream);
     ``weights`` four (image q, k, text q, k) or two (no text) or none; ``outputs`` (query, key, value or
-    None) ``[B, S_text + S_image, H, D]`` with equal strides. ``fp8``: (query's descale, key's descale,
-    the value's largest magnitude per group, zeros) for float8 query and key outputs (see
-    :func:`joint_qkv_fp8`). On CPU tensors it runs only in Triton's interpreter (``TRITON_INTERPRET=1``)."""
+    None: the value is read, not copied) ``[B, S_text + S_image, H, D]`` with equal strides. ``fp8``:
+    (query's descale, key's descale, the value's largest magnitude per group, zeros) for float8 query and
+    key outputs (see :func:`joint_qkv_fp8`). On CPU tensors it runs only in Triton's interpreter
+    (``TRITON_INTERPRET=1``)."""
     import triton
 
     from . import _qk_prologue_triton as kernels
@@ -475,6 +487,7 @@ def _launch(
     batch, seq_img, heads, head_dim = q_img.shape
     has_v = v_img is not None
     v_img = v_img if has_v else q_img
+    store_v = has_v and outputs[2] is not None
     if text is None:
         q_txt, k_txt, v_txt = q_img, k_img, v_img
         seq_txt, text_lengths = 0, [0]
@@ -491,7 +504,7 @@ def _launch(
     lengths = [*text_lengths, *[0] * (MAX_GROUPS - len(text_lengths))]
     rows_per_group = batch // len(text_lengths)
     out_q, out_k, out_v = outputs
-    out_v = out_v if has_v else out_q
+    out_v = out_v if store_v else out_q
     descale_q, descale_k, value_largest = fp8 if fp8 is not None else (q_img, q_img, q_img)  # unread: any pointer
 
     def strides(t: torch.Tensor) -> tuple[int, int, int]:
@@ -508,8 +521,8 @@ def _launch(
             *strides(q_txt), *strides(k_txt), *strides(v_txt), *_freq_strides(freqs[1], batch), e[2], e[3],
             out_q, out_k, out_v, *strides(out_q), descale_q, descale_k, value_largest,
             heads, seq_img, seq_txt, txt_tiles, rows_per_group, *lengths,
-            HEAD_DIM=head_dim, BLOCK_R=block_r, HAS_V=has_v, NORM=normed, ROPE=rope, FP8=fp8 is not None,
-            num_warps=warps,
+            HEAD_DIM=head_dim, BLOCK_R=block_r, HAS_V=has_v, STORE_V=store_v, NORM=normed, ROPE=rope,
+            FP8=fp8 is not None, num_warps=warps,
         )  # fmt: skip
 
 
@@ -615,26 +628,28 @@ def _(query, key, weights, eps, freqs):  # noqa: ANN001, ANN202
 def _norm_rope_fp8_op(
     query: torch.Tensor,
     key: torch.Tensor,
+    value: torch.Tensor,
     weights: list[torch.Tensor],
     eps: list[float],
     freqs: torch.Tensor | None,
     query_descale: torch.Tensor,
     key_descale: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     if not _use_triton(query):
         two = list(weights) if weights else [None, None]
-        return reference_norm_rope_fp8(query, key, two, eps or [0.0, 0.0], freqs, query_descale, key_descale)
-    out_q, out_k = _norm_rope_fp8_empty(query)
-    descales = (query_descale.contiguous(), key_descale.contiguous())
-    # no value: the value's largest magnitude is not reduced here, its pointer is never read
-    _launch((query, key, None), None, weights, eps, (freqs, None), [0], (out_q, out_k, None), fp8=(*descales, out_q))
-    return out_q, out_k
+        return reference_norm_rope_fp8(query, key, value, two, eps or [0.0, 0.0], freqs, query_descale, key_descale)
+    out_q, out_k, largest = _norm_rope_fp8_empty(query)
+    largest.zero_()  # the kernel folds each tile's largest value magnitude in by atomic max
+    fp8 = (query_descale.contiguous(), key_descale.contiguous(), largest)
+    _launch((query, key, value), None, weights, eps, (freqs, None), [0], (out_q, out_k, None), fp8=fp8)
+    return out_q, out_k, largest
 
 
-def _norm_rope_fp8_empty(query: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return tuple(query.new_empty(query.shape, dtype=torch.float8_e4m3fn) for _ in range(2))
+def _norm_rope_fp8_empty(query: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    out_q, out_k = (query.new_empty(query.shape, dtype=torch.float8_e4m3fn) for _ in range(2))
+    return out_q, out_k, query.new_empty((), dtype=torch.float32)
 
 
 @_norm_rope_fp8_op.register_fake
-def _(query, key, weights, eps, freqs, query_descale, key_descale):  # noqa: ANN001, ANN202
+def _(query, key, value, weights, eps, freqs, query_descale, key_descale):  # noqa: ANN001, ANN202
     return _norm_rope_fp8_empty(query)

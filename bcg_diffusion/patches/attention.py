@@ -550,8 +550,9 @@ def _fused_norm_rope(
 ) -> tuple[torch.Tensor, ...] | None:
     """Z-Image's query and key normed and rotated by ``qk_prologue.norm_rope`` (one launch); None where
     the kernel does not take them. With ``fp8_value`` (the value, for cuDNN's FP8 attention): through
-    ``qk_prologue.norm_rope_fp8``, ``(query8, key8, query_descale, key_descale)`` quantized by their norms'
-    bounds, or None where cuDNN's kernel does not take these tensors or a bound is missing."""
+    ``qk_prologue.norm_rope_fp8``, ``(query8, key8, query_descale, key_descale, value_largest)``, the query
+    and key quantized by their norms' bounds; None where cuDNN's kernel does not take these tensors or a
+    bound is missing."""
     norms = _norm_weights((attn.norm_q, attn.norm_k))
     if freqs_cis is not None and freqs_cis.dtype != torch.complex64:
         return None
@@ -564,7 +565,10 @@ def _fused_norm_rope(
     if any(bound is None for bound in bounds) or cudnn_fp8_attention.unsupported(query, key, fp8_value) is not None:
         return None
     descales = [cudnn_fp8_attention.descale(bound) for bound in bounds]
-    return (*qk_prologue.norm_rope_fp8(query, key, norms[0], norms[1], freqs, *descales), *descales)
+    if qk_prologue.unsupported_norm_rope_fp8(query, key, fp8_value, norms[0], freqs, descales) is not None:
+        return None
+    query8, key8, largest = qk_prologue.norm_rope_fp8(query, key, fp8_value, norms[0], norms[1], freqs, *descales)
+    return query8, key8, *descales, largest
 
 
 def _zimage_projections(attn: torch.nn.Module, hidden_states: torch.Tensor | Fp8Rows) -> tuple[torch.Tensor, ...]:
@@ -635,7 +639,8 @@ def _zimage_attention_call(dispatch: Callable[..., torch.Tensor], default: str) 
         if prologue and attention_mask is None and _kernel(attn, default, options) == "cudnn-fp8":
             quantized = _fused_norm_rope(attn, query, key, freqs_cis, fp8_value=value)
         if quantized is not None:
-            out = cudnn_fp8_attention.attention_quantized(*quantized, value)
+            query8, key8, query_descale, key_descale, largest = quantized
+            out = cudnn_fp8_attention.attention_quantized(query8, key8, query_descale, key_descale, value, largest)
         else:
             out = _zimage_attention(
                 attn, query, key, value, attention_mask, freqs_cis, prologue, dispatch, default, options
