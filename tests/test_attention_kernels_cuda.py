@@ -9,6 +9,9 @@
   and gated residuals, then torchao's row scales and cast) at Z-Image's width, and deterministic.
 * cuDNN's FP8 attention (``kernels/cudnn_fp8_attention.py``, where nvidia-cudnn-frontend is installed)
   against its float32 reference and float32 attention, odd token counts included, and deterministic.
+* Attention's prologue writing cuDNN's FP8 inputs (``joint_qkv_fp8``, ``norm_rope_fp8``): the bytes of its
+  bf16 outputs quantized by PyTorch, the value's largest magnitude PyTorch's; Qwen-Image's processor with
+  it compiled whole, near the bf16 prologue quantized before attention, its CUDA graph replaying it.
 * ``accelerate(pipe, mode="fast", attention="fp8")`` on full-size Z-Image (tiny models have heads of
   16, which the kernels do not take), with each FP8 kernel: the attention modules use it, the graphs
   give the same bytes as the compiled blocks without graphs, and the image stays near bf16 fast mode's.

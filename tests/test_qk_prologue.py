@@ -8,7 +8,8 @@
   rounding elsewhere; and equal to the bit to fast mode's compiled path (same operations).
 * The operators' registrations (``torch.library.opcheck``), a compiled call without a graph break.
 * Fast mode's processors with the switch (``QK_PROLOGUE_ATTRIBUTE``) on against off, on the CPU where the
-  operators compute the reference.
+  operators compute the reference; with cuDNN's FP8 attention, the prologue's float8 query and key
+  (``joint_qkv_fp8``, ``norm_rope_fp8``) against the bf16 prologue quantized before attention.
 
 The kernel on a GPU, at full size: ``test_attention_kernels_cuda.py``.
 """

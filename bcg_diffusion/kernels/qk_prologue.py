@@ -258,12 +258,13 @@ def joint_qkv_fp8(
     """:func:`joint_qkv` with the query and key quantized on the way for FP8 attention (cuDNN's, through
     :func:`bcg_diffusion.kernels.cudnn_fp8_attention.attention_quantized`).
 
-    Takes :func:`joint_qkv`'s arguments and the query's and key's descales (float32 scalars: each tensor
-    is stored as ``cudnn_fp8_attention.quantize(x, descale)`` of what :func:`joint_qkv` would store, so a
-    bound no element exceeds, over 448; past it an element saturates). Returns :class:`Fp8Joint`, laid out
-    as :func:`joint_qkv`'s outputs (:func:`group_slices` applies), with each group's largest value
-    magnitude over its valid text and its image (NaN where the group's value holds one). Raises
-    ValueError on what :func:`unsupported_joint_fp8` names.
+    Takes :func:`joint_qkv`'s arguments and the query's and key's descales: float32 scalars, each a
+    bound no element of its tensor exceeds, over 448 (``cudnn_fp8_attention.descale``). The query and key
+    are stored as ``cudnn_fp8_attention.quantize(x, descale)`` of what :func:`joint_qkv` would store (an
+    element past the bound saturates). Returns :class:`Fp8Joint`, laid out as :func:`joint_qkv`'s outputs
+    (:func:`group_slices` applies), with each group's largest value magnitude over its valid text and its
+    image (NaN where the group's value holds one). Raises ValueError on what
+    :func:`unsupported_joint_fp8` names.
 
     >>> joint = joint_qkv_fp8(image, text, weights, eps, freqs, (77,), descale_q, descale_k)  # doctest: +SKIP
     >>> joint.query.dtype, joint.value_largest.shape  # doctest: +SKIP
@@ -319,11 +320,10 @@ def norm_rope_fp8(
     """:func:`norm_rope` with the query and key written in float8 e4m3 for FP8 attention, and the value
     (``[B, S, H, D]`` like the query; read, not copied) reduced to its largest magnitude in the same pass.
 
-    Each of the query and key is ``cudnn_fp8_attention.quantize(x, descale)`` of what :func:`norm_rope`
-    would return (``query_descale``, ``key_descale``: float32 scalars, a bound no element exceeds over
-    448; past it an element saturates). Returns two new contiguous ``[B, S, H, D]`` float8 tensors and
-    the value's largest magnitude (a float32 scalar; NaN where the value holds one). Raises ValueError on
-    what :func:`unsupported_norm_rope_fp8` names."""
+    ``query_descale``, ``key_descale``: as :func:`joint_qkv_fp8` takes them; each of the query and key is
+    stored as ``cudnn_fp8_attention.quantize(x, descale)`` of what :func:`norm_rope` would return. Returns
+    two new contiguous ``[B, S, H, D]`` float8 tensors and the value's largest magnitude (a float32 scalar;
+    NaN where the value holds one). Raises ValueError on what :func:`unsupported_norm_rope_fp8` names."""
     descales = (query_descale, key_descale)
     reason = unsupported_norm_rope_fp8(query, key, value, weights, freqs, descales)
     if reason is not None:
