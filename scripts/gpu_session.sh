@@ -214,7 +214,7 @@ case "$phase" in
       | grep -v "^ *[0-9.]* ms  x" | tail -70
     ;;
   fp8-prologue)
-    timeout 300 python3 -m pytest -m cuda -q -rs -s -p no:cacheprovider --tb=short -k "prologue or cudnn_fp8_attention_matches or fast_mode_fp8_attention" \
+    timeout 300 python3 -m pytest -m cuda -q -rs -s -p no:cacheprovider --tb=short -k "prologue or cudnn_fp8_attention_matches or (fast_mode_fp8_attention and cudnn)" \
       tests/test_attention_kernels_cuda.py 2>&1 | grep -v "warnings.warn" | tee "$out/pytest-fp8-prologue.log" | tail -16
     timeout 300 python3 -m bench.probes.probe_attention_kernels --sections fp8-prologue 2>&1 \
       | grep -v "Warning\|warnings.warn\|_warn_once\|^W[0-9]" | tee "$out/probe-fp8-prologue.log" \
