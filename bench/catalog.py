@@ -27,6 +27,7 @@ MODES: tuple[str, ...] = (
     "fast-fp8",
     "fast-fp8-attn",
     "fast-fp8-attn-triton",
+    "fast-fp8-attn-bf16-prologue",
     "fast-fp8-torchao-ff",
     "fast-fp8-unfused-qkv",
     "fast-fp8-uncompiled-te",
@@ -62,6 +63,7 @@ FP8_MODES: tuple[str, ...] = (
     "fast-fp8",
     "fast-fp8-attn",
     "fast-fp8-attn-triton",
+    "fast-fp8-attn-bf16-prologue",
     "fast-fp8-torchao-ff",
     "fast-fp8-unfused-qkv",
     "fast-fp8-uncompiled-te",
@@ -105,6 +107,9 @@ DESCRIPTIONS = {
     "nvidia-cudnn-frontend is installed, else ours in Triton)",
     "fast-fp8-attn-triton": "fast-fp8-attn with our Triton FP8 attention kernel, cuDNN's or not "
     "(features.fp8_attention.choose)",
+    "fast-fp8-attn-bf16-prologue": "fast-fp8-attn with cuDNN's FP8 query and key written in bf16 by attention's "
+    "prologue and quantized after it, as before the prologue wrote them in FP8 "
+    "(features.fp8_attention.choose_prologue)",
     "fast-fp8-torchao-ff": "fast-fp8 without our FP8 feed-forward kernel: the activation and the down projection's "
     "FP8 input scales as torchao writes them, compiled by inductor (patches.fp8_feed_forward)",
     "fast-fp8-unfused-qkv": "fast-fp8 with each attention's query, key and value projected by three FP8 products, "
@@ -137,6 +142,7 @@ EXACT.update(
 )
 EXACT.update({"eager-fp8+cache": True, "fast-fp8+cache": False, "fast-fp8-attn+cache": False})
 EXACT.update({"fast-fp8-attn-triton": False, "fast-fp8-unfused-qkv": False, "fast-fp8-uncompiled-te": False})
+EXACT.update({"fast-fp8-attn-bf16-prologue": False})
 EXACT.update({"fast-fp8-compiled-vae": False, "fast-fp8-patched-vae": False, "fast-fp8-inductor-glue": False})
 EXACT.update({"eager+cachedit": True, "bcg+cachedit": True, "fast+cachedit": False})
 OURS = ("bcg", "bcg-no-te", "bcg-no-auto", "fast", "fast-no-te", "fast-no-auto", "fast-unbatched")
@@ -144,10 +150,11 @@ OURS += ("bcg+cachedit", "fast+cachedit")
 OURS += ("bcg+cache", "fast+cache", "fast-unbatched+cache", "bcg-fp8", "fast-fp8", "fast-fp8-attn", "fast-fp8+cache")
 OURS += ("fast-fp8-torchao-ff", "fast-fp8-attn-triton", "fast-fp8-attn+cache", "fast-fp8-unfused-qkv")
 OURS += ("fast-fp8-uncompiled-te", "fast-fp8-compiled-vae", "fast-fp8-patched-vae", "fast-fp8-inductor-glue")
+OURS += ("fast-fp8-attn-bf16-prologue",)
 FAST = ("fast", "fast-no-te", "fast-no-auto", "fast-unbatched", "fast+cache", "fast-fp8", "fast-fp8-attn")
 FAST += ("fast-fp8-torchao-ff", "fast-fp8-attn-triton", "fast-fp8-attn+cache", "fast-fp8-unfused-qkv")
 FAST += ("fast-fp8-uncompiled-te", "fast-fp8-compiled-vae", "fast-fp8-patched-vae", "fast-fp8-inductor-glue")
-FAST += ("fast-fp8+cache", "fast+cachedit", "fast-unbatched+cache")
+FAST += ("fast-fp8+cache", "fast+cachedit", "fast-unbatched+cache", "fast-fp8-attn-bf16-prologue")
 
 
 def baseline(name: str) -> str:

@@ -148,6 +148,7 @@ class ModeOptions:
     fp8: bool = False  # -fp8: the transformer's block linears in row-wise FP8
     fp8_attention: bool = False  # -attn: attention="fp8"
     triton_attention: bool = False  # -triton (after -attn): our Triton FP8 attention kernel, not cuDNN's
+    bf16_prologue: bool = False  # -bf16-prologue (after -attn): cuDNN's FP8 query and key quantized after the prologue
     torchao_feed_forward: bool = False  # -torchao-ff: our FP8 feed-forward kernel off
     unfused_qkv: bool = False  # -unfused-qkv: query, key and value projected apart
     uncompiled_text_encoder: bool = False  # -uncompiled-te: the text encoder's layers eager
@@ -166,6 +167,7 @@ def parse(name: str) -> ModeOptions:
     for suffix, option in (
         ("+cache", "cache"),
         ("+cachedit", "cachedit"),
+        ("-bf16-prologue", "bf16_prologue"),
         ("-triton", "triton_attention"),
         ("-attn", "fp8_attention"),
         ("-torchao-ff", "torchao_feed_forward"),
@@ -211,6 +213,8 @@ def prepare(
         fp8_feed_forward.choose(pipe.transformer, "torchao")  # the copy's modules: the other modes keep the default
     if options.triton_attention:
         fp8_attention.choose(pipe.transformer, "triton")
+    if options.bf16_prologue:
+        fp8_attention.choose_prologue(pipe.transformer, False)
     if options.unfused_qkv:
         fused_qkv.choose(pipe.transformer, False)
     if options.uncompiled_text_encoder and getattr(pipe, "text_encoder", None) is not None:

@@ -568,6 +568,9 @@ def test_every_mode_name_parses_to_a_base_mode_and_its_options():
     )
     assert modes.parse("fast-fp8-attn+cache") == modes.ModeOptions("fast", cache=True, fp8=True, fp8_attention=True)
     assert modes.parse("fast-fp8-inductor-glue") == modes.ModeOptions("fast", fp8=True, inductor_glue=True)
+    assert modes.parse("fast-fp8-attn-bf16-prologue") == modes.ModeOptions(
+        "fast", fp8=True, fp8_attention=True, bf16_prologue=True
+    )
     with pytest.raises(ValueError, match="unknown mode"):
         modes.parse("fast-fp9")
 

@@ -271,6 +271,23 @@ def test_qwen_processor_quantizes_for_cudnn_fp8_attention_in_the_prologue(length
         for a, b in zip(traced(attn.processor, attn, hidden, text, rope, lengths), outputs["fused"]):
             assert torch.equal(a, b)
     torch._dynamo.reset()
+    # choose_prologue(..., False): the bf16 prologue, quantized by attend; the same bytes here.
+    from bcg_diffusion.features.fp8_attention import choose_prologue
+
+    holder = torch.nn.Module()
+    holder.attn = attn
+    assert choose_prologue(holder, False) == 1
+    before = dict(calls)
+    with torch.no_grad():
+        switched_off = qwen_joint_attention_per_group(attn.processor, attn, hidden, text, rope, lengths)
+    assert {k: calls[k] - before[k] for k in calls} == {"bf16": 1, "fp8": 0, "quantized": len(lengths)}, calls
+    assert all(torch.equal(a, b) for a, b in zip(switched_off, outputs["fused"]))
+    with pytest.raises(TypeError, match="True or False"):
+        choose_prologue(holder, "no")
+    setattr(attn, attention.FP8_PROLOGUE_ATTRIBUTE, "no")
+    with pytest.raises(ValueError, match="_bcg_fp8_prologue is 'no'; expected one of"):
+        qwen_joint_attention_per_group(attn.processor, attn, hidden, text, rope, lengths)
+    choose_prologue(holder, True)
     # Without norms there is no bound: the bf16 prologue runs, and attend quantizes by the largest values.
     attn.norm_q = attn.norm_k = attn.norm_added_q = attn.norm_added_k = None
     before = dict(calls)

@@ -10,7 +10,9 @@ attention run on FP8 tensor cores. Two kernels can do it:
   used otherwise, with one INFO line saying why cuDNN's is not.
 
 Each module's choice can be set before ``accelerate`` (:func:`choose`, e.g. to compare the two). The
-quantization is plain PyTorch inside the compiled blocks, so inductor fuses it into the kernels around.
+quantization is plain PyTorch inside the compiled blocks, so inductor fuses it into the kernels around,
+except cuDNN's query and key, which attention's fused prologue writes in float8 itself (:func:`choose_prologue`
+turns that off, to compare).
 
 It changes the image more than FP8 linears do (measured in ``docs/quantization.md``), so it is never a
 default, not even under ``quantize="fp8"``; fast mode's promise holds: with graphs, the same bytes as
@@ -37,10 +39,10 @@ from ..core.hooks import MethodPatches
 from ..core.runner import BCGWarning
 from ..kernels import cudnn_fp8_attention
 from ..kernels.attention import unavailable
-from ..patches.attention import KERNEL_ATTRIBUTE
+from ..patches.attention import FP8_PROLOGUE_ATTRIBUTE, KERNEL_ATTRIBUTE
 from .base import Feature, Setup
 
-__all__ = ["FP8_ATTENTION_KERNELS", "FP8_ATTENTION_PROCESSORS", "Fp8Attention", "choose"]
+__all__ = ["FP8_ATTENTION_KERNELS", "FP8_ATTENTION_PROCESSORS", "Fp8Attention", "choose", "choose_prologue"]
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +69,24 @@ def choose(model: torch.nn.Module, kernel: str) -> int:
     for module in model.modules():
         if type(getattr(module, "processor", None)).__name__ in FP8_ATTENTION_PROCESSORS:
             setattr(module, FP8_ATTENTION_KERNEL_ATTRIBUTE, kernel)
+            chosen += 1
+    return chosen
+
+
+def choose_prologue(model: torch.nn.Module, fp8: bool) -> int:
+    """Whether attention's fused prologue writes cuDNN's FP8 query and key itself (``fp8=True``, the
+    default) or in bf16, quantized after it by their own pass (``False``: what fast mode did before, kept
+    to measure the difference), on every attention module of ``model`` that ``attention="fp8"`` applies
+    to; returns how many. Either way the same bounds scale them. Raises TypeError for a non-bool.
+
+    >>> choose_prologue(pipe.transformer, False)  # doctest: +SKIP
+    """
+    if not isinstance(fp8, bool):
+        raise TypeError(f"choose_prologue takes True or False, not {fp8!r}")
+    chosen = 0
+    for module in model.modules():
+        if type(getattr(module, "processor", None)).__name__ in FP8_ATTENTION_PROCESSORS:
+            setattr(module, FP8_PROLOGUE_ATTRIBUTE, fp8)
             chosen += 1
     return chosen
 

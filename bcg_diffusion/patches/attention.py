@@ -59,6 +59,7 @@ __all__ = [
     "TEXT_LENGTHS_KWARG",
     "ZIMAGE_ATTENTION_PATCH",
     "ZIMAGE_ROPE_PATCH",
+    "FP8_PROLOGUE_ATTRIBUTE",
     "FUSED_QKV_ATTRIBUTE",
     "FUSED_QKV_PROCESSORS",
     "TAKES_FP8_ROWS",
@@ -246,6 +247,12 @@ QK_PROLOGUES = ("compiled", "fused")
 # 174.8 us (Z-Image 1024²); one compiled block 3963 against 4147 us (Qwen-Image 1024² CFG), 2937 against
 # 3040 us (Z-Image 1024²), 733.6 against 771.8 us (Z-Image 512²).
 QK_PROLOGUE_DEFAULT = "auto"
+# The attribute on an attention module saying whether, under cuDNN's FP8 attention, the fused prologue
+# writes the query and key in float8 itself (True, the default: ``qk_prologue.joint_qkv_fp8`` and
+# ``norm_rope_fp8``) or in bf16, quantized after it (False: the path before it did, kept to compare;
+# ``features.fp8_attention.choose_prologue``). A module attribute, so that the check of the Python state
+# a graph read sees it change.
+FP8_PROLOGUE_ATTRIBUTE = "_bcg_fp8_prologue"
 # The submodule of an attention module that projects its query, key and value in one product, where
 # :mod:`bcg_diffusion.features.fused_qkv` gave it one, and the processors (by class name) that use it.
 FUSED_QKV_ATTRIBUTE = "bcg_to_qkv"  # registered: in the state_dict while fused
@@ -257,12 +264,20 @@ TAKES_FP8_ROWS = "_bcg_takes_fp8_rows"
 _TRITON = triton_available()  # once: compiled code must not trace importlib
 
 
-def _choice(attn: torch.nn.Module, attribute: str, default: str, allowed: tuple[str, ...]) -> str:
+def _choice(attn: torch.nn.Module, attribute: str, default: Any, allowed: tuple[Any, ...]) -> Any:
     """``attn``'s ``attribute`` (else ``default``); raises ValueError when it is not one of ``allowed``."""
     choice = getattr(attn, attribute, default)
     if choice not in allowed:
         raise ValueError(f"{type(attn).__name__}.{attribute} is {choice!r}; expected one of {allowed}")
     return choice
+
+
+def _fp8_prologue(attn: torch.nn.Module, default: str, options: dict[str, Any]) -> bool:
+    """Whether ``attn``'s fused prologue writes cuDNN's FP8 attention's query and key (its kernel is
+    cuDNN's FP8 one, :data:`FP8_PROLOGUE_ATTRIBUTE` not False). Raises ValueError for a value of that
+    attribute that is not a bool."""
+    choice = _choice(attn, FP8_PROLOGUE_ATTRIBUTE, True, (True, False))
+    return choice and _kernel(attn, default, options) == "cudnn-fp8"
 
 
 def _fused_prologue(attn: torch.nn.Module, like: torch.Tensor) -> bool:
@@ -384,7 +399,7 @@ def qwen_joint_attention_per_group(
     image, text = qwen_joint_projections(attn, hidden_states, encoder_hidden_states, normed=not fused)
     options = {"backend": processor._attention_backend, "parallel_config": processor._parallel_config}
     joints = None
-    if fused and _kernel(attn, "dispatch", options) == "cudnn-fp8":
+    if fused and _fp8_prologue(attn, "dispatch", options):
         joints = _fused_joint_qkv(attn, image, text, image_rotary_emb, text_lengths, fp8=True)
     if fused and joints is None:
         joints = _fused_joint_qkv(attn, image, text, image_rotary_emb, text_lengths)
@@ -636,7 +651,7 @@ def _zimage_attention_call(dispatch: Callable[..., torch.Tensor], default: str) 
         options = {"backend": self._attention_backend, "parallel_config": self._parallel_config}
         prologue = _fused_prologue(attn, query)
         quantized = None  # cuDNN's FP8 attention: the query and key quantized by the fused prologue
-        if prologue and attention_mask is None and _kernel(attn, default, options) == "cudnn-fp8":
+        if prologue and attention_mask is None and _fp8_prologue(attn, default, options):
             quantized = _fused_norm_rope(attn, query, key, freqs_cis, fp8_value=value)
         if quantized is not None:
             query8, key8, query_descale, key_descale, largest = quantized
