@@ -257,13 +257,27 @@ def test_fast_debug_mode_equals_its_compiled_reference(name):
 @needs_compiler
 @heavy
 @pytest.mark.parametrize(
-    "attribute, value", [(attention.QK_PROLOGUE_ATTRIBUTE, "fused"), (attention.KERNEL_ATTRIBUTE, "dispatch")]
+    "attribute, value, preset",
+    [
+        (attention.QK_PROLOGUE_ATTRIBUTE, "fused", {}),
+        (attention.KERNEL_ATTRIBUTE, "dispatch", {}),
+        # read where the fused prologue runs with cuDNN's FP8 attention chosen (on a CPU: the references)
+        (
+            attention.FP8_PROLOGUE_ATTRIBUTE,
+            False,
+            {attention.QK_PROLOGUE_ATTRIBUTE: "fused", attention.KERNEL_ATTRIBUTE: "cudnn-fp8"},
+        ),
+    ],
 )
-def test_a_choice_set_on_an_attention_module_after_capture_drops_the_graphs_that_read_it(attribute, value, caplog):
+def test_a_choice_set_on_an_attention_module_after_capture_drops_the_graphs_that_read_it(
+    attribute, value, preset, caplog
+):
     # Fast mode's choices live on the modules as "_bcg_..." attributes; the check of the Python state
     # once skipped every such name, so a choice made after a capture replayed the old one.
     pipe = build_pipeline("z-image", "tiny", device="cpu")
     pipe.set_progress_bar_config(disable=True)
+    for name, preset_value in preset.items():
+        setattr(pipe.transformer.layers[0].attention, name, preset_value)
     accelerate(pipe, mode="fast", debug=True)
     try:
         run_case(pipe, "z-image", "cfg", height=64, width=64)
