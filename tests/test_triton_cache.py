@@ -37,7 +37,9 @@ def _compiled_kernel(cache: str, monkeypatch: pytest.MonkeyPatch):
 def test_our_kernels_saved_then_loaded_into_an_empty_cache_are_cache_hits(tmp_path, monkeypatch):
     launch = _compiled_kernel(str(tmp_path / "first"), monkeypatch)
     kernel = compile_kernel_sm90(*launch)
-    monkeypatch.setattr(triton_cache, "_launched_kernels", lambda: [kernel])
+    # Where Triton's JIT keeps what a launch compiled: per device, (kernels by launch key, ...).
+    fn = launch[0]
+    monkeypatch.setitem(fn.device_caches, "sm90-on-a-cpu", ({"a launch": kernel}, None, None, None, None))
     file = tmp_path / "kernels.zip"
     assert triton_cache.compiled_count() == 1
     assert triton_cache.save(file) == 1
@@ -76,7 +78,7 @@ def test_unreadable_or_unsafe_files_are_ignored_with_a_warning(tmp_path, monkeyp
             assert triton_cache.load(file) == 0
         assert any("ignoring Triton kernels file" in str(w.message) for w in caught), file
     assert not (tmp_path / "outside.txt").exists()
-    monkeypatch.setattr(triton_cache, "_launched_kernels", lambda: [])
+    assert triton_cache.compiled_count() == 0  # nothing launched in this process (no GPU)
     assert triton_cache.save(tmp_path / "none.zip") == 0 and not (tmp_path / "none.zip").exists()
 
 

@@ -22,6 +22,7 @@ Both do nothing (0) without Triton, or where Triton's cache is not its file cach
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -29,6 +30,7 @@ import re
 import shutil
 import sys
 import tempfile
+import types
 import warnings
 import zipfile
 from pathlib import Path
@@ -37,27 +39,35 @@ __all__ = ["compiled_count", "load", "save"]
 
 logger = logging.getLogger(__name__)
 
-_OUR_MODULES = re.compile(r"^bcg_diffusion\.kernels\._\w+_triton$")
 # Triton names a kernel's folder by the base32 form of its hash; the files in it by the kernel's name.
 _FOLDER = re.compile(r"^[A-Z2-7]+$")
 _FILE = re.compile(r"^[\w.-]+$")
 _GROUP_PREFIX = "__grp__"
 
 
-def _launched_kernels() -> list[object]:
-    """The kernels (Triton's ``CompiledKernel``) our JIT functions compiled in this process: those of the
-    ``bcg_diffusion.kernels._*_triton`` modules imported so far, on every device."""
-    if "triton" not in sys.modules:
-        return []
+@functools.cache
+def _module_names() -> tuple[str, ...]:
+    """The modules of our kernels: ``bcg_diffusion.kernels._*_triton``."""
+    return tuple(f"{__package__}.{path.stem}" for path in sorted(Path(__file__).parent.glob("_*_triton.py")))
+
+
+@functools.cache
+def _jit_functions(module: types.ModuleType) -> tuple[object, ...]:
     from triton.runtime.jit import JITFunction
 
+    return tuple(fn for fn in vars(module).values() if isinstance(fn, JITFunction))
+
+
+def _launched_kernels() -> list[object]:
+    """The kernels (Triton's ``CompiledKernel``) our JIT functions compiled in this process, on every
+    device. A few dictionary lookups: it runs after every accelerated call where a compile cache
+    directory is set."""
     kernels = []
-    for name, module in list(sys.modules.items()):
-        if module is None or not _OUR_MODULES.match(name):
+    for name in _module_names():
+        module = sys.modules.get(name)  # not imported: none of its kernels ran
+        if module is None:
             continue
-        for fn in vars(module).values():
-            if not isinstance(fn, JITFunction):
-                continue
+        for fn in _jit_functions(module):
             for device_cache in getattr(fn, "device_caches", {}).values():
                 # (kernel cache, ...): compiled kernels, or futures of ones still compiling (skipped)
                 kernels += [k for k in device_cache[0].values() if getattr(k, "hash", None) is not None]
@@ -93,9 +103,10 @@ def save(file: str | os.PathLike[str]) -> int:
     """Write the cache folders of the kernels of ours this process compiled into the zip ``file``
     (atomically: a reader sees the old file or the new one). Returns how many kernels it holds; with
     none (no Triton, nothing compiled, a cache of another kind), writes nothing and returns 0."""
-    if _cache_root() is None:
+    kernels = _launched_kernels()  # first: without a kernel launched, Triton is not even imported
+    if not kernels or _cache_root() is None:
         return 0
-    folders = sorted({_folder(kernel.hash) for kernel in _launched_kernels()})
+    folders = sorted({_folder(kernel.hash) for kernel in kernels})
     folders = [folder for folder in folders if folder.is_dir()]
     if not folders:
         return 0
@@ -118,8 +129,10 @@ def load(file: str | os.PathLike[str]) -> int:
     Triton, or a cache of another kind. A file it cannot read is reported with a warning and ignored (the
     kernels then compile, as without it)."""
     file = Path(file)
-    root = _cache_root()
-    if root is None or not file.is_file():
+    if not file.is_file():
+        return 0
+    root = _cache_root()  # imports Triton (about a second), so only with a file to unpack
+    if root is None:
         return 0
     try:
         with zipfile.ZipFile(file) as archive:
