@@ -24,7 +24,9 @@ magnitudes from their RMS norms) and ours (:mod:`bcg_diffusion.kernels.attention
 Attention's prologue (the query and key RMS norms, RoPE, Qwen-Image's joint text-and-image tensors)
 is inductor's compiled code, or, per attention module (:data:`QK_PROLOGUE_ATTRIBUTE`, default
 :data:`QK_PROLOGUE_DEFAULT`), one launch of our fused kernel (:mod:`bcg_diffusion.kernels.qk_prologue`),
-whose output each group of a CFG batch attends over as slices, with no concatenation.
+whose output each group of a CFG batch attends over as slices, with no concatenation. With cuDNN's FP8
+attention, that launch writes the query and key in float8 itself and reduces the value's largest
+magnitude (:data:`FP8_PROLOGUE_ATTRIBUTE` turns it off).
 
 All of this changes rounding only (another kernel, no padded keys to skip), which is why it is fast
 mode's, scoped to the accelerated model (:mod:`bcg_diffusion.patches.scoped`). cuDNN is used on
