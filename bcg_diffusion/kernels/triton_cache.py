@@ -2,8 +2,8 @@
 
 PyTorch's portable compile artifacts (``torch.compiler.save_cache_artifacts``) hold what inductor
 compiled, not the kernels a library launches through Triton's own JIT, as ours are: a process that starts
-from the portable file alone builds ours again (about 6.5 s of Z-Image's 19.2 s portable start, H200 run
-141). Triton keeps each kernel it compiled in a folder of its cache (``TRITON_CACHE_DIR``, by default
+from the portable file alone builds ours again (Z-Image's portable start took 19.2 s in H200 run 141,
+12.7 s in run 134, before the block glue's kernels). Triton keeps each kernel it compiled in a folder of its cache (``TRITON_CACHE_DIR``, by default
 ``~/.triton/cache``) named after a hash of the source, the argument types, the launch options, the GPU
 target and Triton's version; a process that computes the same hash loads that folder instead of
 compiling. So :func:`save` writes the folders of the kernels of ours this process compiled into one zip
