@@ -121,6 +121,11 @@ def norm_rope_fp8_case(dtype: torch.dtype, config) -> None:
     equal = min(close_fp8(got, want) for got, want in zip(outputs, expected))
     assert equal > 0.9, equal
     assert torch.equal(largest, expected[2]) and float(largest) == 40.0, (largest, expected[2])
+    value[0, 3, 1, 5] = float("nan")  # a NaN in the value is its largest magnitude, as PyTorch's amax says
+    largest.zero_()
+    qk_prologue._launch((query, key, value), None, weights, eps, (freqs, None), [0], (*outputs, None), config,
+                        fp8=(*descales, largest))  # fmt: skip
+    assert largest.isnan(), largest
     print(f"norm_rope fp8 {str(dtype)[6:]} config {config}: {equal:.4%} of float8 bytes equal at least", flush=True)
 
 

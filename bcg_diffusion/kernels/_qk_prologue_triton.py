@@ -91,7 +91,10 @@ def _tile(Q, K, V, WQ, WK, F, OQ, OK, OV, DQ, DK, VMAX,
             tl.store(OV + out_rows[:, None] + d[None, :], v, mask=mask)
         if FP8:  # masked rows load zeros, which no magnitude is below
             largest = tl.reduce(tl.reduce(tl.abs(v.to(tl.float32)), 1, _max_keeping_nan), 0, _max_keeping_nan)
-            tl.atomic_max(VMAX + group, largest)
+            # A magnitude's bits, read as an int32, order as the magnitude does, NaN above infinity: an
+            # integer atomic max keeps NaN whatever Triton's float atomics do with it.
+            bits = VMAX.to(tl.pointer_type(tl.int32))
+            tl.atomic_max(bits + group, largest.to(tl.int32, bitcast=True))
 
 
 @triton.jit(do_not_specialize=["len0", "len1", "len2", "len3", "txt_tiles", "rows_per_group"])
