@@ -65,12 +65,7 @@ def choose(model: torch.nn.Module, kernel: str) -> int:
     """
     if kernel not in FP8_ATTENTION_KERNELS:
         raise ValueError(f"FP8 attention kernel {kernel!r}: expected one of {FP8_ATTENTION_KERNELS}")
-    chosen = 0
-    for module in model.modules():
-        if type(getattr(module, "processor", None)).__name__ in FP8_ATTENTION_PROCESSORS:
-            setattr(module, FP8_ATTENTION_KERNEL_ATTRIBUTE, kernel)
-            chosen += 1
-    return chosen
+    return _set_on_attention(model, FP8_ATTENTION_KERNEL_ATTRIBUTE, kernel)
 
 
 def choose_prologue(model: torch.nn.Module, fp8: bool) -> int:
@@ -83,10 +78,16 @@ def choose_prologue(model: torch.nn.Module, fp8: bool) -> int:
     """
     if not isinstance(fp8, bool):
         raise TypeError(f"choose_prologue takes True or False, not {fp8!r}")
+    return _set_on_attention(model, FP8_PROLOGUE_ATTRIBUTE, fp8)
+
+
+def _set_on_attention(model: torch.nn.Module, attribute: str, value: object) -> int:
+    """Set ``attribute`` on every attention module of ``model`` that ``attention="fp8"`` applies to;
+    returns how many."""
     chosen = 0
     for module in model.modules():
         if type(getattr(module, "processor", None)).__name__ in FP8_ATTENTION_PROCESSORS:
-            setattr(module, FP8_PROLOGUE_ATTRIBUTE, fp8)
+            setattr(module, attribute, value)
             chosen += 1
     return chosen
 
