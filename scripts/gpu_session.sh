@@ -43,7 +43,8 @@
 #                    at 1024² CFG with inductor's glue and with ours, each kernel alone with its launch settings
 #   fp8-prologue     attention's prologue writing cuDNN's FP8 attention's query and key (qk_prologue.joint_qkv_fp8)
 #                    against its bf16 outputs quantized, the Qwen-Image processor with it compiled and replayed, then
-#                    the probe: its inputs alone and one Qwen-Image FP8 block, quantized after the prologue and in it
+#                    the probes: the prologue's launch settings (section prologue), then its FP8 inputs alone and one
+#                    Qwen-Image FP8 block, quantized after the prologue and in it
 #   bench-fp8-prologue-qwen Qwen-Image 1024², 50 steps, true CFG 4: eager, fast-fp8-attn-bf16-prologue (the query and key
 #                    quantized after the prologue), fast-fp8-attn (in it), fast-fp8-attn+cache
 #   bench-fp8-prologue-z Z-Image-Turbo 512² and 1024², 8 steps: eager, fast-fp8, fast-fp8-attn-bf16-prologue, fast-fp8-attn
@@ -219,7 +220,7 @@ case "$phase" in
   fp8-prologue)
     timeout 300 python3 -m pytest -m cuda -q -rs -s -p no:cacheprovider --tb=short -k "prologue or cudnn_fp8_attention_matches or (fast_mode_fp8_attention and cudnn)" \
       tests/test_attention_kernels_cuda.py 2>&1 | grep -v "warnings.warn" | tee "$out/pytest-fp8-prologue.log" | tail -16
-    timeout 300 python3 -m bench.probes.probe_attention_kernels --sections fp8-prologue 2>&1 \
+    timeout 300 python3 -m bench.probes.probe_attention_kernels --sections prologue,fp8-prologue 2>&1 \
       | grep -v "Warning\|warnings.warn\|_warn_once\|^W[0-9]" | tee "$out/probe-fp8-prologue.log" \
       | grep -v "^ *[0-9.]* ms  x" | tail -60
     ;;

@@ -10,7 +10,12 @@ that it compiles at all, and which instructions it rounds with.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
+import re
+import subprocess
+import tempfile
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 _OPTIONS = ("num_warps", "num_stages", "enable_fp_fusion")
@@ -70,3 +75,29 @@ def compile_kernel_sm90(fn: Any, args: tuple, kwargs: dict) -> Any:
     options = {k: v for k, v in kwargs.items() if k in _OPTIONS}
     source = ASTSource(fn, signature, constexprs=constexprs)
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+
+
+def ptxas() -> Path | None:
+    """The ``ptxas`` Triton's wheel bundles, or None (no Triton, or a build without it)."""
+    spec = importlib.util.find_spec("triton")
+    if spec is None or spec.origin is None:
+        return None
+    path = Path(spec.origin).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    return path if path.exists() else None
+
+
+def registers_and_spills(ptx: str) -> tuple[int, int, int]:
+    """Assemble ``ptx`` for sm_90a with the bundled ``ptxas -v``; returns (registers per thread, bytes of
+    spill stores, bytes of spill loads), as ptxas reports them for the kernel."""
+    with tempfile.TemporaryDirectory() as folder:
+        source = Path(folder, "kernel.ptx")
+        source.write_text(ptx)
+        done = subprocess.run(
+            [str(ptxas()), "-arch=sm_90a", "-v", str(source), "-o", str(Path(folder, "kernel.cubin"))],
+            capture_output=True, text=True, check=True,
+        )  # fmt: skip
+    report = done.stdout + done.stderr
+    registers = re.search(r"Used (\d+) registers", report)
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
+    assert registers and spills, report
+    return int(registers.group(1)), int(spills.group(1)), int(spills.group(2))

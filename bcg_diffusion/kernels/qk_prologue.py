@@ -71,8 +71,10 @@ MAX_GROUPS = 4  # groups of rows with their own text length, as the kernel takes
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # (rows of D per program, warps). On an H200 (run 87, bench.probes.probe_attention_kernels --sections prologue)
 # the six settings tried were within 4% of each other at Qwen-Image's 1024² CFG shapes, except 64 and 128 rows
-# (slower by 25%); (16, 2) was 1% faster than this one at both shapes, within the noise.
-_CONFIG = (32, 4)
+# (slower by 25%); (16, 2) was 1% faster than (32, 4) at both shapes, within the noise. Built for sm_90,
+# (32, 4) spills registers (255 used, 184-420 bytes of spill stores; 64 rows: up to 768), (16, 2) does not
+# (about 195 registers, tests/test_kernels_sm90.py), with the FP8 outputs too.
+_CONFIG = (16, 2)
 
 
 unavailable = triton_unavailable  # why the Triton kernel cannot run on a device (None: it can)
