@@ -10,26 +10,16 @@ the PTX is checked for what the kernel's contract depends on.
 
 from __future__ import annotations
 
-import importlib.util
 import re
-from pathlib import Path
 
 import pytest
 import torch
-from _sm90 import compile_sm90, launches, registers_and_spills
+from _sm90 import compile_sm90, launches, ptxas, registers_and_spills
 
 from bcg_diffusion.kernels import activation_fp8, block_glue, group_norm, qk_prologue, vae_glue
 from bcg_diffusion.kernels import attention as attention_kernels
 
-
-def _ptxas_missing() -> str | None:
-    if importlib.util.find_spec("triton") is None:
-        return "needs Triton"
-    bundled = Path(importlib.util.find_spec("triton").origin).parent / "backends" / "nvidia" / "bin" / "ptxas"
-    return None if bundled.exists() else "this Triton has no bundled ptxas"
-
-
-pytestmark = pytest.mark.skipif(_ptxas_missing() is not None, reason=str(_ptxas_missing()))
+pytestmark = pytest.mark.skipif(ptxas() is None, reason="needs Triton with the ptxas its wheel bundles")
 
 BF16, FP8 = torch.bfloat16, torch.float8_e4m3fn
 

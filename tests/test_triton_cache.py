@@ -16,11 +16,12 @@ import zipfile
 
 import pytest
 import torch
-from _sm90 import compile_kernel_sm90, launches
+from _sm90 import compile_kernel_sm90, launches, ptxas
 
 from bcg_diffusion.kernels import triton_cache, vae_glue
 
 triton = pytest.importorskip("triton")
+pytestmark = pytest.mark.skipif(ptxas() is None, reason="needs Triton with the ptxas its wheel bundles")
 
 
 def _compiled_kernel(cache: str, monkeypatch: pytest.MonkeyPatch):
