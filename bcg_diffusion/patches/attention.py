@@ -316,8 +316,8 @@ def _fused_joint_qkv(
     """Qwen-Image's joint query, key and value from its projections before the norms, through
     ``qk_prologue.joint_qkv`` (one buffer per tensor; each group's joint tensor a slice of it); with
     ``fp8``, through ``qk_prologue.joint_qkv_fp8``, the query and key quantized for cuDNN's FP8 attention
-    by their norms' bounds. None where the kernel does not take them, or, with ``fp8``, where cuDNN's
-    kernel does not or a bound is missing (the bf16 prologue then runs, and :func:`attend` quantizes)."""
+    by their norms' bounds, except where cuDNN's kernel does not take them or a bound is missing (then
+    the bf16 tensors, which :func:`attend` quantizes). None where the kernel does not take them."""
     norms = _norm_weights((attn.norm_q, attn.norm_k, attn.norm_added_q, attn.norm_added_k))
     freqs: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
     if image_rotary_emb is not None:
@@ -326,11 +326,9 @@ def _fused_joint_qkv(
         freqs = (torch.view_as_real(image_rotary_emb[0]), torch.view_as_real(image_rotary_emb[1]))
     if norms is None or qk_prologue.unsupported_joint(image, text, norms[0], freqs, text_lengths) is not None:
         return None
-    if not fp8:
-        return qk_prologue.joint_qkv(image, text, norms[0], norms[1], freqs, text_lengths)
-    bounds = _query_key_bounds(attn, image[0].shape[-1])
+    bounds = _query_key_bounds(attn, image[0].shape[-1]) if fp8 else [None]
     if any(bound is None for bound in bounds) or cudnn_fp8_attention.unsupported(*image) is not None:
-        return None
+        return qk_prologue.joint_qkv(image, text, norms[0], norms[1], freqs, text_lengths)
     descales = [cudnn_fp8_attention.descale(bound) for bound in bounds]
     return qk_prologue.joint_qkv_fp8(image, text, norms[0], norms[1], freqs, text_lengths, *descales)
 
@@ -401,10 +399,9 @@ def qwen_joint_attention_per_group(
     image, text = qwen_joint_projections(attn, hidden_states, encoder_hidden_states, normed=not fused)
     options = {"backend": processor._attention_backend, "parallel_config": processor._parallel_config}
     joints = None
-    if fused and _fp8_prologue(attn, "dispatch", options):
-        joints = _fused_joint_qkv(attn, image, text, image_rotary_emb, text_lengths, fp8=True)
-    if fused and joints is None:
-        joints = _fused_joint_qkv(attn, image, text, image_rotary_emb, text_lengths)
+    if fused:
+        fp8 = _fp8_prologue(attn, "dispatch", options)
+        joints = _fused_joint_qkv(attn, image, text, image_rotary_emb, text_lengths, fp8=fp8)
     if fused and joints is None:  # the kernel refuses these tensors: normed as in the compiled path
         for stream, norms in ((image, (attn.norm_q, attn.norm_k)), (text, (attn.norm_added_q, attn.norm_added_k))):
             for index, norm in enumerate(norms):
