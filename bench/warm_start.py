@@ -11,9 +11,10 @@ Runs three child processes one after another, each building the pipeline, callin
   artifacts, and the zip of our Triton kernels), as when the cache is shipped to another machine.
 
 Each child's Triton cache (``TRITON_CACHE_DIR``, where the kernels of ``bcg_diffusion.kernels`` are
-kept) is a folder of its compile cache directory, so the cold child compiles those kernels too (since
-run 134; before, it could find them in the machine's default Triton cache), and the portable child
-finds them only through the zip.
+kept) is a folder of its compile cache directory: the children inherit no ``TRITON_CACHE_DIR``, and
+``compile_cache_dir`` sets it there, as for a user who set none. So the cold child compiles those kernels
+too (since run 134; before, it could find them in the machine's default Triton cache), and the portable
+child finds them only through the zip.
 
 Each child reports its time from process start to the first image, split into start-up (imports,
 building the pipeline) and the first call (compiles or cache loads, warm-up, capture, the call), and
@@ -156,10 +157,10 @@ def _run_child(args: argparse.Namespace, cache_dir: Path, label: str) -> dict[st
         command += ["--quantize", args.quantize]
     if args.profile:
         command += ["--profile-to", str(args.out / f"first-call-{label}.txt")]
-    env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
-    # Triton's own cache (our kernels, outside inductor's) beside PyTorch's: cold compiles them too, warm
-    # finds them, and a portable start compiles them again, as on a new machine.
-    env["TRITON_CACHE_DIR"] = str(cache_dir / "triton")
+    # Neither cache directory inherited: compile_cache_dir sets both, as for a user who set neither (Triton's
+    # cache, with our kernels, then a folder of it), so cold compiles our kernels too, warm finds them, and a
+    # portable start finds them only through the zip, as on a new machine.
+    env = {k: v for k, v in os.environ.items() if k not in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")}
     started = time.perf_counter()
     done = subprocess.run(command, capture_output=True, text=True, env=env, check=False)
     wall = time.perf_counter() - started

@@ -24,23 +24,34 @@ triton = pytest.importorskip("triton")
 pytestmark = pytest.mark.skipif(ptxas() is None, reason="needs Triton with the ptxas its wheel bundles")
 
 
-def _compiled_kernel(cache: str, monkeypatch: pytest.MonkeyPatch):
-    """Our VAE residual kernel compiled for sm_90 into the Triton cache ``cache``."""
+def _compiled_kernel(cache: str, monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype = torch.bfloat16):
+    """Our VAE residual kernel's launch for ``dtype`` inputs, with the Triton cache ``cache`` set (compile it
+    with ``compile_kernel_sm90(*launch)``)."""
     from bcg_diffusion.kernels import _vae_glue_triton as kernels
 
     monkeypatch.setenv("TRITON_CACHE_DIR", cache)
-    x = torch.randn(1, 16, 4, 4, dtype=torch.bfloat16)
+    x = torch.randn(1, 16, 4, 4, dtype=dtype)
     with launches(kernels, "residual_sum") as recorded:
         vae_glue._launch_residual(x, x, None, 1.0, torch.empty_like(x))
     return recorded[0]
 
 
+def _as_launched(monkeypatch: pytest.MonkeyPatch, launch, *kernels) -> None:
+    """Make ``kernels`` what Triton's JIT holds for ``launch``'s function in this process, as if launched:
+    per device, (kernels by launch key, ...)."""
+    cache = {f"launch {i}": kernel for i, kernel in enumerate(kernels)}
+    monkeypatch.setitem(launch[0].device_caches, "sm90-on-a-cpu", (cache, None, None, None, None))
+
+
+def _folders(file) -> set[str]:
+    with zipfile.ZipFile(file) as archive:
+        return {name.partition("/")[0] for name in archive.namelist()}
+
+
 def test_our_kernels_saved_then_loaded_into_an_empty_cache_are_cache_hits(tmp_path, monkeypatch):
     launch = _compiled_kernel(str(tmp_path / "first"), monkeypatch)
     kernel = compile_kernel_sm90(*launch)
-    # Where Triton's JIT keeps what a launch compiled: per device, (kernels by launch key, ...).
-    fn = launch[0]
-    monkeypatch.setitem(fn.device_caches, "sm90-on-a-cpu", ({"a launch": kernel}, None, None, None, None))
+    _as_launched(monkeypatch, launch, kernel)
     file = tmp_path / "kernels.zip"
     assert triton_cache.compiled_count() == 1
     assert triton_cache.save(file) == 1
@@ -101,3 +112,80 @@ def test_fast_mode_saves_our_kernels_after_a_call_that_compiled_one(tmp_path, mo
     without_cache_dir.compiled = object()
     plain = lambda: "image"  # noqa: E731
     assert without_cache_dir.wrap_call(vae, plain) is plain  # nothing to keep: the VAE's call as it is
+
+
+def test_save_takes_the_folders_the_kernels_were_compiled_into_not_the_current_cache(tmp_path, monkeypatch):
+    # Inductor sets TRITON_CACHE_DIR at its first kernel: a kernel of ours compiled before that lies in the
+    # previous cache. save() looked its hash up in the current one, created an empty folder there and wrote
+    # a zip without files.
+    launch = _compiled_kernel(str(tmp_path / "before"), monkeypatch)
+    kernel = compile_kernel_sm90(*launch)
+    _as_launched(monkeypatch, launch, kernel)
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "inductors"))
+    file = tmp_path / "kernels.zip"
+    assert triton_cache.save(file) == 1
+    with zipfile.ZipFile(file) as archive:
+        assert any(name.endswith("/residual_sum.cubin") for name in archive.namelist())
+    assert not (tmp_path / "inductors").exists()
+
+
+def test_save_keeps_the_kernels_an_earlier_file_held(tmp_path, monkeypatch):
+    # A process that ran fewer shapes than the one before it must not drop the others' kernels.
+    launch = _compiled_kernel(str(tmp_path / "cache"), monkeypatch)
+    bf16 = compile_kernel_sm90(*launch)
+    fp16_launch = _compiled_kernel(str(tmp_path / "cache"), monkeypatch, torch.float16)
+    fp16 = compile_kernel_sm90(*fp16_launch)
+    file = tmp_path / "kernels.zip"
+    _as_launched(monkeypatch, launch, bf16)
+    assert triton_cache.save(file) == 1
+    first = _folders(file)
+    _as_launched(monkeypatch, launch, fp16)  # the next process launched the other kernel only
+    assert triton_cache.save(file) == 2
+    assert first < _folders(file) and len(_folders(file)) == 2
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_load_never_replaces_a_folder_the_cache_has(tmp_path, monkeypatch):
+    # Another process may be writing that folder (a compile in progress, a rank unpacking the same file):
+    # load() once deleted a folder without a group file and put its own in place.
+    launch = _compiled_kernel(str(tmp_path / "first"), monkeypatch)
+    _as_launched(monkeypatch, launch, compile_kernel_sm90(*launch))
+    file = tmp_path / "kernels.zip"
+    assert triton_cache.save(file) == 1
+    (folder,) = _folders(file)
+    cache = tmp_path / "second"
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(cache))
+    (cache / folder).mkdir(parents=True)
+    (cache / folder / "residual_sum.cubin.tmp.pid_1_2").write_bytes(b"another process's")
+    assert triton_cache.load(file) == 0
+    assert [p.name for p in (cache / folder).iterdir()] == ["residual_sum.cubin.tmp.pid_1_2"]
+    with zipfile.ZipFile(file) as archive:  # the folder appearing between the check and the move
+        assert triton_cache._unpack(archive, folder, _members_of(archive)[folder], cache) == 0
+    assert [p.name for p in (cache / folder).iterdir()] == ["residual_sum.cubin.tmp.pid_1_2"]
+    assert [p.name for p in cache.iterdir()] == [folder]  # no staging folder left behind
+
+
+def _members_of(archive: zipfile.ZipFile) -> dict[str, list[str]]:
+    return triton_cache._members(archive)
+
+
+def test_compile_cache_dir_points_tritons_cache_where_it_unpacks_our_kernels(tmp_path, monkeypatch):
+    # With TRITON_CACHE_DIR unset, the kernels went to Triton's default folder, and inductor then set the
+    # variable to a folder of its own cache at its first kernel: ours were never looked for there.
+    from bcg_diffusion.features.compiled_blocks import TRITON_KERNELS_FILE, use_compile_cache_dir
+
+    launch = _compiled_kernel(str(tmp_path / "first"), monkeypatch)
+    _as_launched(monkeypatch, launch, compile_kernel_sm90(*launch))
+    directory = tmp_path / "compile-cache"
+    directory.mkdir()
+    assert triton_cache.save(directory / TRITON_KERNELS_FILE) == 1
+    (folder,) = _folders(directory / TRITON_KERNELS_FILE)
+    monkeypatch.delenv("TRITON_CACHE_DIR")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(directory))
+    use_compile_cache_dir(str(directory))
+    assert triton.knobs.cache.dir == str(directory / "triton")  # what Triton reads, and inductor keeps
+    assert any(p.name.startswith("__grp__") for p in (directory / "triton" / folder).iterdir())
+    mine = tmp_path / "mine"
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(mine))  # one the user set is kept, and the kernels go there
+    use_compile_cache_dir(str(directory))
+    assert triton.knobs.cache.dir == str(mine) and (mine / folder).is_dir()

@@ -75,6 +75,7 @@ logger = logging.getLogger(__name__)
 
 ARTIFACTS_FILE = "bcg-compile-artifacts.bin"
 TRITON_KERNELS_FILE = "bcg-triton-kernels.zip"  # our Triton kernels' cache folders (kernels/triton_cache.py)
+TRITON_CACHE_FOLDER = "triton"  # Triton's cache (TRITON_CACHE_DIR) in the compile cache directory, unless set
 
 
 def _compiles_so_far() -> int:
@@ -371,7 +372,10 @@ def use_compile_cache_dir(directory: str) -> None:
     with our Triton kernels kept there (:data:`TRITON_KERNELS_FILE`, unpacked into Triton's cache).
 
     Sets ``TORCHINDUCTOR_CACHE_DIR`` for the whole process (PyTorch reads it at each compile); warns
-    when it was already set to another directory, which is then replaced.
+    when it was already set to another directory, which is then replaced. Where ``TRITON_CACHE_DIR`` is
+    not set, sets it to ``directory/triton`` for the whole process too: inductor would set it at its first
+    kernel (to a folder of its cache), after our kernels were unpacked into Triton's default folder, where
+    they would never be looked for again. One set by the user is kept, and the kernels go there.
     """
     path = Path(directory).expanduser().resolve()
     path.mkdir(parents=True, exist_ok=True)
@@ -383,6 +387,7 @@ def use_compile_cache_dir(directory: str) -> None:
             stacklevel=3,
         )
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(path)
+    os.environ.setdefault("TRITON_CACHE_DIR", str(path / TRITON_CACHE_FOLDER))
     load_compile_cache(path / ARTIFACTS_FILE)
     triton_cache.load(path / TRITON_KERNELS_FILE)
 

@@ -3,13 +3,17 @@
 PyTorch's portable compile artifacts (``torch.compiler.save_cache_artifacts``) hold what inductor
 compiled, not the kernels a library launches through Triton's own JIT, as ours are: a process that starts
 from the portable file alone builds ours again (Z-Image's portable start took 19.2 s in H200 run 141,
-12.7 s in run 134, before the block glue's kernels). Triton keeps each kernel it compiled in a folder of its cache (``TRITON_CACHE_DIR``, by default
-``~/.triton/cache``) named after a hash of the source, the argument types, the launch options, the GPU
+12.7 s in run 134, before the block glue's kernels). Triton keeps each kernel it compiled in a folder of
+its cache (``TRITON_CACHE_DIR``, by default ``~/.triton/cache``) named after a hash of the source, the argument types, the launch options, the GPU
 target and Triton's version; a process that computes the same hash loads that folder instead of
 compiling. So :func:`save` writes the folders of the kernels of ours this process compiled into one zip
-file, and :func:`load` unpacks such a file into this process's Triton cache. Another machine with the
-same GPU architecture and Triton version then finds them; any other computes other hashes and compiles
-as before. Nothing here changes what a kernel computes.
+file (with the kernels an earlier file held, so a process that ran fewer shapes drops none), and
+:func:`load` unpacks such a file into this process's Triton cache, never over a folder the cache has
+(another process may be writing it). Another machine with the same GPU architecture and Triton version
+then finds them; any other computes other hashes and compiles as before. Nothing here changes what a
+kernel computes. Not kept: the small C launcher Triton builds per launch signature with the machine's C
+compiler (``__triton_launcher.so``, in a folder of its own): a portable start still builds those, one C
+compile per signature (not measured apart).
 
 >>> save("cache/bcg-triton-kernels.zip")  # doctest: +SKIP
 9
@@ -93,33 +97,70 @@ def _cache_root() -> Path | None:
     return Path(knobs.cache.dir)
 
 
-def _folder(kernel_hash: str) -> Path:
-    from triton.runtime.cache import get_cache_manager
+def _folder(kernel: object) -> Path | None:
+    """The cache folder ``kernel`` was compiled into or loaded from: where its own files are. Not the folder
+    its hash names in the cache Triton uses now, which another ``TRITON_CACHE_DIR`` since (inductor sets one
+    at its first kernel) would make an empty folder of the new cache. None without files."""
+    paths = getattr(kernel, "metadata_group", None) or {}
+    return Path(next(iter(paths.values()))).parent if paths else None
 
-    return Path(get_cache_manager(kernel_hash).cache_dir)
+
+def _kept_files(folder: Path) -> list[Path]:
+    """The files of a kernel's cache folder worth keeping: not Triton's temporary files or lock."""
+    return [
+        path
+        for path in sorted(folder.iterdir())
+        if path.is_file() and _FILE.match(path.name) and ".tmp." not in path.name and path.name != "lock"
+    ]
 
 
 def save(file: str | os.PathLike[str]) -> int:
-    """Write the cache folders of the kernels of ours this process compiled into the zip ``file``
-    (atomically: a reader sees the old file or the new one). Returns how many kernels it holds; with
-    none (no Triton, nothing compiled, a cache of another kind), writes nothing and returns 0."""
+    """Write the cache folders of the kernels of ours this process compiled into the zip ``file``, with the
+    folders an earlier ``file`` held that this process did not compile (a process that ran fewer shapes
+    keeps the others' kernels). Atomic: a reader sees the old file or the new one. Returns how many
+    kernels the file holds; with none of this process's (no Triton, nothing compiled, a cache of another
+    kind), writes nothing and returns 0."""
     kernels = _launched_kernels()  # first: without a kernel launched, Triton is not even imported
     if not kernels or _cache_root() is None:
         return 0
-    folders = sorted({_folder(kernel.hash) for kernel in kernels})
-    folders = [folder for folder in folders if folder.is_dir()]
+    folders = sorted({folder for folder in map(_folder, kernels) if folder is not None and folder.is_dir()})
     if not folders:
         return 0
     file = Path(file)
+    earlier = _earlier_members(file, {folder.name for folder in folders})
     partial = file.with_suffix(file.suffix + f".{os.getpid()}.tmp")
-    with zipfile.ZipFile(partial, "w", compression=zipfile.ZIP_DEFLATED) as archive:
-        for folder in folders:
-            for path in sorted(folder.iterdir()):
-                if path.is_file() and _FILE.match(path.name) and ".tmp." not in path.name and path.name != "lock":
+    try:
+        with zipfile.ZipFile(partial, "w", compression=zipfile.ZIP_DEFLATED) as archive:
+            for folder in folders:
+                for path in _kept_files(folder):
                     archive.write(path, f"{folder.name}/{path.name}")
-    partial.replace(file)
-    logger.info("saved %d Triton kernels of bcg_diffusion to %s", len(folders), file)
-    return len(folders)
+            for name, data in earlier:
+                archive.writestr(name, data)
+        partial.replace(file)
+    finally:
+        partial.unlink(missing_ok=True)
+    count = len(folders) + len({name.partition("/")[0] for name, _ in earlier})
+    logger.info("saved %d Triton kernels of bcg_diffusion to %s (%d compiled here)", count, file, len(folders))
+    return count
+
+
+def _earlier_members(file: Path, written: set[str]) -> list[tuple[str, bytes]]:
+    """The entries of an earlier ``file`` whose folders are not in ``written``; none where there is no such
+    file or it cannot be read (said at INFO: :func:`save` then replaces it)."""
+    if not file.is_file():
+        return []
+    try:
+        with zipfile.ZipFile(file) as archive:
+            members = _members(archive)
+            return [
+                (f"{folder}/{name}", archive.read(f"{folder}/{name}"))
+                for folder, names in members.items()
+                if folder not in written
+                for name in names
+            ]
+    except (OSError, ValueError, zipfile.BadZipFile) as exc:
+        logger.info("replacing the unreadable Triton kernels file %s (%s: %s)", file, type(exc).__name__, exc)
+        return []
 
 
 def load(file: str | os.PathLike[str]) -> int:
@@ -139,10 +180,10 @@ def load(file: str | os.PathLike[str]) -> int:
             members = _members(archive)
             added = 0
             for folder, names in members.items():
-                if (root / folder).is_dir() and any(n.startswith(_GROUP_PREFIX) for n in os.listdir(root / folder)):
-                    continue  # this cache has the kernel already
-                _unpack(archive, folder, names, root)
-                added += 1
+                # A folder there already is this cache's own: complete, or being written by a process that
+                # compiles the kernel now. Never replaced (Triton compiles what it lacks).
+                if not (root / folder).exists():
+                    added += _unpack(archive, folder, names, root)
     except (OSError, ValueError, zipfile.BadZipFile, json.JSONDecodeError) as exc:
         warnings.warn(f"bcg-diffusion: ignoring Triton kernels file {file}: {type(exc).__name__}: {exc}", stacklevel=2)
         return 0
@@ -162,9 +203,10 @@ def _members(archive: zipfile.ZipFile) -> dict[str, list[str]]:
     return members
 
 
-def _unpack(archive: zipfile.ZipFile, folder: str, names: list[str], root: Path) -> None:
+def _unpack(archive: zipfile.ZipFile, folder: str, names: list[str], root: Path) -> int:
     """Unpack one kernel's folder into ``root``, its group files pointing at the new place (Triton's group
-    files list their members by absolute path), then move it in place whole."""
+    files list their members by absolute path), then move it in place whole. Returns 1, or 0 where another
+    process put the folder there first (said at INFO; theirs is kept)."""
     root.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{folder}.", dir=root))
     target = root / folder
@@ -178,8 +220,13 @@ def _unpack(archive: zipfile.ZipFile, folder: str, names: list[str], root: Path)
                 }
                 data = json.dumps(group).encode()
             (staging / name).write_bytes(data)
-        if target.is_dir():  # an empty or partial folder (a compile cut short): replaced
-            shutil.rmtree(target)
-        staging.replace(target)
+        try:
+            staging.rename(target)  # refused where the folder appeared meanwhile
+        except OSError as exc:
+            if not target.exists():
+                raise
+            logger.info("Triton kernel folder %s appeared while unpacking (%s); kept as it is", target, exc)
+            return 0
+        return 1
     finally:
         shutil.rmtree(staging, ignore_errors=True)
