@@ -20,7 +20,11 @@ from bcg_diffusion.kernels import cudnn_fp8_attention, qk_prologue  # noqa: E402
 # float32: the mean of squares sums in another order (a few ulps); half precision: at most one step of
 # the dtype where a float32 difference crosses a rounding boundary.
 TOLERANCE = {torch.float32: (2e-5, 2e-5), torch.float16: (2e-3, 2e-3)}
-CONFIGS = ((32, 4), (8, 1))  # the library's, and one whose tiles split tokens (3 heads) unevenly
+CONFIGS = (
+    qk_prologue._CONFIG,
+    (32, 4),
+    (8, 1),
+)  # the library's; its previous one; one whose tiles split tokens unevenly
 
 
 def strided(batch: int, tokens: int, heads: int, head_dim: int, dtype: torch.dtype, layout: str) -> list[torch.Tensor]:

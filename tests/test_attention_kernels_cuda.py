@@ -305,10 +305,19 @@ def test_qwen_processor_with_cudnn_fp8_attention_from_the_fp8_prologue_compiles_
                 captured = compiled_fn(*args)
             graph.replay()
             torch.cuda.synchronize()
+            replayed = [t.clone() for t in captured]
+            # Smaller values than at capture: the value's largest magnitude must be reduced afresh at each
+            # replay (its buffer zeroed inside the graph), not kept from the capture's larger one.
+            hidden.mul_(0.25)
+            text.mul_(0.25)
+            graph.replay()
+            smaller = compiled_fn(*args)
+            torch.cuda.synchronize()
     finally:
         qk_prologue.joint_qkv_fp8 = original
         torch._dynamo.reset()
-    assert all(torch.equal(c, e) for c, e in zip(captured, compiled, strict=True))
+    assert all(torch.equal(c, e) for c, e in zip(replayed, compiled, strict=True))
+    assert all(torch.equal(c, e) for c, e in zip(captured, smaller, strict=True))
     errors = [
         max(((a.float() - b.float()).norm() / b.float().norm()).item() for a, b in zip(outputs, reference))
         for outputs in (eager_fp8, compiled)

@@ -284,9 +284,10 @@ def test_qwen_processor_quantizes_for_cudnn_fp8_attention_in_the_prologue(length
     assert all(torch.equal(a, b) for a, b in zip(switched_off, outputs["fused"]))
     with pytest.raises(TypeError, match="True or False"):
         choose_prologue(holder, "no")
-    setattr(attn, attention.FP8_PROLOGUE_ATTRIBUTE, "no")
-    with pytest.raises(ValueError, match="_bcg_fp8_prologue is 'no'; expected one of"):
-        qwen_joint_attention_per_group(attn.processor, attn, hidden, text, rope, lengths)
+    for wrong in ("no", 1):  # 1 == True, yet not a bool
+        setattr(attn, attention.FP8_PROLOGUE_ATTRIBUTE, wrong)
+        with pytest.raises(ValueError, match=f"_bcg_fp8_prologue is {wrong!r}; expected True or False"):
+            qwen_joint_attention_per_group(attn.processor, attn, hidden, text, rope, lengths)
     choose_prologue(holder, True)
     # Without norms there is no bound: the bf16 prologue runs, and attend quantizes by the largest values.
     attn.norm_q = attn.norm_k = attn.norm_added_q = attn.norm_added_k = None

@@ -278,7 +278,9 @@ def _fp8_prologue(attn: torch.nn.Module, default: str, options: dict[str, Any]) 
     """Whether ``attn``'s fused prologue writes cuDNN's FP8 attention's query and key (its kernel is
     cuDNN's FP8 one, :data:`FP8_PROLOGUE_ATTRIBUTE` not False). Raises ValueError for a value of that
     attribute that is not a bool."""
-    choice = _choice(attn, FP8_PROLOGUE_ATTRIBUTE, True, (True, False))
+    choice = getattr(attn, FP8_PROLOGUE_ATTRIBUTE, True)
+    if not isinstance(choice, bool):  # not _choice: 1 and 0 are "in (True, False)"
+        raise ValueError(f"{type(attn).__name__}.{FP8_PROLOGUE_ATTRIBUTE} is {choice!r}; expected True or False")
     return choice and _kernel(attn, default, options) == "cudnn-fp8"
 
 
