@@ -34,6 +34,8 @@ MODES: tuple[str, ...] = (
     "fast-fp8-compiled-vae",
     "fast-fp8-patched-vae",
     "fast-fp8-inductor-glue",
+    "fast-joined-output",
+    "fast-fp8-joined-output",
     "eager-fp8+cache",
     "fast-fp8+cache",
     "fast-fp8-attn+cache",
@@ -70,12 +72,15 @@ FP8_MODES: tuple[str, ...] = (
     "fast-fp8-compiled-vae",
     "fast-fp8-patched-vae",
     "fast-fp8-inductor-glue",
+    "fast-fp8-joined-output",
     "eager-fp8+cache",
     "fast-fp8+cache",
     "fast-fp8-attn+cache",
 )
-# Ablations of what our defaults add: the text encoder's graphs, automatic breaks and fast mode's CFG batching.
+# Ablations of what our defaults add: the text encoder's graphs, automatic breaks, fast mode's CFG batching and
+# Qwen-Image's stacked output projection.
 ABLATIONS: tuple[str, ...] = ("bcg-no-te", "bcg-no-auto", "fast-no-te", "fast-no-auto", "fast-unbatched")
+ABLATIONS += ("fast-joined-output",)
 # What a run without --modes compares on a GPU: ours as a user gets them, and the peers.
 DEFAULT_MODES: tuple[str, ...] = tuple(
     m for m in MODES if m not in ABLATIONS and m not in CACHED and m not in FP8_MODES and m not in CACHEDIT
@@ -122,6 +127,10 @@ DESCRIPTIONS = {
     'its group norms patched (features.vae_decoder.choose(pipe.vae, "patched"))',
     "fast-fp8-inductor-glue": "fast-fp8 with the Z-Image or Qwen-Image block glue (norms, modulation, gated "
     "residuals, FP8 input scales) compiled by inductor, not in our three kernels (patches.block_glue.choose)",
+    "fast-joined-output": "fast with Qwen-Image's image output projection run once on its CFG groups' rows joined, "
+    'not per group into one output (patches.stacked_output.choose(pipe.transformer, "joined"))',
+    "fast-fp8-joined-output": "fast-fp8 with Qwen-Image's image output projection on its CFG groups' rows joined, "
+    "as fast-joined-output",
     "eager-fp8+cache": "eager-fp8 with the step cache (--cache)",
     "fast-fp8+cache": "fast-fp8 with the same step cache inside its graphs",
     "fast-fp8-attn+cache": "fast-fp8-attn with the same step cache inside its graphs",
@@ -144,17 +153,19 @@ EXACT.update({"eager-fp8+cache": True, "fast-fp8+cache": False, "fast-fp8-attn+c
 EXACT.update({"fast-fp8-attn-triton": False, "fast-fp8-unfused-qkv": False, "fast-fp8-uncompiled-te": False})
 EXACT.update({"fast-fp8-attn-bf16-prologue": False})
 EXACT.update({"fast-fp8-compiled-vae": False, "fast-fp8-patched-vae": False, "fast-fp8-inductor-glue": False})
+EXACT.update({"fast-joined-output": False, "fast-fp8-joined-output": False})
 EXACT.update({"eager+cachedit": True, "bcg+cachedit": True, "fast+cachedit": False})
 OURS = ("bcg", "bcg-no-te", "bcg-no-auto", "fast", "fast-no-te", "fast-no-auto", "fast-unbatched")
 OURS += ("bcg+cachedit", "fast+cachedit")
 OURS += ("bcg+cache", "fast+cache", "fast-unbatched+cache", "bcg-fp8", "fast-fp8", "fast-fp8-attn", "fast-fp8+cache")
 OURS += ("fast-fp8-torchao-ff", "fast-fp8-attn-triton", "fast-fp8-attn+cache", "fast-fp8-unfused-qkv")
 OURS += ("fast-fp8-uncompiled-te", "fast-fp8-compiled-vae", "fast-fp8-patched-vae", "fast-fp8-inductor-glue")
-OURS += ("fast-fp8-attn-bf16-prologue",)
+OURS += ("fast-fp8-attn-bf16-prologue", "fast-joined-output", "fast-fp8-joined-output")
 FAST = ("fast", "fast-no-te", "fast-no-auto", "fast-unbatched", "fast+cache", "fast-fp8", "fast-fp8-attn")
 FAST += ("fast-fp8-torchao-ff", "fast-fp8-attn-triton", "fast-fp8-attn+cache", "fast-fp8-unfused-qkv")
 FAST += ("fast-fp8-uncompiled-te", "fast-fp8-compiled-vae", "fast-fp8-patched-vae", "fast-fp8-inductor-glue")
 FAST += ("fast-fp8+cache", "fast+cachedit", "fast-unbatched+cache", "fast-fp8-attn-bf16-prologue")
+FAST += ("fast-joined-output", "fast-fp8-joined-output")
 
 
 def baseline(name: str) -> str:

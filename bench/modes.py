@@ -23,7 +23,7 @@ from bcg_diffusion import accelerate, eager, restore, stats
 from bcg_diffusion.features import compiled_text_encoder, fp8_attention, fused_qkv, vae_decoder
 from bcg_diffusion.features.quantization import FP8, quantize_transformer
 from bcg_diffusion.features.step_caching import enable_cache
-from bcg_diffusion.patches import block_glue, fp8_feed_forward
+from bcg_diffusion.patches import block_glue, fp8_feed_forward, stacked_output
 
 from .catalog import (  # noqa: F401 - the names, re-exported for the modules that import them from here
     ABLATIONS,
@@ -155,6 +155,7 @@ class ModeOptions:
     compiled_vae: bool = False  # -compiled-vae: the VAE decoder compiled whole (an opt-in)
     patched_vae: bool = False  # -patched-vae: the VAE decoder contiguous, only its group norms patched
     inductor_glue: bool = False  # -inductor-glue: the FP8 block glue compiled by inductor
+    joined_output: bool = False  # -joined-output: Qwen-Image's image output projection on its groups joined
 
 
 def parse(name: str) -> ModeOptions:
@@ -176,6 +177,7 @@ def parse(name: str) -> ModeOptions:
         ("-compiled-vae", "compiled_vae"),
         ("-patched-vae", "patched_vae"),
         ("-inductor-glue", "inductor_glue"),
+        ("-joined-output", "joined_output"),
         ("-fp8", "fp8"),
     ):
         options[option] = rest.endswith(suffix)
@@ -225,6 +227,8 @@ def prepare(
         vae_decoder.choose(pipe.vae, "patched")
     if options.inductor_glue:
         block_glue.choose(pipe.transformer, False)
+    if options.joined_output:
+        stacked_output.choose(pipe.transformer, "joined")
     quantize = FP8 if options.fp8 else None
     base_name = options.base
     if base_name == "eager" and quantize is not None:

@@ -42,11 +42,15 @@
 #                    inductor's glue, its graph replaying its compiled bytes), then one full-width Qwen-Image FP8 block
 #                    at 1024² CFG with inductor's glue and with ours, each kernel alone with its launch settings
 #   fp8-prologue     attention's prologue writing cuDNN's FP8 attention's query and key (qk_prologue.joint_qkv_fp8)
-#                    against its bf16 outputs quantized, the Qwen-Image processor with it compiled and replayed, then
-#                    the probes: the prologue's launch settings (section prologue), then its FP8 inputs alone and one
-#                    Qwen-Image FP8 block, quantized after the prologue and in it
-#   bench-fp8-prologue-qwen Qwen-Image 1024², 50 steps, true CFG 4: eager, fast-fp8-attn-bf16-prologue (the query and key
-#                    quantized after the prologue), fast-fp8-attn (in it), fast-fp8-attn+cache
+#                    against its bf16 outputs quantized, the Qwen-Image processor with it compiled and replayed, the
+#                    stacked output projection (tests/test_stacked_output_cuda.py), then the probes: the prologue's
+#                    launch settings (section prologue), its FP8 inputs alone and one Qwen-Image FP8 block, quantized
+#                    after the prologue and in it, and one Qwen-Image block with its output projection stacked and
+#                    joined (section stacked-output)
+#   bench-fp8-prologue-qwen Qwen-Image 1024², 50 steps, true CFG 4: eager, fast-fp8, fast-fp8-joined-output (the output
+#                    projection on joined rows), fast-fp8-attn (the query and key quantized in the prologue),
+#                    fast-fp8-attn+cache (FP8_PROLOGUE_QWEN_MODES picks the modes)
+#   bench-stacked-qwen Qwen-Image 1024², 50 steps, true CFG 4: eager, fast, fast-joined-output
 #   bench-fp8-prologue-z Z-Image-Turbo 512² and 1024², 8 steps: eager, fast-fp8, fast-fp8-attn-bf16-prologue, fast-fp8-attn
 #   bench-block-glue-qwen Qwen-Image 1024², 50 steps, true CFG 4: eager, fast-fp8, fast-fp8-inductor-glue,
 #                    fast-fp8-attn, fast-fp8-attn+cache (QWEN_GLUE_MODES picks the modes)
@@ -123,7 +127,7 @@
 #                    for `python scripts/screenshot_replay.py DIR OUT.png` here (the GPU machine has no browser)
 # Everything it writes is under $OUT (logs, results.json/.md/.png); copy it to bench/results/<date>-h200/.
 set -uo pipefail
-[ $# -gt 0 ] || { echo "usage: scripts/gpu_session.sh fp8-prologue|bench-fp8-prologue-qwen|bench-fp8-prologue-z|qwen-block-glue|bench-block-glue-qwen|probe-attention|probe-cudnn-fp8|tests-vae-fused|bench-fused-qkv-z|tests-fused-qkv|tests-cudnn-fp8|bench-cudnn-fp8-z|bench-cudnn-fp8-qwen|tests-kernels|probe-fp8-ff|bench-fp8-ff-qwen|bench-kernels-qwen|bench-kernels-z|bench-cachedit-qwen|tests-state|bench-state|tests|tests-full|tests-fast|tests-coexist|tests-shared|tests-cache|bench-cache-qwen-1024|bench-cache-qwen-512|bench-cache-z|bench-cfg-cache-qwen|bench-cfg-cache-qwen-1024|bench-cfg-cache-qwen-512|tests-quant|tests-auto|probe-hand-patches|bench-auto|coverage|bench-fp8-z|bench-fp8-qwen|warm-start-fp8-z|probe-fp8-groups|probe-fp8-block|hotswap-z|tests-z|te-z|fast-check|profile-qwen|profile-z|fast-qwen-50|ab-attention|probe-floor|probe-outside|probe-norms|probe-blocks|compile-max-qwen|memory-z|bench-z|warm-start-z|first-call-qwen-none|first-call-qwen-magcache|first-call-qwen-cachedit|first-call-qwen-fp8|bench-qwen|bench-qwen-512|bench-qwen-1024|issue2|parallel|parallel-cfg|serving|demo ..." >&2; exit 2; }
+[ $# -gt 0 ] || { echo "usage: scripts/gpu_session.sh fp8-prologue|bench-fp8-prologue-qwen|bench-stacked-qwen|bench-fp8-prologue-z|qwen-block-glue|bench-block-glue-qwen|probe-attention|probe-cudnn-fp8|tests-vae-fused|bench-fused-qkv-z|tests-fused-qkv|tests-cudnn-fp8|bench-cudnn-fp8-z|bench-cudnn-fp8-qwen|tests-kernels|probe-fp8-ff|bench-fp8-ff-qwen|bench-kernels-qwen|bench-kernels-z|bench-cachedit-qwen|tests-state|bench-state|tests|tests-full|tests-fast|tests-coexist|tests-shared|tests-cache|bench-cache-qwen-1024|bench-cache-qwen-512|bench-cache-z|bench-cfg-cache-qwen|bench-cfg-cache-qwen-1024|bench-cfg-cache-qwen-512|tests-quant|tests-auto|probe-hand-patches|bench-auto|coverage|bench-fp8-z|bench-fp8-qwen|warm-start-fp8-z|probe-fp8-groups|probe-fp8-block|hotswap-z|tests-z|te-z|fast-check|profile-qwen|profile-z|fast-qwen-50|ab-attention|probe-floor|probe-outside|probe-norms|probe-blocks|compile-max-qwen|memory-z|bench-z|warm-start-z|first-call-qwen-none|first-call-qwen-magcache|first-call-qwen-cachedit|first-call-qwen-fp8|bench-qwen|bench-qwen-512|bench-qwen-1024|issue2|parallel|parallel-cfg|serving|demo ..." >&2; exit 2; }
 out=${OUT:-/tmp/bcg-out}
 mkdir -p "$out"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -218,17 +222,23 @@ case "$phase" in
       | grep -v "^ *[0-9.]* ms  x" | tail -70
     ;;
   fp8-prologue)
-    timeout 300 python3 -m pytest -m cuda -q -rs -s -p no:cacheprovider --tb=short -k "prologue or cudnn_fp8_attention_matches or (fast_mode_fp8_attention and cudnn)" \
-      tests/test_attention_kernels_cuda.py 2>&1 | grep -v "warnings.warn" | tee "$out/pytest-fp8-prologue.log" | tail -16
-    timeout 300 python3 -m bench.probes.probe_attention_kernels --sections prologue,fp8-prologue 2>&1 \
+    timeout 300 python3 -m pytest -m cuda -q -rs -s -p no:cacheprovider --tb=short -k "prologue or cudnn_fp8_attention_matches or (fast_mode_fp8_attention and cudnn) or stacked" \
+      tests/test_attention_kernels_cuda.py tests/test_stacked_output_cuda.py 2>&1 | grep -v "warnings.warn" \
+      | tee "$out/pytest-fp8-prologue.log" | tail -16
+    timeout 400 python3 -m bench.probes.probe_attention_kernels --sections prologue,fp8-prologue,stacked-output 2>&1 \
       | grep -v "Warning\|warnings.warn\|_warn_once\|^W[0-9]" | tee "$out/probe-fp8-prologue.log" \
       | grep -v "^ *[0-9.]* ms  x" | tail -60
     ;;
   bench-fp8-prologue-qwen)
     timeout 590 python3 -m bench --pipeline qwen-image --weights random-full --resolutions 1024x1024 --steps 50 \
-      --guidance 4 --modes eager,fast-fp8-attn-bf16-prologue,fast-fp8-attn,fast-fp8-attn+cache --runs 3 --warmup 0 \
-      --no-progress --out "$out/fp8-prologue-qwen-1024" 2>&1 | grep -v "Warning\|warnings.warn" \
+      --guidance 4 --modes ${FP8_PROLOGUE_QWEN_MODES:-eager,fast-fp8,fast-fp8-joined-output,fast-fp8-attn,fast-fp8-attn+cache} \
+      --runs 3 --warmup 0 --no-progress --out "$out/fp8-prologue-qwen-1024" 2>&1 | grep -v "Warning\|warnings.warn" \
       | tee "$out/fp8-prologue-qwen-1024.log" | tail -14
+    ;;
+  bench-stacked-qwen)
+    timeout 590 python3 -m bench --pipeline qwen-image --weights random-full --resolutions 1024x1024 --steps 50 \
+      --guidance 4 --modes eager,fast,fast-joined-output --runs 3 --warmup 0 --no-progress \
+      --out "$out/stacked-qwen-1024" 2>&1 | grep -v "Warning\|warnings.warn" | tee "$out/stacked-qwen-1024.log" | tail -14
     ;;
   bench-fp8-prologue-z)
     timeout 400 python3 -m bench --pipeline z-image --weights random-full --resolutions 512x512,1024x1024 --steps 8 \

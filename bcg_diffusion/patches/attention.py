@@ -28,6 +28,10 @@ whose output each group of a CFG batch attends over as slices, with no concatena
 attention, that launch writes the query and key in float8 itself and reduces the value's largest
 magnitude (:data:`FP8_PROLOGUE_ATTRIBUTE` turns it off).
 
+The image stream's output projection then runs on each group's rows where they lie, each product
+written into its rows of one output (:mod:`bcg_diffusion.patches.stacked_output`), instead of on the
+groups' rows joined by a copy.
+
 All of this changes rounding only (another kernel, no padded keys to skip), which is why it is fast
 mode's, scoped to the accelerated model (:mod:`bcg_diffusion.patches.scoped`). cuDNN is used on
 compute capability 9.0 and newer only (where it was measured), with cuDNN attention enabled in
@@ -50,6 +54,7 @@ from diffusers.models.attention_dispatch import dispatch_attention_fn as _diffus
 
 from ..kernels import attention as kernels
 from ..kernels import cudnn_fp8_attention, qk_prologue, triton_available
+from . import stacked_output
 from .fp8_feed_forward import Fp8Rows, linear_on_fp8
 from .rope import rotate_pairs
 from .scoped import ProcessorPatch
@@ -427,10 +432,8 @@ def qwen_joint_attention_per_group(
             out = attend(attn, query, key, value, _diffusers_dispatch, **options)
         out = out.flatten(2, 3).to(value.dtype)
         text_outputs.append(F.pad(out[:, :length], (0, 0, 0, text_tokens - length)))
-        image_outputs.append(out[:, length:])
-    image_output = attn.to_out[0](torch.cat(image_outputs))
-    if len(attn.to_out) > 1:
-        image_output = attn.to_out[1](image_output)  # dropout
+        image_outputs.extend(out[:, length:].unbind(0))  # each batch row's image rows, [S_image, C]
+    image_output = stacked_output.project_image(attn, image_outputs)
     text_output = attn.to_add_out(torch.cat(text_outputs))
     return image_output, text_output
 

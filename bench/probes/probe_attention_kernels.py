@@ -38,8 +38,11 @@
 * ``fp8-prologue``: cuDNN's FP8 attention's inputs for Qwen-Image 1024² in the CFG batch, the query and key
   quantized after attention's prologue (inductor) against in it (``qk_prologue.joint_qkv_fp8``), alone and
   in one Qwen-Image FP8 block.
+* ``stacked-output``: one Qwen-Image block in the CFG batch, bf16 and FP8, its image output projection run
+  per group into one output (``patches.stacked_output``) against the groups' rows joined first, at 1024² and
+  512².
 
-    python -m bench.probes.probe_attention_kernels [--sections kernels,qwen-block,z-block,prologue,prologue-blocks,reductions,fp8-ff,block-glue,qwen-block-glue,fp8-prologue]
+    python -m bench.probes.probe_attention_kernels [--sections kernels,qwen-block,z-block,prologue,prologue-blocks,reductions,fp8-ff,block-glue,qwen-block-glue,fp8-prologue,stacked-output]
 """
 
 from __future__ import annotations
@@ -651,6 +654,37 @@ def fp8_prologue() -> None:
         torch.cuda.empty_cache()
 
 
+def _stacked_output(choice: str, fp8: bool) -> Callable[[torch.nn.Module], None]:
+    """A ``prepare`` for :func:`time_block`: a Qwen-Image block whose attention projects the image stream's
+    output per CFG group into one output (``"stacked"``) or on the groups' rows joined first (``"joined"``);
+    with ``fp8`` as fast mode prepares it under FP8 (our feed-forward and block-glue kernels)."""
+    from bcg_diffusion.patches import stacked_output
+
+    glue = _qwen_fp8_block_glue(True)
+
+    def prepare(holder: torch.nn.Module) -> None:
+        if fp8:
+            glue(holder)
+        assert stacked_output.choose(holder, choice) == 1
+
+    return prepare
+
+
+def stacked_output() -> None:
+    """One Qwen-Image block in fast mode's CFG batch, bf16 and FP8, its image output projection run per group
+    into one output (``patches.stacked_output``) against the groups' rows joined before one product; at
+    1024² and 512² (where "auto" joins them)."""
+    base, inputs, patches_ = _qwen_block_case()
+    inputs["512² CFG"] = (*qwen_block_inputs(1024, 64, batch=2), {attention.TEXT_LENGTHS_KWARG: (64, 40)})
+    for fp8 in (False, True):
+        for choice in ("joined", "stacked"):
+            label = f"qwen {'fp8' if fp8 else 'bf16'}, output {choice}"
+            time_block(
+                base, inputs, patches_, [(label, "dispatch", not fp8, "fused")], prepare=_stacked_output(choice, fp8)
+            )
+            torch.cuda.empty_cache()
+
+
 SECTIONS = {
     "kernels": ("attention kernels", attention_kernels),
     "qwen-block": ("Qwen-Image block at 1024² CFG, per attention kernel", qwen_block),
@@ -662,6 +696,7 @@ SECTIONS = {
     "block-glue": ("Z-Image FP8 block: its glue compiled against our three kernels", block_glue),
     "qwen-block-glue": ("Qwen-Image FP8 block: its glue compiled against our three kernels", qwen_block_glue),
     "fp8-prologue": ("cuDNN's FP8 attention: query and key quantized after the prologue against in it", fp8_prologue),
+    "stacked-output": ("Qwen-Image block: the image output projection per group against joined rows", stacked_output),
 }
 
 if __name__ == "__main__":
