@@ -120,6 +120,17 @@ def test_auto_stacks_only_parts_of_min_rows(monkeypatch):
         assert calls == [2]
 
 
+def test_one_part_reaches_the_projection_as_a_view():
+    # One prompt (no CFG): its image rows go to the module as they lie, as before per-group outputs were
+    # joined; a copy there would cost what the stacked product saves.
+    attn, whole = _Attention(), torch.randn(1, 9, 8)
+    seen = []
+    attn.to_out[0].register_forward_pre_hook(lambda module, args: seen.append(args[0].data_ptr()))
+    with torch.no_grad():
+        out = project_image(attn, [whole[0, 4:]])
+    assert out.shape == (1, 5, 6) and seen == [whole[0, 4:].data_ptr()]
+
+
 def test_a_hooked_replaced_or_quantized_projection_gets_the_module_call(monkeypatch):
     calls = _spy_operator(monkeypatch)
     attn, parts = _Attention(), _parts((5, 5))

@@ -4,9 +4,9 @@ PyTorch's portable compile artifacts (``torch.compiler.save_cache_artifacts``) h
 compiled, not the kernels a library launches through Triton's own JIT, as ours are: a process that starts
 from the portable file alone builds ours again (Z-Image's portable start took 19.2 s in H200 run 141,
 12.7 s in run 134, before the block glue's kernels). Triton keeps each kernel it compiled in a folder of
-its cache (``TRITON_CACHE_DIR``, by default ``~/.triton/cache``) named after a hash of the source, the argument types, the launch options, the GPU
-target and Triton's version; a process that computes the same hash loads that folder instead of
-compiling. So :func:`save` writes the folders of the kernels of ours this process compiled into one zip
+its cache (``TRITON_CACHE_DIR``, by default ``~/.triton/cache``) named after a hash of the source, the
+argument types, the launch options, the GPU target and Triton's version; a process that computes the
+same hash loads that folder instead of compiling. So :func:`save` writes the folders of the kernels of ours this process compiled into one zip
 file (with the kernels an earlier file held, so a process that ran fewer shapes drops none), and
 :func:`load` unpacks such a file into this process's Triton cache, never over a folder the cache has
 (another process may be writing it). Another machine with the same GPU architecture and Triton version

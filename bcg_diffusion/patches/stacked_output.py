@@ -83,6 +83,8 @@ def project_image(attn: torch.nn.Module, parts: list[torch.Tensor]) -> torch.Ten
     if _stacks(attn, projection, parts):
         output = stacked_linear.stacked_linear(parts, projection.weight, projection.bias)
         output = output.unflatten(0, (len(parts), -1))
+    elif len(parts) == 1:
+        output = projection(parts[0].unsqueeze(0))  # a view: one batch row's rows need no join
     else:
         output = projection(torch.stack(parts))
     if len(attn.to_out) > 1:
