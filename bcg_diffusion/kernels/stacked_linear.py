@@ -4,8 +4,8 @@
 concatenation: one output ``[sum of rows, N]`` is allocated and each part's product (cuBLAS, through
 ``torch.addmm``) writes its own rows of it. Fast mode's Qwen-Image attention uses it for the image
 stream's output projection: each CFG group's attention output is a tensor of its own (SDPA allocates
-it), and joining the groups' image rows before the product was a copy of the whole stream, 31–36 µs of
-a 2.8 ms FP8 block at 1024² (runs 94 and 145).
+it), and joining the groups' image rows before the product was a copy of the whole stream, 30–42 µs of
+a Qwen-Image block at 1024² (2.8 ms in FP8, 4.4 ms in bf16; runs 93, 94 and 145).
 
 Each part is its own product, so a row's bytes are those of ``F.linear`` on its part, which cuBLAS may
 compute with another kernel than the product over all rows (fast mode allows it; its contract is with its
