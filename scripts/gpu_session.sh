@@ -45,8 +45,8 @@
 #                    against its bf16 outputs quantized, the Qwen-Image processor with it compiled and replayed, the
 #                    stacked output projection (tests/test_stacked_output_cuda.py), then the probes: the prologue's
 #                    launch settings (section prologue), its FP8 inputs alone and one Qwen-Image FP8 block, quantized
-#                    after the prologue and in it, and one Qwen-Image block with its output projection stacked and
-#                    joined (section stacked-output)
+#                    after the prologue and in it, one Qwen-Image block with its output projection stacked and
+#                    joined (section stacked-output), one bf16 Z-Image block with w1 and w3 stacked (w13-bf16)
 #   bench-fp8-prologue-qwen Qwen-Image 1024², 50 steps, true CFG 4: eager, fast-fp8, fast-fp8-joined-output (the output
 #                    projection on joined rows), fast-fp8-attn (the query and key quantized in the prologue),
 #                    fast-fp8-attn+cache (FP8_PROLOGUE_QWEN_MODES picks the modes)
@@ -225,7 +225,7 @@ case "$phase" in
     timeout 300 python3 -m pytest -m cuda -q -rs -s -p no:cacheprovider --tb=short -k "prologue or cudnn_fp8_attention_matches or (fast_mode_fp8_attention and cudnn) or stacked" \
       tests/test_attention_kernels_cuda.py tests/test_stacked_output_cuda.py 2>&1 | grep -v "warnings.warn" \
       | tee "$out/pytest-fp8-prologue.log" | tail -16
-    timeout 400 python3 -m bench.probes.probe_attention_kernels --sections prologue,fp8-prologue,stacked-output 2>&1 \
+    timeout 480 python3 -m bench.probes.probe_attention_kernels --sections prologue,fp8-prologue,stacked-output,w13-bf16 2>&1 \
       | grep -v "Warning\|warnings.warn\|_warn_once\|^W[0-9]" | tee "$out/probe-fp8-prologue.log" \
       | grep -v "^ *[0-9.]* ms  x" | tail -60
     ;;

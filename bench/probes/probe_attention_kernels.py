@@ -41,8 +41,10 @@
 * ``stacked-output``: one Qwen-Image block in the CFG batch, bf16 and FP8, its image output projection run
   per group into one output (``patches.stacked_output``) against the groups' rows joined first, at 1024² and
   512².
+* ``w13-bf16``: one Z-Image block in bf16 fast mode, its feed-forward's ``w1`` and ``w3`` as two products
+  against one over their stacked weights (a copy made by the probe), at 1024² and 512².
 
-    python -m bench.probes.probe_attention_kernels [--sections kernels,qwen-block,z-block,prologue,prologue-blocks,reductions,fp8-ff,block-glue,qwen-block-glue,fp8-prologue,stacked-output]
+    python -m bench.probes.probe_attention_kernels [--sections kernels,qwen-block,z-block,prologue,prologue-blocks,reductions,fp8-ff,block-glue,qwen-block-glue,fp8-prologue,stacked-output,w13-bf16]
 """
 
 from __future__ import annotations
@@ -685,6 +687,31 @@ def stacked_output() -> None:
             torch.cuda.empty_cache()
 
 
+def _stacked_w13(holder: torch.nn.Module) -> None:
+    """A ``prepare`` for :func:`time_block`: every Z-Image feed-forward of the copy computes ``w1`` and ``w3``
+    as one bf16 product over their stacked weights, the SwiGLU reading its two column halves (a probe
+    only: the stacked weight is a copy, the library does not do this)."""
+    for module in holder.modules():
+        if type(module).__name__ == "FeedForward" and hasattr(module, "w3"):
+            stacked = torch.cat([module.w1.weight, module.w3.weight]).detach()
+
+            def forward(x: torch.Tensor, module: torch.nn.Module = module, stacked: torch.Tensor = stacked) -> Any:
+                gate, up = F.linear(x, stacked).split(module.w1.out_features, dim=-1)
+                return module.w2(F.silu(gate) * up)
+
+            module.forward = forward
+
+
+def w13_bf16() -> None:
+    """One Z-Image block in bf16 fast mode (cuDNN on the tensors as they are, the fused prologue), its
+    feed-forward's ``w1`` and ``w3`` as two products against one over their stacked weights, at 1024² and
+    512²: whether the products-alone gain (1.076x and 1.092x, run 114) holds inside a block."""
+    base, inputs, patches_ = _z_block_case()
+    for label, prepare in (("z bf16, w1 and w3 apart", None), ("z bf16, w1 and w3 stacked", _stacked_w13)):
+        time_block(base, inputs, patches_, [(label, "cudnn", False, "fused")], prepare=prepare)
+        torch.cuda.empty_cache()
+
+
 SECTIONS = {
     "kernels": ("attention kernels", attention_kernels),
     "qwen-block": ("Qwen-Image block at 1024² CFG, per attention kernel", qwen_block),
@@ -697,6 +724,7 @@ SECTIONS = {
     "qwen-block-glue": ("Qwen-Image FP8 block: its glue compiled against our three kernels", qwen_block_glue),
     "fp8-prologue": ("cuDNN's FP8 attention: query and key quantized after the prologue against in it", fp8_prologue),
     "stacked-output": ("Qwen-Image block: the image output projection per group against joined rows", stacked_output),
+    "w13-bf16": ("Z-Image bf16 block: w1 and w3 apart against one product over stacked weights", w13_bf16),
 }
 
 if __name__ == "__main__":
