@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import warnings
 import zipfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -189,3 +190,69 @@ def test_compile_cache_dir_points_tritons_cache_where_it_unpacks_our_kernels(tmp
     monkeypatch.setenv("TRITON_CACHE_DIR", str(mine))  # one the user set is kept, and the kernels go there
     use_compile_cache_dir(str(directory))
     assert triton.knobs.cache.dir == str(mine) and (mine / folder).is_dir()
+
+
+def _sentinel_launcher_source(kernel, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The C source Triton's NVIDIA driver writes for ``kernel``'s launcher, caught before it compiles it
+    (which needs the machine's libcuda)."""
+    from triton.backends.nvidia import driver
+
+    class Caught(Exception):
+        pass
+
+    sources = []
+
+    def compile_module_from_src(src, name, **kwargs):
+        sources.append((name, src))
+        raise Caught
+
+    monkeypatch.setattr(driver, "compile_module_from_src", compile_module_from_src)
+    monkeypatch.setattr(driver, "library_dirs", lambda: [])
+    with pytest.raises(Caught):
+        driver.CudaLauncher(kernel.src, kernel.metadata)
+    [(name, source)] = sources
+    assert name == "__triton_launcher"
+    return source
+
+
+def test_the_launcher_source_is_the_one_tritons_driver_writes(tmp_path, monkeypatch):
+    from triton.backends.nvidia import driver
+
+    launch = _compiled_kernel(str(tmp_path / "cache"), monkeypatch)
+    kernel = compile_kernel_sm90(*launch)
+    assert triton_cache._launcher_source(driver, kernel) == _sentinel_launcher_source(kernel, monkeypatch)
+
+
+def test_save_keeps_the_c_modules_triton_built_to_launch_our_kernels(tmp_path, monkeypatch):
+    # A portable start found our kernels in the file but still compiled each launcher, and the driver's
+    # utilities, with the machine's C compiler.
+    import hashlib
+    import sysconfig
+
+    from triton.backends.nvidia import driver
+    from triton.runtime.build import platform_key
+
+    cache = tmp_path / "cache"
+    launch = _compiled_kernel(str(cache), monkeypatch)
+    kernel = compile_kernel_sm90(*launch)
+    _as_launched(monkeypatch, launch, kernel)
+    suffix = sysconfig.get_config_var("EXT_SUFFIX")
+    modules = {
+        "__triton_launcher": triton_cache._launcher_source(driver, kernel),
+        "cuda_utils": (Path(driver.__file__).parent / "driver.c").read_text(),
+    }
+    folders = {}
+    for name, source in modules.items():  # as Triton's compile_module_from_src caches what it built
+        key = hashlib.sha256((source + platform_key()).encode("utf-8")).hexdigest()
+        (cache / key).mkdir(parents=True)
+        (cache / key / f"{name}{suffix}").write_bytes(b"a shared object")
+        folders[name] = key
+    (cache / ("0" * 64)).mkdir()  # another module's: not ours to keep
+    file = tmp_path / "kernels.zip"
+    assert triton_cache.save(file) == 3
+    assert set(folders.values()) < _folders(file) and "0" * 64 not in _folders(file)
+    other = tmp_path / "other"
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(other))
+    assert triton_cache.load(file) == 3
+    for name, key in folders.items():
+        assert (other / key / f"{name}{suffix}").read_bytes() == b"a shared object"

@@ -11,9 +11,15 @@ file (with the kernels an earlier file held, so a process that ran fewer shapes 
 :func:`load` unpacks such a file into this process's Triton cache, never over a folder the cache has
 (another process may be writing it). Another machine with the same GPU architecture and Triton version
 then finds them; any other computes other hashes and compiles as before. Nothing here changes what a
-kernel computes. Not kept: the small C launcher Triton builds per launch signature with the machine's C
-compiler (``__triton_launcher.so``, in a folder of its own): a portable start still builds those, one C
-compile per signature (not measured apart).
+kernel computes.
+
+A kernel also needs C modules that Triton builds with the machine's C compiler on its first launch: a
+launcher per launch signature (``__triton_launcher``) and the driver's utilities (``cuda_utils``), each
+cached in a folder named after the SHA-256 of its C source and the platform. :func:`save` keeps those of
+our kernels too, found by the keys Triton computes for them; a machine of the same platform and Python
+loads them instead of compiling (anywhere else Triton builds them, as without the file: it checks the
+file name, which holds the Python version, and rebuilds a module it cannot load). The file holds compiled
+code: load only files you made.
 
 >>> save("cache/bcg-triton-kernels.zip")  # doctest: +SKIP
 9
@@ -27,6 +33,7 @@ Both do nothing (0) without Triton, or where Triton's cache is not its file cach
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import logging
 import os
@@ -43,8 +50,9 @@ __all__ = ["compiled_count", "load", "save"]
 
 logger = logging.getLogger(__name__)
 
-# Triton names a kernel's folder by the base32 form of its hash; the files in it by the kernel's name.
-_FOLDER = re.compile(r"^[A-Z2-7]+$")
+# Triton names a kernel's folder by the base32 form of its hash, a C module's by the hex SHA-256 of its
+# source and platform; the files in them by the kernel's or the module's name.
+_FOLDER = re.compile(r"^(?:[A-Z2-7]+|[0-9a-f]{64})$")
 _FILE = re.compile(r"^[\w.-]+$")
 _GROUP_PREFIX = "__grp__"
 
@@ -105,6 +113,39 @@ def _folder(kernel: object) -> Path | None:
     return Path(next(iter(paths.values()))).parent if paths else None
 
 
+def _launcher_source(driver: types.ModuleType, kernel: object) -> str:
+    """The C source of ``kernel``'s launcher, as Triton's NVIDIA driver writes it when the kernel is first
+    launched (``CudaLauncher``): its constants keyed by argument position, its signature, its tensor
+    descriptors."""
+    source = kernel.src
+    constants = getattr(source, "constants", {})
+    constants = {
+        ((source.fn.arg_names.index(name),) if isinstance(name, str) else name): value
+        for name, value in constants.items()
+    }
+    return driver.make_launcher(constants, dict(source.signature), getattr(kernel.metadata, "tensordesc_meta", None))
+
+
+def _module_folders(kernels: list[object], roots: set[Path | None]) -> set[Path]:
+    """The cache folders, in any of ``roots``, of the C modules Triton builds to launch ``kernels`` on
+    NVIDIA GPUs: each kernel's launcher and the driver's ``cuda_utils``, named as Triton names them (the
+    SHA-256 of the source and the platform). None where a module was not built, or where this Triton
+    writes them otherwise (said at INFO: the kernels are kept, their launchers are built again)."""
+    try:
+        from triton.backends.nvidia import driver
+        from triton.runtime.build import platform_key
+    except ImportError:
+        return set()
+    sources = set()
+    try:
+        sources.add((Path(driver.__file__).parent / "driver.c").read_text())
+        sources |= {_launcher_source(driver, kernel) for kernel in kernels}
+    except (OSError, AttributeError, KeyError, TypeError, ValueError) as exc:
+        logger.info("Triton's launchers are not kept with the kernels (%s: %s)", type(exc).__name__, exc)
+    keys = {hashlib.sha256((source + platform_key()).encode("utf-8")).hexdigest() for source in sources}
+    return {root / key for root in roots if root is not None for key in keys if (root / key).is_dir()}
+
+
 def _kept_files(folder: Path) -> list[Path]:
     """The files of a kernel's cache folder worth keeping: not Triton's temporary files or lock."""
     return [
@@ -117,15 +158,17 @@ def _kept_files(folder: Path) -> list[Path]:
 def save(file: str | os.PathLike[str]) -> int:
     """Write the cache folders of the kernels of ours this process compiled into the zip ``file``, with the
     folders an earlier ``file`` held that this process did not compile (a process that ran fewer shapes
-    keeps the others' kernels). Atomic: a reader sees the old file or the new one. Returns how many
-    kernels the file holds; with none of this process's (no Triton, nothing compiled, a cache of another
-    kind), writes nothing and returns 0."""
+    keeps the others' kernels), and the folders of the C modules Triton built to launch them. Atomic: a
+    reader sees the old file or the new one. Returns how many folders (kernels and modules) the file
+    holds; with no kernel of this process's (no Triton, nothing compiled, a cache of another kind), writes
+    nothing and returns 0."""
     kernels = _launched_kernels()  # first: without a kernel launched, Triton is not even imported
     if not kernels or _cache_root() is None:
         return 0
-    folders = sorted({folder for folder in map(_folder, kernels) if folder is not None and folder.is_dir()})
+    folders = {folder for folder in map(_folder, kernels) if folder is not None and folder.is_dir()}
     if not folders:
         return 0
+    folders = sorted(folders | _module_folders(kernels, {_cache_root(), *(folder.parent for folder in folders)}))
     file = Path(file)
     earlier = _earlier_members(file, {folder.name for folder in folders})
     partial = file.with_suffix(file.suffix + f".{os.getpid()}.tmp")
@@ -140,7 +183,7 @@ def save(file: str | os.PathLike[str]) -> int:
     finally:
         partial.unlink(missing_ok=True)
     count = len(folders) + len({name.partition("/")[0] for name, _ in earlier})
-    logger.info("saved %d Triton kernels of bcg_diffusion to %s (%d compiled here)", count, file, len(folders))
+    logger.info("saved %d Triton cache folders of bcg_diffusion to %s (%d from this process)", count, file, len(folders))
     return count
 
 
