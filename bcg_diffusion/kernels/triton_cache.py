@@ -6,12 +6,12 @@ from the portable file alone builds ours again (Z-Image's portable start took 19
 12.7 s in run 134, before the block glue's kernels). Triton keeps each kernel it compiled in a folder of
 its cache (``TRITON_CACHE_DIR``, by default ``~/.triton/cache``) named after a hash of the source, the
 argument types, the launch options, the GPU target and Triton's version; a process that computes the
-same hash loads that folder instead of compiling. So :func:`save` writes the folders of the kernels of ours this process compiled into one zip
-file (with the kernels an earlier file held, so a process that ran fewer shapes drops none), and
-:func:`load` unpacks such a file into this process's Triton cache, never over a folder the cache has
-(another process may be writing it). Another machine with the same GPU architecture and Triton version
-then finds them; any other computes other hashes and compiles as before. Nothing here changes what a
-kernel computes.
+same hash loads that folder instead of compiling. So :func:`save` writes the folders of the kernels of
+ours this process compiled into one zip file (with the kernels an earlier file held, so a process that
+ran fewer shapes drops none), and :func:`load` unpacks such a file into this process's Triton cache, never
+over a folder the cache has (another process may be writing it). Another machine with the same GPU
+architecture and Triton version then finds them; any other computes other hashes and compiles as before.
+Nothing here changes what a kernel computes.
 
 A kernel also needs C modules that Triton builds with the machine's C compiler on its first launch: a
 launcher per launch signature (``__triton_launcher``) and the driver's utilities (``cuda_utils``), each
@@ -183,7 +183,9 @@ def save(file: str | os.PathLike[str]) -> int:
     finally:
         partial.unlink(missing_ok=True)
     count = len(folders) + len({name.partition("/")[0] for name, _ in earlier})
-    logger.info("saved %d Triton cache folders of bcg_diffusion to %s (%d from this process)", count, file, len(folders))
+    logger.info(
+        "saved %d Triton cache folders of bcg_diffusion to %s (%d from this process)", count, file, len(folders)
+    )
     return count
 
 
