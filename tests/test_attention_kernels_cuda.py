@@ -259,6 +259,35 @@ def test_qk_prologue_fp8_outputs_are_its_bf16_outputs_quantized():
     assert torch.equal(largest, value.abs().amax().float())
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_qk_prologue_fp8_with_two_rows_per_group(dtype):
+    """``joint_qkv_fp8`` on a CFG batch of two prompts (two groups of two rows, the batch a pipeline makes
+    for ``num_images_per_prompt=2``), in bf16 and fp16: each group's largest value magnitude covers both
+    its rows and only them, and the query and key are ``joint_qkv``'s quantized, as for one row."""
+    from bcg_diffusion.kernels import qk_prologue
+
+    torch.manual_seed(0)
+    batch, text_tokens, image_tokens, heads, head_dim, lengths = 4, 77, 1024, 4, 128, (50, 77)
+    image, text = (
+        [torch.randn(batch, tokens, heads, head_dim, device="cuda", dtype=dtype) for _ in range(3)]
+        for tokens in (image_tokens, text_tokens)
+    )
+    image[2][1, 9, 1, 3] = 20.0  # group 0's largest value, in its second row
+    image[2][2, 5, 0, 0] = -25.0  # group 1's, in its first row
+    weights = [(torch.randn(head_dim, device="cuda") * 0.5 + 1).to(dtype) for _ in range(4)]
+    freqs = (_frequencies(image_tokens, head_dim // 2), _frequencies(text_tokens, head_dim // 2))
+    bounds = (cudnn_fp8.rms_norm_bound(weights[0::2], head_dim), cudnn_fp8.rms_norm_bound(weights[1::2], head_dim))
+    descales = [cudnn_fp8.descale(bound) for bound in bounds]
+    plain = qk_prologue.joint_qkv(image, text, weights, [1e-6] * 4, freqs, lengths)
+    joint = qk_prologue.joint_qkv_fp8(image, text, weights, [1e-6] * 4, freqs, lengths, *descales)
+    for got, bf16, descale in ((joint.query, plain[0], descales[0]), (joint.key, plain[1], descales[1])):
+        for g, e in zip(*(qk_prologue.group_slices(t, lengths, text_tokens) for t in (got, bf16))):
+            assert torch.equal(g.view(torch.uint8), cudnn_fp8.quantize(e, descale).view(torch.uint8))
+    values = qk_prologue.group_slices(plain[2], lengths, text_tokens)
+    assert torch.equal(joint.value_largest, torch.stack([v.abs().amax().float() for v in values]))
+    assert joint.value_largest.tolist() == [20.0, 25.0]
+
+
 def test_qwen_processor_with_cudnn_fp8_attention_from_the_fp8_prologue_compiles_and_replays():
     """One attention module of Qwen-Image's shape (3072 wide, 24 heads of 128) with cuDNN's FP8 attention
     and the fused prologue (which then writes the query and key in float8), compiled whole: near the same
