@@ -14,7 +14,7 @@ from _cases import run_case
 from _checks import needs_compiler
 from test_attention import _block_inputs
 
-from bcg_diffusion import accelerate, restore, stats
+from bcg_diffusion import accelerate, eager, restore, stats
 from bcg_diffusion.kernels.stacked_linear import stacked_linear, unsupported
 from bcg_diffusion.models import build_pipeline
 from bcg_diffusion.patches import stacked_output
@@ -227,3 +227,25 @@ def test_a_choice_set_after_capture_drops_the_graphs_that_read_it(qwen_tiny, cap
         )
     finally:
         restore(qwen_tiny)
+
+
+@needs_compiler
+@heavy
+def test_fast_mode_with_the_output_stacked_equals_its_compiled_blocks_and_stays_near_eager(qwen_tiny, monkeypatch):
+    """The whole pipeline in fast mode (debug mode on a CPU) with every attention stacking its output
+    projection: the same bytes as its compiled blocks without graphs, near diffusers' own call."""
+    calls = _spy_operator(monkeypatch)  # compiled: called while dynamo traces the blocks
+    expected = run_case(qwen_tiny, "qwen-image", "true_cfg", height=64, width=64)
+    assert choose(qwen_tiny.transformer, "stacked") == len(qwen_tiny.transformer.transformer_blocks)
+    accelerate(qwen_tiny, mode="fast", debug=True)
+    try:
+        first = run_case(qwen_tiny, "qwen-image", "true_cfg", height=64, width=64)
+        with eager(qwen_tiny):
+            reference = run_case(qwen_tiny, "qwen-image", "true_cfg", height=64, width=64)
+        report = stats(qwen_tiny)
+        assert report["cfg_batched"] > 0 and report["eager_fallbacks"] == 0 and report["compile_failure"] is None
+    finally:
+        restore(qwen_tiny)
+    assert calls and set(calls) == {2}  # the CFG pair's two groups
+    assert torch.equal(first, reference)
+    torch.testing.assert_close(first, expected, atol=1e-4, rtol=0)
