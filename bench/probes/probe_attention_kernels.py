@@ -644,15 +644,18 @@ def fp8_prologue() -> None:
         _, out = _prologue_report(label, torch.compile(fn), nbytes)
     print(f"   in the prologue against after it: {_difference(out, torch.compile(after)())}", flush=True)
 
-    original = attention._fused_joint_qkv
+    from bcg_diffusion.features.fp8_attention import choose_prologue
+
+    glue = _qwen_fp8_block_glue(True)
     for in_prologue in (False, True):
-        if not in_prologue:  # the bf16 prologue, quantized by attend as before joint_qkv_fp8 existed
-            attention._fused_joint_qkv = lambda *a, fp8=False: original(*a)
+
+        def prepare(holder: torch.nn.Module, in_prologue: bool = in_prologue) -> None:
+            glue(holder)
+            # False: the bf16 prologue, quantized by attend as before joint_qkv_fp8 existed
+            assert choose_prologue(holder, in_prologue) == 1
+
         label = f"qwen fp8, cudnn-fp8 attention, quantized {'in' if in_prologue else 'after'} the prologue"
-        try:
-            time_block(*_qwen_block_case(), [(label, "cudnn-fp8", False, "fused")], prepare=_qwen_fp8_block_glue(True))
-        finally:
-            attention._fused_joint_qkv = original
+        time_block(*_qwen_block_case(), [(label, "cudnn-fp8", False, "fused")], prepare=prepare)
         torch.cuda.empty_cache()
 
 
