@@ -45,8 +45,9 @@
 #                    against its bf16 outputs quantized, the Qwen-Image processor with it compiled and replayed, the
 #                    stacked output projection (tests/test_stacked_output_cuda.py), then the probes: the prologue's
 #                    launch settings (section prologue), its FP8 inputs alone and one Qwen-Image FP8 block, quantized
-#                    after the prologue and in it, one Qwen-Image block with its output projection stacked and
-#                    joined (section stacked-output), one bf16 Z-Image block with w1 and w3 stacked (w13-bf16)
+#                    after the prologue and in it
+#   probe-stacked    one Qwen-Image block, bf16 and FP8, with its output projection stacked and joined (probe section
+#                    stacked-output), one bf16 Z-Image block with w1 and w3 stacked and apart (w13-bf16)
 #   bench-fp8-prologue-qwen Qwen-Image 1024², 50 steps, true CFG 4: eager, fast-fp8, fast-fp8-joined-output (the output
 #                    projection on joined rows), fast-fp8-attn (the query and key quantized in the prologue),
 #                    fast-fp8-attn+cache (FP8_PROLOGUE_QWEN_MODES picks the modes)
@@ -127,7 +128,7 @@
 #                    for `python scripts/screenshot_replay.py DIR OUT.png` here (the GPU machine has no browser)
 # Everything it writes is under $OUT (logs, results.json/.md/.png); copy it to bench/results/<date>-h200/.
 set -uo pipefail
-[ $# -gt 0 ] || { echo "usage: scripts/gpu_session.sh fp8-prologue|bench-fp8-prologue-qwen|bench-stacked-qwen|bench-fp8-prologue-z|qwen-block-glue|bench-block-glue-qwen|probe-attention|probe-cudnn-fp8|tests-vae-fused|bench-fused-qkv-z|tests-fused-qkv|tests-cudnn-fp8|bench-cudnn-fp8-z|bench-cudnn-fp8-qwen|tests-kernels|probe-fp8-ff|bench-fp8-ff-qwen|bench-kernels-qwen|bench-kernels-z|bench-cachedit-qwen|tests-state|bench-state|tests|tests-full|tests-fast|tests-coexist|tests-shared|tests-cache|bench-cache-qwen-1024|bench-cache-qwen-512|bench-cache-z|bench-cfg-cache-qwen|bench-cfg-cache-qwen-1024|bench-cfg-cache-qwen-512|tests-quant|tests-auto|probe-hand-patches|bench-auto|coverage|bench-fp8-z|bench-fp8-qwen|warm-start-fp8-z|probe-fp8-groups|probe-fp8-block|hotswap-z|tests-z|te-z|fast-check|profile-qwen|profile-z|fast-qwen-50|ab-attention|probe-floor|probe-outside|probe-norms|probe-blocks|compile-max-qwen|memory-z|bench-z|warm-start-z|first-call-qwen-none|first-call-qwen-magcache|first-call-qwen-cachedit|first-call-qwen-fp8|bench-qwen|bench-qwen-512|bench-qwen-1024|issue2|parallel|parallel-cfg|serving|demo ..." >&2; exit 2; }
+[ $# -gt 0 ] || { echo "usage: scripts/gpu_session.sh fp8-prologue|probe-stacked|bench-fp8-prologue-qwen|bench-stacked-qwen|bench-fp8-prologue-z|qwen-block-glue|bench-block-glue-qwen|probe-attention|probe-cudnn-fp8|tests-vae-fused|bench-fused-qkv-z|tests-fused-qkv|tests-cudnn-fp8|bench-cudnn-fp8-z|bench-cudnn-fp8-qwen|tests-kernels|probe-fp8-ff|bench-fp8-ff-qwen|bench-kernels-qwen|bench-kernels-z|bench-cachedit-qwen|tests-state|bench-state|tests|tests-full|tests-fast|tests-coexist|tests-shared|tests-cache|bench-cache-qwen-1024|bench-cache-qwen-512|bench-cache-z|bench-cfg-cache-qwen|bench-cfg-cache-qwen-1024|bench-cfg-cache-qwen-512|tests-quant|tests-auto|probe-hand-patches|bench-auto|coverage|bench-fp8-z|bench-fp8-qwen|warm-start-fp8-z|probe-fp8-groups|probe-fp8-block|hotswap-z|tests-z|te-z|fast-check|profile-qwen|profile-z|fast-qwen-50|ab-attention|probe-floor|probe-outside|probe-norms|probe-blocks|compile-max-qwen|memory-z|bench-z|warm-start-z|first-call-qwen-none|first-call-qwen-magcache|first-call-qwen-cachedit|first-call-qwen-fp8|bench-qwen|bench-qwen-512|bench-qwen-1024|issue2|parallel|parallel-cfg|serving|demo ..." >&2; exit 2; }
 out=${OUT:-/tmp/bcg-out}
 mkdir -p "$out"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -222,11 +223,16 @@ case "$phase" in
       | grep -v "^ *[0-9.]* ms  x" | tail -70
     ;;
   fp8-prologue)
-    timeout 300 python3 -m pytest -m cuda -q -rs -s -p no:cacheprovider --tb=short -k "prologue or cudnn_fp8_attention_matches or (fast_mode_fp8_attention and cudnn) or stacked" \
+    timeout 260 python3 -m pytest -m cuda -q -rs -s -p no:cacheprovider --tb=short -k "prologue or cudnn_fp8_attention_matches or (fast_mode_fp8_attention and cudnn) or stacked" \
       tests/test_attention_kernels_cuda.py tests/test_stacked_output_cuda.py 2>&1 | grep -v "warnings.warn" \
       | tee "$out/pytest-fp8-prologue.log" | tail -16
-    timeout 480 python3 -m bench.probes.probe_attention_kernels --sections prologue,fp8-prologue,stacked-output,w13-bf16 2>&1 \
+    timeout 300 python3 -m bench.probes.probe_attention_kernels --sections prologue,fp8-prologue 2>&1 \
       | grep -v "Warning\|warnings.warn\|_warn_once\|^W[0-9]" | tee "$out/probe-fp8-prologue.log" \
+      | grep -v "^ *[0-9.]* ms  x" | tail -60
+    ;;
+  probe-stacked)
+    timeout 540 python3 -m bench.probes.probe_attention_kernels --sections stacked-output,w13-bf16 2>&1 \
+      | grep -v "Warning\|warnings.warn\|_warn_once\|^W[0-9]" | tee "$out/probe-stacked.log" \
       | grep -v "^ *[0-9.]* ms  x" | tail -60
     ;;
   bench-fp8-prologue-qwen)
