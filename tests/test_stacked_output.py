@@ -107,17 +107,14 @@ def test_project_image_is_the_module_on_the_joined_rows(choice, monkeypatch):
     assert calls == ([2] if choice == "stacked" else [])
 
 
-def test_auto_stacks_only_parts_of_min_rows(monkeypatch):
+def test_the_default_stacks_two_parts_of_any_size(monkeypatch):
     calls = _spy_operator(monkeypatch)
     attn = _Attention()
     with torch.no_grad():
         project_image(attn, _parts((5, 5)))
-        assert calls == []  # fewer rows than MIN_ROWS: joined
-        monkeypatch.setattr(stacked_output, "MIN_ROWS", 5)
-        project_image(attn, _parts((5, 5)))
-        assert calls == [2]
+        project_image(attn, _parts((3, 3)))
         project_image(attn, _parts((5,)))  # one part: nothing to join
-        assert calls == [2]
+    assert calls == [2, 2]
 
 
 def test_one_part_reaches_the_projection_as_a_view():
@@ -212,17 +209,38 @@ def test_a_compiled_per_group_attention_calls_the_operator_and_joins_nothing(qwe
 
 @needs_compiler
 @heavy
+def test_another_image_size_reuses_the_compiled_attention(qwen_tiny, monkeypatch):
+    # Fast mode compiles its blocks for any number of image tokens; a choice that depended on that number
+    # (a threshold on the rows of a part) would guard on it and compile a second variant.
+    monkeypatch.setattr(torch.fx.experimental._config, "use_duck_shape", False)  # as fast mode compiles
+    compiles = []
+
+    def backend(graph, example_inputs):
+        compiles.append(graph)
+        return graph.forward
+
+    attn = qwen_tiny.transformer.transformer_blocks[0].attn
+    compiled = torch.compile(qwen_joint_attention_per_group, backend=backend, dynamic=True, fullgraph=True)
+    with torch.no_grad():
+        for image in ((1, 4, 4), (1, 6, 6), (1, 8, 4)):
+            _, hidden_states, text, _, rope = _block_inputs(qwen_tiny.transformer, (9, 4), 1, image=image)
+            compiled(attn.processor, attn, hidden_states, text, rope, (9, 4))
+    assert len(compiles) == 1
+
+
+@needs_compiler
+@heavy
 def test_a_choice_set_after_capture_drops_the_graphs_that_read_it(qwen_tiny, caplog):
     accelerate(qwen_tiny, mode="fast", debug=True)
     try:
         run_case(qwen_tiny, "qwen-image", "true_cfg", height=64, width=64)
         before = stats(qwen_tiny)["components"]["transformer"]["state_changes"]
         attn = qwen_tiny.transformer.transformer_blocks[0].attn
-        setattr(attn, STACKED_OUTPUT_ATTRIBUTE, "stacked")
+        setattr(attn, STACKED_OUTPUT_ATTRIBUTE, "joined")
         with caplog.at_level(logging.INFO, logger="bcg_diffusion"):
             run_case(qwen_tiny, "qwen-image", "true_cfg", height=64, width=64)
         assert stats(qwen_tiny)["components"]["transformer"]["state_changes"] > before
-        assert f"transformer_blocks.0.attn.{STACKED_OUTPUT_ATTRIBUTE}: unset -> 'stacked' since its capture" in (
+        assert f"transformer_blocks.0.attn.{STACKED_OUTPUT_ATTRIBUTE}: unset -> 'joined' since its capture" in (
             caplog.text
         )
     finally:
@@ -236,8 +254,7 @@ def test_fast_mode_with_the_output_stacked_equals_its_compiled_blocks_and_stays_
     projection: the same bytes as its compiled blocks without graphs, near diffusers' own call."""
     calls = _spy_operator(monkeypatch)  # compiled: called while dynamo traces the blocks
     expected = run_case(qwen_tiny, "qwen-image", "true_cfg", height=64, width=64)
-    assert choose(qwen_tiny.transformer, "stacked") == len(qwen_tiny.transformer.transformer_blocks)
-    accelerate(qwen_tiny, mode="fast", debug=True)
+    accelerate(qwen_tiny, mode="fast", debug=True)  # stacked: the default
     try:
         first = run_case(qwen_tiny, "qwen-image", "true_cfg", height=64, width=64)
         with eager(qwen_tiny):

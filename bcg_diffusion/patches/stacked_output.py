@@ -8,12 +8,13 @@ and 4.4 ms in bf16; runs 93, 94 and 145). :func:`project_image` instead runs the
 :func:`bcg_diffusion.kernels.stacked_linear.stacked_linear`, which writes every product into its rows of
 one output.
 
-Per attention module, :data:`STACKED_OUTPUT_ATTRIBUTE` chooses (:func:`choose`): ``"auto"`` (the default)
-stacks where every part has at least :data:`MIN_ROWS` rows, where the products stay as large as the GPU
-needs; ``"stacked"`` wherever the projection allows it; ``"joined"`` the concatenation, as before. The
-projection must be a plain ``nn.Linear`` with plain weights and no hooks (a LoRA layer, a quantized
-weight or a hook gets the concatenation and the module's own call). A module attribute, so that the check
-of the Python state a graph read sees it change.
+Per attention module, :data:`STACKED_OUTPUT_ATTRIBUTE` chooses (:func:`choose`): ``"stacked"`` (the
+default) or ``"joined"``, the concatenation, as before. The projection must be a plain ``nn.Linear`` with
+plain weights and no hooks (a LoRA layer, a quantized weight or a hook gets the concatenation and the
+module's own call). A module attribute, so that the check of the Python state a graph read sees it
+change. The choice never depends on the number of image tokens: fast mode compiles its blocks for any
+number of them, and a threshold on it would compile a second variant of every block for the resolutions
+on its other side.
 """
 
 from __future__ import annotations
@@ -22,14 +23,10 @@ import torch
 
 from ..kernels import stacked_linear
 
-__all__ = ["MIN_ROWS", "STACKED_OUTPUT_ATTRIBUTE", "STACKED_OUTPUT_CHOICES", "choose", "project_image"]
+__all__ = ["STACKED_OUTPUT_ATTRIBUTE", "STACKED_OUTPUT_CHOICES", "choose", "project_image"]
 
 STACKED_OUTPUT_ATTRIBUTE = "_bcg_stacked_output"
-STACKED_OUTPUT_CHOICES = ("auto", "stacked", "joined")
-# "auto" stacks parts of at least this many rows: Qwen-Image's image tokens at 1024² (64 x 64 patches),
-# where each part's product still fills an H200. Below it the copy is small (9 µs at 512²) and two products
-# of 1,024 rows leave more of the GPU idle than one of 2,048.
-MIN_ROWS = 4096
+STACKED_OUTPUT_CHOICES = ("stacked", "joined")
 
 
 def choose(model: torch.nn.Module, choice: str) -> int:
@@ -62,14 +59,12 @@ def _plain_linear(module: torch.nn.Module) -> bool:
 def _stacks(attn: torch.nn.Module, projection: torch.nn.Module, parts: list[torch.Tensor]) -> bool:
     """Whether :func:`project_image` runs ``projection`` on ``parts`` through the stacked operator.
     Raises ValueError for a value of :data:`STACKED_OUTPUT_ATTRIBUTE` that is not one of the choices."""
-    choice = getattr(attn, STACKED_OUTPUT_ATTRIBUTE, "auto")
+    choice = getattr(attn, STACKED_OUTPUT_ATTRIBUTE, "stacked")
     if choice not in STACKED_OUTPUT_CHOICES:
         raise ValueError(
             f"{type(attn).__name__}.{STACKED_OUTPUT_ATTRIBUTE} is {choice!r}; expected one of {STACKED_OUTPUT_CHOICES}"
         )
     if choice == "joined" or len(parts) < 2 or not _plain_linear(projection):
-        return False
-    if choice == "auto" and min(part.shape[0] for part in parts) < MIN_ROWS:
         return False
     return stacked_linear.unsupported(parts, projection.weight, projection.bias) is None
 

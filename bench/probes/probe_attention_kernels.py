@@ -678,7 +678,7 @@ def _stacked_output(choice: str, fp8: bool) -> Callable[[torch.nn.Module], None]
 def stacked_output() -> None:
     """One Qwen-Image block in fast mode's CFG batch, bf16 and FP8, its image output projection run per group
     into one output (``patches.stacked_output``) against the groups' rows joined before one product; at
-    1024² and 512² (where "auto" joins them)."""
+    1024² and 512² (two products of 1,024 rows may leave more of the GPU idle than one of 2,048)."""
     base, inputs, patches_ = _qwen_block_case()
     inputs["512² CFG"] = (*qwen_block_inputs(1024, 64, batch=2), {attention.TEXT_LENGTHS_KWARG: (64, 40)})
     for fp8 in (False, True):
