@@ -209,10 +209,9 @@ def test_a_compiled_per_group_attention_calls_the_operator_and_joins_nothing(qwe
 
 @needs_compiler
 @heavy
-def test_another_image_size_reuses_the_compiled_attention(qwen_tiny, monkeypatch):
+def test_another_image_size_reuses_the_compiled_attention(qwen_tiny):
     # Fast mode compiles its blocks for any number of image tokens; a choice that depended on that number
     # (a threshold on the rows of a part) would guard on it and compile a second variant.
-    monkeypatch.setattr(torch.fx.experimental._config, "use_duck_shape", False)  # as fast mode compiles
     compiles = []
 
     def backend(graph, example_inputs):
@@ -221,7 +220,7 @@ def test_another_image_size_reuses_the_compiled_attention(qwen_tiny, monkeypatch
 
     attn = qwen_tiny.transformer.transformer_blocks[0].attn
     compiled = torch.compile(qwen_joint_attention_per_group, backend=backend, dynamic=True, fullgraph=True)
-    with torch.no_grad():
+    with torch.no_grad(), torch.fx.experimental._config.patch(use_duck_shape=False):  # as fast mode compiles
         for image in ((1, 4, 4), (1, 6, 6), (1, 8, 4)):
             _, hidden_states, text, _, rope = _block_inputs(qwen_tiny.transformer, (9, 4), 1, image=image)
             compiled(attn.processor, attn, hidden_states, text, rope, (9, 4))
