@@ -1,10 +1,11 @@
 """Fast mode's Qwen-Image attention: the image stream's output projection run per CFG group, each group's
 rows written into one output, instead of joining the groups' attention outputs first.
 
-Fast mode attends each group of a CFG batch on its own (:func:`bcg_diffusion.patches.attention.qwen_joint_attention_per_group`),
-so each group's attention output is a tensor of its own. Joining their image rows for the output
-projection copied the whole image stream (30–42 µs of a Qwen-Image block at 1024² with CFG, 2.8 ms in FP8
-and 4.4 ms in bf16; runs 93, 94 and 145). :func:`project_image` instead runs the projection on each group's rows as they lie, through
+Fast mode attends each group of a CFG batch on its own
+(:func:`bcg_diffusion.patches.attention.qwen_joint_attention_per_group`), so each group's attention output
+is a tensor of its own. Joining their image rows for the output projection copied the whole image stream
+(30–42 µs of a Qwen-Image block at 1024² with CFG, 2.8 ms in FP8 and 4.4 ms in bf16; runs 93, 94 and 145).
+:func:`project_image` instead runs the projection on each group's rows as they lie, through
 :func:`bcg_diffusion.kernels.stacked_linear.stacked_linear`, which writes every product into its rows of
 one output.
 
