@@ -161,13 +161,9 @@ def test_load_never_replaces_a_folder_the_cache_has(tmp_path, monkeypatch):
     assert triton_cache.load(file) == 0
     assert [p.name for p in (cache / folder).iterdir()] == ["residual_sum.cubin.tmp.pid_1_2"]
     with zipfile.ZipFile(file) as archive:  # the folder appearing between the check and the move
-        assert triton_cache._unpack(archive, folder, _members_of(archive)[folder], cache) == 0
+        assert triton_cache._unpack(archive, folder, triton_cache._members(archive)[folder], cache) == 0
     assert [p.name for p in (cache / folder).iterdir()] == ["residual_sum.cubin.tmp.pid_1_2"]
     assert [p.name for p in cache.iterdir()] == [folder]  # no staging folder left behind
-
-
-def _members_of(archive: zipfile.ZipFile) -> dict[str, list[str]]:
-    return triton_cache._members(archive)
 
 
 def test_compile_cache_dir_points_tritons_cache_where_it_unpacks_our_kernels(tmp_path, monkeypatch):
