@@ -138,13 +138,16 @@ def test_a_hooked_replaced_or_quantized_projection_gets_the_module_call(monkeypa
         project_image(attn, parts)
     handle.remove()
     assert seen == [(2, 5, 6)] and calls == []  # the hook saw the module's own call
+    # A global module hook changes nothing: the runner's search for hostile ops installs some for its first
+    # run only, which once sent that run down the joined path and the later ones down the stacked one.
     handle = torch.nn.modules.module.register_module_forward_hook(lambda module, args, out: None)
     try:
         with torch.no_grad():
             project_image(attn, parts)
     finally:
         handle.remove()
-    assert calls == []
+    assert calls == [2]
+    calls.clear()
 
     class LoraLinear(torch.nn.Linear):  # a layer put in the projection's place computes more than F.linear
         pass

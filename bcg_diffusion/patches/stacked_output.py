@@ -11,8 +11,8 @@ one output.
 
 Per attention module, :data:`STACKED_OUTPUT_ATTRIBUTE` chooses (:func:`choose`): ``"stacked"`` (the
 default) or ``"joined"``, the concatenation, as before. The projection must be a plain ``nn.Linear`` with
-plain weights and no hooks (a LoRA layer, a quantized weight or a hook gets the concatenation and the
-module's own call). A module attribute, so that the check of the Python state a graph read sees it
+plain weights and no hooks of its own (a LoRA layer, a quantized weight or a hook gets the concatenation
+and the module's own call). A module attribute, so that the check of the Python state a graph read sees it
 change. The choice never depends on the number of image tokens: fast mode compiles its blocks for any
 number of them, and a threshold on it would compile a second variant of every block for the resolutions
 on its other side.
@@ -47,14 +47,9 @@ def choose(model: torch.nn.Module, choice: str) -> int:
 
 def _plain_linear(module: torch.nn.Module) -> bool:
     """Whether calling ``module`` is exactly ``F.linear`` with its own weight and bias: a plain
-    ``nn.Linear``, no hooks of its own or global ones."""
-    from torch.nn.modules import module as torch_module
-
-    return (
-        type(module) is torch.nn.Linear
-        and not (module._forward_hooks or module._forward_pre_hooks)
-        and not (torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks)
-    )
+    ``nn.Linear`` without hooks of its own. Global module hooks are not looked at: the runner's search for
+    ops a graph cannot hold installs some for its first run only, and the path must not change with it."""
+    return type(module) is torch.nn.Linear and not (module._forward_hooks or module._forward_pre_hooks)
 
 
 def _stacks(attn: torch.nn.Module, projection: torch.nn.Module, parts: list[torch.Tensor]) -> bool:
