@@ -47,9 +47,14 @@ def choose(model: torch.nn.Module, choice: str) -> int:
 
 def _plain_linear(module: torch.nn.Module) -> bool:
     """Whether calling ``module`` is exactly ``F.linear`` with its own weight and bias: a plain
-    ``nn.Linear`` without hooks of its own. Global module hooks are not looked at: the runner's search for
-    ops a graph cannot hold installs some for its first run only, and the path must not change with it."""
-    return type(module) is torch.nn.Linear and not (module._forward_hooks or module._forward_pre_hooks)
+    ``nn.Linear`` without hooks of its own or a forward replaced on it (accelerate's offload hooks replace
+    it). Global module hooks are not looked at: the runner's search for ops a graph cannot hold installs
+    some for its first run only, and the path must not change with it."""
+    return (
+        type(module) is torch.nn.Linear
+        and "forward" not in module.__dict__
+        and not (module._forward_hooks or module._forward_pre_hooks)
+    )
 
 
 def _stacks(attn: torch.nn.Module, projection: torch.nn.Module, parts: list[torch.Tensor]) -> bool:
