@@ -555,10 +555,14 @@ def _joint_qkv_op(
     return outputs
 
 
-def _joint_empty(q_img: torch.Tensor, text_tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _joint_shape(q_img: torch.Tensor, text_tokens: int) -> tuple[int, int, int, int]:
+    """``[B, S_text + S_image, H, D]``: the shape of each joint tensor for image projections like ``q_img``."""
     batch, seq_img, heads, head_dim = q_img.shape
-    shape = (batch, text_tokens + seq_img, heads, head_dim)
-    return tuple(q_img.new_empty(shape) for _ in range(3))
+    return batch, text_tokens + seq_img, heads, head_dim
+
+
+def _joint_empty(q_img: torch.Tensor, text_tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return tuple(q_img.new_empty(_joint_shape(q_img, text_tokens)) for _ in range(3))
 
 
 @_joint_qkv_op.register_fake
@@ -598,8 +602,7 @@ def _joint_qkv_fp8_op(
 def _joint_fp8_empty(
     q_img: torch.Tensor, text_tokens: int, groups: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    batch, seq_img, heads, head_dim = q_img.shape
-    shape = (batch, text_tokens + seq_img, heads, head_dim)
+    shape = _joint_shape(q_img, text_tokens)
     query, key = (q_img.new_empty(shape, dtype=torch.float8_e4m3fn) for _ in range(2))
     return query, key, q_img.new_empty(shape), q_img.new_empty(groups, dtype=torch.float32)
 
