@@ -9,8 +9,8 @@
   and gated residuals, then torchao's row scales and cast) at Z-Image's width, and deterministic.
 * cuDNN's FP8 attention (``kernels/cudnn_fp8_attention.py``, where nvidia-cudnn-frontend is installed)
   against its float32 reference and float32 attention, odd token counts included, and deterministic.
-* Attention's prologue writing cuDNN's FP8 inputs (``joint_qkv_fp8``, ``norm_rope_fp8``): the bytes of its
-  bf16 outputs quantized by PyTorch, the value's largest magnitude PyTorch's; Qwen-Image's processor with
+* Attention's prologue writing cuDNN's FP8 inputs (``joint_qkv_fp8``, ``norm_rope_fp8``): its bf16
+  outputs quantized by PyTorch but for a rare element, the value's largest magnitude PyTorch's; Qwen-Image's processor with
   it compiled whole, near the bf16 prologue quantized before attention, its CUDA graph replaying it.
 * ``accelerate(pipe, mode="fast", attention="fp8")`` on full-size Z-Image (tiny models have heads of
   16, which the kernels do not take), with each FP8 kernel: the attention modules use it, the graphs
@@ -167,6 +167,24 @@ def _assert_near_reference(got: list[torch.Tensor], expected: list[torch.Tensor]
         assert moved < 0.02, (label, index, moved)
 
 
+def _assert_quantized_near(got: torch.Tensor, expected: torch.Tensor, descale: torch.Tensor, label: str) -> None:
+    """``got`` (float8 e4m3 at ``descale``) is ``expected`` (the bf16 prologue's output) quantized by
+    ``cudnn_fp8_attention.quantize``, save a few elements per million. The FP8 build of the prologue
+    kernel rounds a rare norm differently from the bf16 build, as each build does against PyTorch (run
+    148: 2 to 6 elements of 13 million per tensor; not floating-point contraction, run 154), so an
+    element may move by :func:`_assert_near_reference`'s bound before it is quantized. Each element is
+    then within that bound plus half a step of e4m3 (3 mantissa bits; subnormal steps of
+    ``descale * 2**-9``) of ``expected``, and its bytes differ from ``quantize(expected)`` rarely."""
+    value, reference = got.float() * descale, expected.float()
+    moved = reference.abs().amax(dim=-1, keepdim=True).clamp(min=2**-10) * 2**-6
+    half_step = (reference.abs() + moved) * 2**-4 + descale * 2**-10
+    difference = (value - reference).abs()
+    assert bool((difference <= moved + half_step).all()), (label, difference.max().item())
+    exact = cudnn_fp8.quantize(expected, descale).view(torch.uint8)
+    differ = (got.view(torch.uint8) != exact).float().mean().item()
+    assert differ < 1e-4, (label, differ)
+
+
 @pytest.mark.parametrize("layout", ["contiguous", "fused qkv"])
 def test_qk_prologue_kernel_matches_its_reference_and_is_deterministic(layout):
     """Qwen-Image 1024² in fast mode's CFG batch (2 rows, 205 text tokens of which 160 and 205 valid,
@@ -207,9 +225,9 @@ def test_qk_prologue_kernel_matches_its_reference_and_is_deterministic(layout):
 
 
 def test_qk_prologue_fp8_outputs_are_its_bf16_outputs_quantized():
-    """``joint_qkv_fp8`` at Qwen-Image 1024² in fast mode's CFG batch: its query and key are the bytes of
-    ``cudnn_fp8_attention.quantize`` applied to ``joint_qkv``'s (the same values, divided with correct
-    rounding and cast to e4m3 as PyTorch does), the value is copied, each group's largest value magnitude
+    """``joint_qkv_fp8`` at Qwen-Image 1024² in fast mode's CFG batch: its query and key are
+    ``joint_qkv``'s quantized by ``cudnn_fp8_attention.quantize`` (divided with correct rounding and cast
+    to e4m3 as PyTorch does) save a rare element (:func:`_assert_quantized_near`), the value is copied, each group's largest value magnitude
     is PyTorch's ``amax`` of the group's slice to the bit; the same bytes on every call; a NaN in one
     group's value is that group's largest, not the other's. Then ``norm_rope_fp8`` at Z-Image 1024²
     against ``norm_rope`` quantized, likewise."""
@@ -233,8 +251,7 @@ def test_qk_prologue_fp8_outputs_are_its_bf16_outputs_quantized():
     assert joint.query.dtype == joint.key.dtype == torch.float8_e4m3fn and joint.value.dtype == torch.bfloat16
     for got, bf16, descale in ((joint.query, plain[0], descales[0]), (joint.key, plain[1], descales[1])):
         for g, e in zip(*(qk_prologue.group_slices(t, lengths, text_tokens) for t in (got, bf16))):
-            expected = cudnn_fp8.quantize(e, descale)
-            assert torch.equal(g.view(torch.uint8), expected.view(torch.uint8)), "not PyTorch's quantization"
+            _assert_quantized_near(g, e, descale, "joint_qkv_fp8")
     values = qk_prologue.group_slices(plain[2], lengths, text_tokens)
     for g, e in zip(qk_prologue.group_slices(joint.value, lengths, text_tokens), values):
         assert torch.equal(g, e)
@@ -255,7 +272,7 @@ def test_qk_prologue_fp8_outputs_are_its_bf16_outputs_quantized():
     plain = qk_prologue.norm_rope(query, key, weights[:2], [1e-5] * 2, z_freqs)
     *quantized, largest = qk_prologue.norm_rope_fp8(query, key, value, weights[:2], [1e-5] * 2, z_freqs, *descales)
     for got, bf16, descale in zip(quantized, plain, descales):
-        assert torch.equal(got.view(torch.uint8), cudnn_fp8.quantize(bf16, descale).view(torch.uint8))
+        _assert_quantized_near(got, bf16, descale, "norm_rope_fp8")
     assert torch.equal(largest, value.abs().amax().float())
 
 
@@ -263,7 +280,8 @@ def test_qk_prologue_fp8_outputs_are_its_bf16_outputs_quantized():
 def test_qk_prologue_fp8_with_two_rows_per_group(dtype):
     """``joint_qkv_fp8`` on a CFG batch of two prompts (two groups of two rows, the batch a pipeline makes
     for ``num_images_per_prompt=2``), in bf16 and fp16: each group's largest value magnitude covers both
-    its rows and only them, and the query and key are ``joint_qkv``'s quantized, as for one row."""
+    its rows and only them, and the query and key are ``joint_qkv``'s quantized, as for one row (run 148
+    saw 1 and 2 elements of a million differ in fp16)."""
     from bcg_diffusion.kernels import qk_prologue
 
     torch.manual_seed(0)
@@ -282,7 +300,7 @@ def test_qk_prologue_fp8_with_two_rows_per_group(dtype):
     joint = qk_prologue.joint_qkv_fp8(image, text, weights, [1e-6] * 4, freqs, lengths, *descales)
     for got, bf16, descale in ((joint.query, plain[0], descales[0]), (joint.key, plain[1], descales[1])):
         for g, e in zip(*(qk_prologue.group_slices(t, lengths, text_tokens) for t in (got, bf16))):
-            assert torch.equal(g.view(torch.uint8), cudnn_fp8.quantize(e, descale).view(torch.uint8))
+            _assert_quantized_near(g, e, descale, f"joint_qkv_fp8 {dtype}")
     values = qk_prologue.group_slices(plain[2], lengths, text_tokens)
     assert torch.equal(joint.value_largest, torch.stack([v.abs().amax().float() for v in values]))
     assert joint.value_largest.tolist() == [20.0, 25.0]

@@ -262,8 +262,10 @@ def joint_qkv_fp8(
 
     Takes :func:`joint_qkv`'s arguments and the query's and key's descales: float32 scalars, each a
     bound no element of its tensor exceeds, over 448 (``cudnn_fp8_attention.descale``). The query and key
-    are stored as ``cudnn_fp8_attention.quantize(x, descale)`` of what :func:`joint_qkv` would store (an
-    element past the bound saturates). Returns :class:`Fp8Joint`, laid out as :func:`joint_qkv`'s outputs
+    are stored as ``cudnn_fp8_attention.quantize(x, descale)`` of their bf16 values (an element past the
+    bound saturates). Those are :func:`joint_qkv`'s but for a few elements per million: the two builds of
+    the kernel round a rare norm differently, as each does against PyTorch, which moves an element by at
+    most two bf16 steps of its head's largest. Returns :class:`Fp8Joint`, laid out as :func:`joint_qkv`'s outputs
     (:func:`group_slices` applies), with each group's largest value magnitude over its valid text and its
     image (NaN where the group's value holds one). Raises ValueError on what
     :func:`unsupported_joint_fp8` names.
@@ -323,7 +325,8 @@ def norm_rope_fp8(
     (``[B, S, H, D]`` like the query; read, not copied) reduced to its largest magnitude in the same pass.
 
     ``query_descale``, ``key_descale``: as :func:`joint_qkv_fp8` takes them; each of the query and key is
-    stored as ``cudnn_fp8_attention.quantize(x, descale)`` of what :func:`norm_rope` would return. Returns
+    stored as ``cudnn_fp8_attention.quantize(x, descale)`` of its bf16 values, :func:`norm_rope`'s but
+    for a rare element, as for :func:`joint_qkv_fp8`. Returns
     two new contiguous ``[B, S, H, D]`` float8 tensors and the value's largest magnitude (a float32 scalar;
     NaN where the value holds one). Raises ValueError on what :func:`unsupported_norm_rope_fp8` names."""
     descales = (query_descale, key_descale)
