@@ -246,10 +246,10 @@ def test_qwen_processor_quantizes_for_cudnn_fp8_attention_in_the_prologue(length
         monkeypatch.setattr(
             qk_prologue, name, lambda *a, o=original, k=key: calls.__setitem__(k, calls[k] + 1) or o(*a)
         )
-    original = cudnn_fp8_attention.attention_quantized
+    original = cudnn_fp8_attention.attention_fp8_output  # what attention_quantized calls too
     monkeypatch.setattr(
         cudnn_fp8_attention,
-        "attention_quantized",
+        "attention_fp8_output",
         lambda *a, **kw: calls.__setitem__("quantized", calls["quantized"] + 1) or original(*a, **kw),
     )
     attn = _qwen_attention(torch.bfloat16, heads=2, head_dim=128)  # cuDNN's FP8 kernel takes heads of 128
@@ -260,7 +260,8 @@ def test_qwen_processor_quantizes_for_cudnn_fp8_attention_in_the_prologue(length
         for switch in ("compiled", "fused"):
             setattr(attn, QK_PROLOGUE_ATTRIBUTE, switch)
             outputs[switch] = qwen_joint_attention_per_group(attn.processor, attn, hidden, text, rope, lengths)
-    # compiled: attend quantizes the bf16 tensors (through attention_quantized); fused: the prologue does
+    # compiled: attend quantizes the bf16 tensors (through attention_quantized); fused: the prologue does,
+    # and the processor scales the float8 output back itself (the output projection is bf16 here)
     assert calls == {"bf16": 0, "fp8": 1, "quantized": 2 * len(lengths)}, calls
     for a, b in zip(outputs["fused"], outputs["compiled"]):
         assert a.dtype == torch.bfloat16 and torch.equal(a, b)

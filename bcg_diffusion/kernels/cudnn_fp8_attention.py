@@ -19,7 +19,8 @@ What it needs, and how this module feeds it:
 * **An FP8 output on Hopper** (bf16 outputs are Blackwell's only). Attention's output is a convex
   combination of the values, so the value's scale bounds it; a margin of 1/16 covers the rounding of
   the probabilities to e4m3 (at most 2**-4 relative each). The output is scaled back in plain PyTorch,
-  which inductor fuses into the kernel that reads it next.
+  which inductor fuses into the kernel that reads it next, or handed on in float8 with its descale
+  (:func:`attention_fp8_output`) to an FP8 product that takes it as it is.
 
 The quantization is plain PyTorch, traced into fast mode's compiled blocks, or comes done already: the
 query and key scaled by their bounds straight out of attention's prologue kernel, with the value's largest
@@ -46,6 +47,7 @@ from .attention import layout_unsupported, shapes_unsupported
 __all__ = [
     "FP8_MAX",
     "attention",
+    "attention_fp8_output",
     "attention_quantized",
     "descale",
     "pack_scales",
@@ -189,14 +191,36 @@ def attention_quantized(
 
     Refuses (ValueError) what :func:`unsupported_quantized` names.
     """
+    out8, descale_o = attention_fp8_output(query8, key8, query_descale, key_descale, value, value_largest, scale)
+    return (out8.float() * descale_o).to(value.dtype)
+
+
+def attention_fp8_output(
+    query8: torch.Tensor,
+    key8: torch.Tensor,
+    query_descale: torch.Tensor,
+    key_descale: torch.Tensor,
+    value: torch.Tensor,
+    value_largest: torch.Tensor | None = None,
+    scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`attention_quantized` without scaling its output back: the kernel's ``[B, S, H, D]`` float8
+    e4m3 output and its descale (a float32 scalar: the output's real values are ``out8.float() *
+    descale``), for an FP8 product that takes them as they are
+    (:mod:`bcg_diffusion.patches.fp8_output_projection`). Takes and refuses what
+    :func:`attention_quantized` does.
+
+    >>> out8, descale = attention_fp8_output(q8, k8, dq, dk, v)  # doctest: +SKIP
+    >>> torch.equal((out8.float() * descale).to(v.dtype), attention_quantized(q8, k8, dq, dk, v))  # doctest: +SKIP
+    True
+    """
     reason = unsupported_quantized(query8, key8, value)
     if reason is not None:
         raise ValueError(f"cuDNN's FP8 attention cannot take these tensors: {reason}")
     scale = 1.0 / math.sqrt(query8.shape[-1]) if scale is None else float(scale)
     value8, descale_v = _quantize(value, value_largest)
     scales = pack_scales(query_descale, key_descale, descale_v)
-    out8 = torch.ops.bcg_diffusion.cudnn_fp8_attention(query8, key8, value8, scales, scale)
-    return (out8.float() * scales[3]).to(value.dtype)
+    return torch.ops.bcg_diffusion.cudnn_fp8_attention(query8, key8, value8, scales, scale), scales[3]
 
 
 def pack_scales(descale_q: torch.Tensor, descale_k: torch.Tensor, descale_v: torch.Tensor) -> torch.Tensor:

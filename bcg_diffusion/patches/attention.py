@@ -30,7 +30,9 @@ magnitude (:data:`FP8_PROLOGUE_ATTRIBUTE` turns it off).
 
 The image stream's output projection then runs on each group's rows where they lie, each product
 written into its rows of one output (:mod:`bcg_diffusion.patches.stacked_output`), instead of on the
-groups' rows joined by a copy.
+groups' rows joined by a copy. Where the output projection (Qwen-Image's image stream's, Z-Image's) is
+an FP8 linear and attention is cuDNN's FP8 kernel fed by the prologue, it takes attention's float8 output
+as it is (:mod:`bcg_diffusion.patches.fp8_output_projection`).
 
 All of this changes rounding only (another kernel, no padded keys to skip), which is why it is fast
 mode's, scoped to the accelerated model (:mod:`bcg_diffusion.patches.scoped`). cuDNN is used on
@@ -54,7 +56,7 @@ from diffusers.models.attention_dispatch import dispatch_attention_fn as _diffus
 
 from ..kernels import attention as kernels
 from ..kernels import cudnn_fp8_attention, qk_prologue, triton_available
-from . import stacked_output
+from . import fp8_output_projection, stacked_output
 from .fp8_feed_forward import Fp8Rows, linear_on_fp8
 from .rope import rotate_pairs
 from .scoped import ProcessorPatch
@@ -418,7 +420,9 @@ def qwen_joint_attention_per_group(
     if image_rotary_emb is not None:
         freqs = tuple(torch.view_as_real(f) for f in image_rotary_emb)
     rows = batch // groups
-    image_outputs, text_outputs = [], []
+    # cuDNN's FP8 output handed to an FP8 image output projection as it is (else scaled back to bf16)
+    fp8_output = isinstance(joints, qk_prologue.Fp8Joint) and fp8_output_projection.takes_fp8(attn)
+    image_outputs, image_descales, text_outputs = [], [], []
     for group, length in enumerate(text_lengths):
         first, last = group * rows, (group + 1) * rows
         if joints is not None:  # the fused prologue's buffers: this group's valid text, then the image
@@ -427,13 +431,23 @@ def qwen_joint_attention_per_group(
             query, key, value = _compiled_joint(image, text, freqs, first, last, length)
         if isinstance(joints, qk_prologue.Fp8Joint):
             descales, largest = (joints.query_descale, joints.key_descale), joints.value_largest[group]
-            out = cudnn_fp8_attention.attention_quantized(query, key, *descales, value, largest)
+            out, descale = cudnn_fp8_attention.attention_fp8_output(query, key, *descales, value, largest)
+            if not fp8_output:  # scaled back, as attention_quantized does
+                out = (out.float() * descale).to(value.dtype)
         else:
             out = attend(attn, query, key, value, _diffusers_dispatch, **options)
-        out = out.flatten(2, 3).to(value.dtype)
-        text_outputs.append(F.pad(out[:, :length], (0, 0, 0, text_tokens - length)))
+        out = out.flatten(2, 3)
+        text_out = out[:, :length]
+        if fp8_output:
+            text_out = (text_out.float() * descale).to(value.dtype)  # the text stream's projection is bf16
+            image_descales.extend([descale] * rows)
+        text_outputs.append(F.pad(text_out.to(value.dtype), (0, 0, 0, text_tokens - length)))
         image_outputs.extend(out[:, length:].unbind(0))  # each batch row's image rows, [S_image, C]
-    image_output = stacked_output.project_image(attn, image_outputs)
+    if fp8_output:
+        image_output = fp8_output_projection.project(attn, image_outputs, image_descales, value.dtype)
+    else:
+        image_outputs = [part.to(value.dtype) for part in image_outputs]
+        image_output = stacked_output.project_image(attn, image_outputs)
     text_output = attn.to_add_out(torch.cat(text_outputs))
     return image_output, text_output
 
@@ -641,7 +655,8 @@ def _zimage_attention_call(dispatch: Callable[..., torch.Tensor], default: str) 
     """A ``__call__`` for Z-Image's ``ZSingleStreamAttnProcessor``: diffusers' computation, with the RoPE
     of :func:`_rotate_complex`; masked attention through ``dispatch``, unmasked through :func:`attend`
     with ``default`` as the kernel where the module names none (with cuDNN's FP8 kernel and the fused
-    prologue, the prologue writes the query and key in float8 for it)."""
+    prologue, the prologue writes the query and key in float8 for it, and an FP8 output projection takes
+    its float8 output as it is: :mod:`bcg_diffusion.patches.fp8_output_projection`)."""
 
     def __call__(
         self: Any,
@@ -659,7 +674,14 @@ def _zimage_attention_call(dispatch: Callable[..., torch.Tensor], default: str) 
             quantized = _fused_norm_rope(attn, query, key, freqs_cis, fp8_value=value)
         if quantized is not None:
             query8, key8, query_descale, key_descale, largest = quantized
-            out = cudnn_fp8_attention.attention_quantized(query8, key8, query_descale, key_descale, value, largest)
+            out, descale = cudnn_fp8_attention.attention_fp8_output(
+                query8, key8, query_descale, key_descale, value, largest
+            )
+            if fp8_output_projection.takes_fp8(attn):  # the float8 output as it is, one descale for the batch
+                rows = out.flatten(0, 1).flatten(1, 2)  # [B * S, C]
+                output = fp8_output_projection.project(attn, [rows], [descale], value.dtype)
+                return output.reshape(*out.shape[:2], -1)
+            out = (out.float() * descale).to(value.dtype)  # scaled back, as attention_quantized does
         else:
             out = _zimage_attention(
                 attn, query, key, value, attention_mask, freqs_cis, prologue, dispatch, default, options
