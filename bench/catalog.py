@@ -36,6 +36,9 @@ MODES: tuple[str, ...] = (
     "fast-fp8-inductor-glue",
     "fast-joined-output",
     "fast-fp8-joined-output",
+    "fast-fp8-all-linears",
+    "fast-fp8-all-linears-attn",
+    "fast-fp8-all-linears-attn-scaled-output",
     "eager-fp8+cache",
     "fast-fp8+cache",
     "fast-fp8-attn+cache",
@@ -73,6 +76,9 @@ FP8_MODES: tuple[str, ...] = (
     "fast-fp8-patched-vae",
     "fast-fp8-inductor-glue",
     "fast-fp8-joined-output",
+    "fast-fp8-all-linears",
+    "fast-fp8-all-linears-attn",
+    "fast-fp8-all-linears-attn-scaled-output",
     "eager-fp8+cache",
     "fast-fp8+cache",
     "fast-fp8-attn+cache",
@@ -131,6 +137,12 @@ DESCRIPTIONS = {
     'not per group into one output (patches.stacked_output.choose(pipe.transformer, "joined"))',
     "fast-fp8-joined-output": "fast-fp8 with Qwen-Image's image output projection on its CFG groups' rows joined, "
     "as fast-joined-output",
+    "fast-fp8-all-linears": "fast-fp8 with every block linear in FP8, the attention output projections too "
+    "(quantize_filter=block_linears(pipe.transformer); the default filter keeps those in bf16)",
+    "fast-fp8-all-linears-attn": "fast-fp8-all-linears with FP8 attention: on Qwen-Image, cuDNN's float8 output "
+    "handed to the FP8 output projection as it is (patches.fp8_output_projection)",
+    "fast-fp8-all-linears-attn-scaled-output": "fast-fp8-all-linears-attn with attention's output scaled back to bf16 "
+    'and quantized again before the output projection (fp8_output_projection.choose(pipe.transformer, "scaled"))',
     "eager-fp8+cache": "eager-fp8 with the step cache (--cache)",
     "fast-fp8+cache": "fast-fp8 with the same step cache inside its graphs",
     "fast-fp8-attn+cache": "fast-fp8-attn with the same step cache inside its graphs",
@@ -154,6 +166,7 @@ EXACT.update({"fast-fp8-attn-triton": False, "fast-fp8-unfused-qkv": False, "fas
 EXACT.update({"fast-fp8-attn-bf16-prologue": False})
 EXACT.update({"fast-fp8-compiled-vae": False, "fast-fp8-patched-vae": False, "fast-fp8-inductor-glue": False})
 EXACT.update({"fast-joined-output": False, "fast-fp8-joined-output": False})
+EXACT.update({name: False for name in MODES if "-all-linears" in name})
 EXACT.update({"eager+cachedit": True, "bcg+cachedit": True, "fast+cachedit": False})
 OURS = ("bcg", "bcg-no-te", "bcg-no-auto", "fast", "fast-no-te", "fast-no-auto", "fast-unbatched")
 OURS += ("bcg+cachedit", "fast+cachedit")
@@ -161,11 +174,13 @@ OURS += ("bcg+cache", "fast+cache", "fast-unbatched+cache", "bcg-fp8", "fast-fp8
 OURS += ("fast-fp8-torchao-ff", "fast-fp8-attn-triton", "fast-fp8-attn+cache", "fast-fp8-unfused-qkv")
 OURS += ("fast-fp8-uncompiled-te", "fast-fp8-compiled-vae", "fast-fp8-patched-vae", "fast-fp8-inductor-glue")
 OURS += ("fast-fp8-attn-bf16-prologue", "fast-joined-output", "fast-fp8-joined-output")
+OURS += tuple(name for name in MODES if "-all-linears" in name)
 FAST = ("fast", "fast-no-te", "fast-no-auto", "fast-unbatched", "fast+cache", "fast-fp8", "fast-fp8-attn")
 FAST += ("fast-fp8-torchao-ff", "fast-fp8-attn-triton", "fast-fp8-attn+cache", "fast-fp8-unfused-qkv")
 FAST += ("fast-fp8-uncompiled-te", "fast-fp8-compiled-vae", "fast-fp8-patched-vae", "fast-fp8-inductor-glue")
 FAST += ("fast-fp8+cache", "fast+cachedit", "fast-unbatched+cache", "fast-fp8-attn-bf16-prologue")
 FAST += ("fast-joined-output", "fast-fp8-joined-output")
+FAST += tuple(name for name in MODES if "-all-linears" in name)
 
 
 def baseline(name: str) -> str:

@@ -21,9 +21,9 @@ from diffusers.utils import BaseOutput
 
 from bcg_diffusion import accelerate, eager, restore, stats
 from bcg_diffusion.features import compiled_text_encoder, fp8_attention, fused_qkv, vae_decoder
-from bcg_diffusion.features.quantization import FP8, quantize_transformer
+from bcg_diffusion.features.quantization import FP8, block_linears, quantize_transformer
 from bcg_diffusion.features.step_caching import enable_cache
-from bcg_diffusion.patches import block_glue, fp8_feed_forward, stacked_output
+from bcg_diffusion.patches import block_glue, fp8_feed_forward, fp8_output_projection, stacked_output
 
 from .catalog import (  # noqa: F401 - the names, re-exported for the modules that import them from here
     ABLATIONS,
@@ -156,6 +156,8 @@ class ModeOptions:
     patched_vae: bool = False  # -patched-vae: the VAE decoder contiguous, only its group norms patched
     inductor_glue: bool = False  # -inductor-glue: the FP8 block glue compiled by inductor
     joined_output: bool = False  # -joined-output: Qwen-Image's image output projection on its groups joined
+    all_linears: bool = False  # -all-linears (after -fp8): every block linear in FP8, attention outputs too
+    scaled_output: bool = False  # -scaled-output (after -attn): FP8 attention's output scaled back before to_out
 
 
 def parse(name: str) -> ModeOptions:
@@ -168,6 +170,7 @@ def parse(name: str) -> ModeOptions:
     for suffix, option in (
         ("+cache", "cache"),
         ("+cachedit", "cachedit"),
+        ("-scaled-output", "scaled_output"),
         ("-bf16-prologue", "bf16_prologue"),
         ("-triton", "triton_attention"),
         ("-attn", "fp8_attention"),
@@ -178,6 +181,7 @@ def parse(name: str) -> ModeOptions:
         ("-patched-vae", "patched_vae"),
         ("-inductor-glue", "inductor_glue"),
         ("-joined-output", "joined_output"),
+        ("-all-linears", "all_linears"),
         ("-fp8", "fp8"),
     ):
         options[option] = rest.endswith(suffix)
@@ -229,13 +233,24 @@ def prepare(
         block_glue.choose(pipe.transformer, False)
     if options.joined_output:
         stacked_output.choose(pipe.transformer, "joined")
+    if options.scaled_output:
+        fp8_output_projection.choose(pipe.transformer, "scaled")
     quantize = FP8 if options.fp8 else None
+    quantize_filter = block_linears(pipe.transformer) if options.all_linears else None
     base_name = options.base
     if base_name == "eager" and quantize is not None:
-        quantize_transformer(pipe.transformer, FP8)
-        quantize = None
+        quantize_transformer(pipe.transformer, FP8, quantize_filter)
+        quantize = quantize_filter = None
     fullgraph = name not in CACHED and name not in CACHEDIT
-    mode = _prepare(base_name, pipe, device, fullgraph=fullgraph, quantize=quantize, attention=attention)
+    mode = _prepare(
+        base_name,
+        pipe,
+        device,
+        fullgraph=fullgraph,
+        quantize=quantize,
+        quantize_filter=quantize_filter,
+        attention=attention,
+    )
     mode.name = name
     return mode
 
@@ -246,6 +261,7 @@ def _prepare(
     device: torch.device,
     fullgraph: bool = True,
     quantize: Any = None,
+    quantize_filter: Any = None,
     attention: str | None = None,
 ) -> PreparedMode:
     if name == "eager":
@@ -255,7 +271,14 @@ def _prepare(
     components = WITHOUT_TEXT_ENCODER if name.endswith("-no-te") else None  # None: accelerate's default
     auto_breaks = not name.endswith("-no-auto")
     if name in ("bcg", "bcg-no-te", "bcg-no-auto"):
-        accelerate(pipe, components=components, debug=debug, quantize=quantize, auto_breaks=auto_breaks)
+        accelerate(
+            pipe,
+            components=components,
+            debug=debug,
+            quantize=quantize,
+            quantize_filter=quantize_filter,
+            auto_breaks=auto_breaks,
+        )
         return PreparedMode(name, pipe, lambda: restore(pipe), note)
     if name in FAST:
         batch_cfg = False if name == "fast-unbatched" else None  # fast-unbatched+cache too (its base name)
@@ -266,6 +289,7 @@ def _prepare(
             debug=debug,
             batch_cfg=batch_cfg,
             quantize=quantize,
+            quantize_filter=quantize_filter,
             attention=attention,
             auto_breaks=auto_breaks,
         )

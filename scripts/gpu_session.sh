@@ -52,6 +52,12 @@
 #                    projection on joined rows), fast-fp8-attn (the query and key quantized in the prologue),
 #                    fast-fp8-attn+cache (FP8_PROLOGUE_QWEN_MODES picks the modes)
 #   bench-stacked-qwen Qwen-Image 1024², 50 steps, true CFG 4: eager, fast, fast-joined-output
+#   tests-fp8-output the attention output projection taking cuDNN's FP8 output as it is
+#                    (tests/test_fp8_output_projection_cuda.py), then the FP8-prologue tests again (their bounds)
+#   bench-fp8-output-qwen Qwen-Image 1024², 50 steps, true CFG 4: eager, fast-fp8-attn, fast-fp8-all-linears,
+#                    fast-fp8-all-linears-attn, fast-fp8-all-linears-attn-scaled-output (FP8_OUTPUT_QWEN_MODES)
+#   bench-fp8-output-z Z-Image-Turbo 512² and 1024², 8 steps: eager, fast-fp8-attn, fast-fp8-all-linears,
+#                    fast-fp8-all-linears-attn, fast-fp8-all-linears-attn-scaled-output (FP8_OUTPUT_Z_MODES)
 #   bench-fp8-prologue-z Z-Image-Turbo 512² and 1024², 8 steps: eager, fast-fp8, fast-fp8-attn-bf16-prologue, fast-fp8-attn
 #   bench-block-glue-qwen Qwen-Image 1024², 50 steps, true CFG 4: eager, fast-fp8, fast-fp8-inductor-glue,
 #                    fast-fp8-attn, fast-fp8-attn+cache (QWEN_GLUE_MODES picks the modes)
@@ -128,7 +134,7 @@
 #                    for `python scripts/screenshot_replay.py DIR OUT.png` here (the GPU machine has no browser)
 # Everything it writes is under $OUT (logs, results.json/.md/.png); copy it to bench/results/<date>-h200/.
 set -uo pipefail
-[ $# -gt 0 ] || { echo "usage: scripts/gpu_session.sh fp8-prologue|probe-stacked|bench-fp8-prologue-qwen|bench-stacked-qwen|bench-fp8-prologue-z|qwen-block-glue|bench-block-glue-qwen|probe-attention|probe-cudnn-fp8|tests-vae-fused|bench-fused-qkv-z|tests-fused-qkv|tests-cudnn-fp8|bench-cudnn-fp8-z|bench-cudnn-fp8-qwen|tests-kernels|probe-fp8-ff|bench-fp8-ff-qwen|bench-kernels-qwen|bench-kernels-z|bench-cachedit-qwen|tests-state|bench-state|tests|tests-full|tests-fast|tests-coexist|tests-shared|tests-cache|bench-cache-qwen-1024|bench-cache-qwen-512|bench-cache-z|bench-cfg-cache-qwen|bench-cfg-cache-qwen-1024|bench-cfg-cache-qwen-512|tests-quant|tests-auto|probe-hand-patches|bench-auto|coverage|bench-fp8-z|bench-fp8-qwen|warm-start-fp8-z|probe-fp8-groups|probe-fp8-block|hotswap-z|tests-z|te-z|fast-check|profile-qwen|profile-z|fast-qwen-50|ab-attention|probe-floor|probe-outside|probe-norms|probe-blocks|compile-max-qwen|memory-z|bench-z|warm-start-z|first-call-qwen-none|first-call-qwen-magcache|first-call-qwen-cachedit|first-call-qwen-fp8|bench-qwen|bench-qwen-512|bench-qwen-1024|issue2|parallel|parallel-cfg|serving|demo ..." >&2; exit 2; }
+[ $# -gt 0 ] || { echo "usage: scripts/gpu_session.sh tests-fp8-output|bench-fp8-output-qwen|bench-fp8-output-z|fp8-prologue|probe-stacked|bench-fp8-prologue-qwen|bench-stacked-qwen|bench-fp8-prologue-z|qwen-block-glue|bench-block-glue-qwen|probe-attention|probe-cudnn-fp8|tests-vae-fused|bench-fused-qkv-z|tests-fused-qkv|tests-cudnn-fp8|bench-cudnn-fp8-z|bench-cudnn-fp8-qwen|tests-kernels|probe-fp8-ff|bench-fp8-ff-qwen|bench-kernels-qwen|bench-kernels-z|bench-cachedit-qwen|tests-state|bench-state|tests|tests-full|tests-fast|tests-coexist|tests-shared|tests-cache|bench-cache-qwen-1024|bench-cache-qwen-512|bench-cache-z|bench-cfg-cache-qwen|bench-cfg-cache-qwen-1024|bench-cfg-cache-qwen-512|tests-quant|tests-auto|probe-hand-patches|bench-auto|coverage|bench-fp8-z|bench-fp8-qwen|warm-start-fp8-z|probe-fp8-groups|probe-fp8-block|hotswap-z|tests-z|te-z|fast-check|profile-qwen|profile-z|fast-qwen-50|ab-attention|probe-floor|probe-outside|probe-norms|probe-blocks|compile-max-qwen|memory-z|bench-z|warm-start-z|first-call-qwen-none|first-call-qwen-magcache|first-call-qwen-cachedit|first-call-qwen-fp8|bench-qwen|bench-qwen-512|bench-qwen-1024|issue2|parallel|parallel-cfg|serving|demo ..." >&2; exit 2; }
 out=${OUT:-/tmp/bcg-out}
 mkdir -p "$out"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -240,6 +246,23 @@ case "$phase" in
       --guidance 4 --modes ${FP8_PROLOGUE_QWEN_MODES:-eager,fast-fp8,fast-fp8-joined-output,fast-fp8-attn,fast-fp8-attn+cache} \
       --runs 3 --warmup 0 --no-progress --out "$out/fp8-prologue-qwen-1024" 2>&1 | grep -v "Warning\|warnings.warn" \
       | tee "$out/fp8-prologue-qwen-1024.log" | tail -14
+    ;;
+  tests-fp8-output)
+    timeout 300 python3 -m pytest -m cuda -q -rs -s -p no:cacheprovider --tb=short tests/test_fp8_output_projection_cuda.py \
+      tests/test_attention_kernels_cuda.py -k "fp8_output or direct_path or qk_prologue_fp8" 2>&1 \
+      | grep -v "warnings.warn" | tee "$out/pytest-fp8-output.log" | tail -16
+    ;;
+  bench-fp8-output-qwen)
+    timeout 590 python3 -m bench --pipeline qwen-image --weights random-full --resolutions 1024x1024 --steps 50 \
+      --guidance 4 --modes ${FP8_OUTPUT_QWEN_MODES:-eager,fast-fp8-attn,fast-fp8-all-linears,fast-fp8-all-linears-attn,fast-fp8-all-linears-attn-scaled-output} \
+      --runs 3 --warmup 0 --no-progress --out "$out/fp8-output-qwen-1024" 2>&1 | grep -v "Warning\|warnings.warn" \
+      | tee "$out/fp8-output-qwen-1024.log" | tail -14
+    ;;
+  bench-fp8-output-z)
+    timeout 400 python3 -m bench --pipeline z-image --weights random-full --resolutions 512x512,1024x1024 --steps 8 \
+      --modes ${FP8_OUTPUT_Z_MODES:-eager,fast-fp8-attn,fast-fp8-all-linears,fast-fp8-all-linears-attn,fast-fp8-all-linears-attn-scaled-output} \
+      --runs 5 --warmup 0 --no-progress --out "$out/fp8-output-z" 2>&1 | grep -v "Warning\|warnings.warn" \
+      | tee "$out/fp8-output-z.log" | tail -14
     ;;
   bench-stacked-qwen)
     timeout 590 python3 -m bench --pipeline qwen-image --weights random-full --resolutions 1024x1024 --steps 50 \

@@ -571,6 +571,9 @@ def test_every_mode_name_parses_to_a_base_mode_and_its_options():
     assert modes.parse("fast-fp8-attn-bf16-prologue") == modes.ModeOptions(
         "fast", fp8=True, fp8_attention=True, bf16_prologue=True
     )
+    assert modes.parse("fast-fp8-all-linears-attn-scaled-output") == modes.ModeOptions(
+        "fast", fp8=True, fp8_attention=True, all_linears=True, scaled_output=True
+    )
     with pytest.raises(ValueError, match="unknown mode"):
         modes.parse("fast-fp9")
 
