@@ -139,3 +139,21 @@ def zimage_block_call(
     attn_mask = torch.arange(tokens)[None] < torch.tensor([[tokens], [17]]) if mask else None
     adaln = torch.randn(2, block.adaLN_modulation[0].in_features, generator=generator).to(dtype)
     return block(x, attn_mask, freqs_cis, adaln)
+
+
+def qwen_attention_on_gpu() -> tuple[Any, torch.Tensor, torch.Tensor, tuple[Any, ...]]:
+    """One attention module of Qwen-Image's shape (3072 wide, 24 heads of 128) in bf16 on the GPU, its norms'
+    weights spread around 1, and a CFG batch of two prompts (1,024 image tokens, 77 text tokens of which
+    50 and 77 valid) with RoPE tables: ``(attn, hidden, text, args)``, ``args`` the arguments of
+    ``qwen_joint_attention_per_group`` (``hidden`` and ``text`` among them, to change in place)."""
+    from diffusers.models.transformers.transformer_qwenimage import QwenImageTransformerBlock
+
+    torch.manual_seed(0)
+    attn = QwenImageTransformerBlock(3072, 24, 128).attn.to("cuda", torch.bfloat16).eval()
+    for norm in (attn.norm_q, attn.norm_k, attn.norm_added_q, attn.norm_added_k):
+        norm.weight.data.normal_(1.0, 0.5)
+    hidden = torch.randn(2, 1024, 3072, device="cuda", dtype=torch.bfloat16)
+    text = torch.randn(2, 77, 3072, device="cuda", dtype=torch.bfloat16)
+    angles = (torch.rand(1024, 64, device="cuda") * 6.28, torch.rand(77, 64, device="cuda") * 6.28)
+    rope = tuple(torch.polar(torch.ones_like(a), a) for a in angles)
+    return attn, hidden, text, (attn.processor, attn, hidden, text, rope, (50, 77))

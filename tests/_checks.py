@@ -119,3 +119,36 @@ def recorded_stats(module: ModuleType) -> Iterator[list[dict[str, Any]]]:
         yield reports
     finally:
         module.stats = original
+
+
+def compiled_and_replayed(fn: Any, args: tuple[Any, ...], change_inputs: Any) -> tuple[Any, list[Any], list[Any], Any]:
+    """``fn`` compiled whole by inductor (``fullgraph=True``), called on ``args``, then captured in a CUDA
+    graph (after a warm-up on the capture stream) and replayed; then ``change_inputs()`` alters the inputs in
+    place and the graph replays again. Returns the compiled call's outputs, a clone of the first replay's,
+    the graph's output tensors after the second replay, and the compiled call's outputs on the changed
+    inputs: a graph that replays the compiled function's bytes gives ``first replay == compiled`` and
+    ``second replay == compiled on the changed inputs``. Resets dynamo before and after. Needs a GPU."""
+    import torch
+
+    torch._dynamo.reset()
+    try:
+        compiled_fn = torch.compile(fn, fullgraph=True)
+        compiled = compiled_fn(*args)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            compiled_fn(*args)  # warm-up on the capture stream
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = compiled_fn(*args)
+        graph.replay()
+        torch.cuda.synchronize()
+        replayed = [t.clone() for t in captured]
+        change_inputs()
+        graph.replay()
+        changed = compiled_fn(*args)
+        torch.cuda.synchronize()
+    finally:
+        torch._dynamo.reset()
+    return compiled, replayed, list(captured), changed

@@ -22,7 +22,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from _cases import cuda_pipeline, run_case
+from _cases import cuda_pipeline, qwen_attention_on_gpu, run_case
+from _checks import compiled_and_replayed
 
 from bcg_diffusion import accelerate, eager, restore, stats
 from bcg_diffusion.features.fp8_attention import choose
@@ -311,23 +312,13 @@ def test_qwen_processor_with_cudnn_fp8_attention_from_the_fp8_prologue_compiles_
     and the fused prologue (which then writes the query and key in float8), compiled whole: near the same
     processor with the compiled prologue (bf16 tensors quantized before attention), and a CUDA graph of
     the compiled function replays its bytes."""
-    from diffusers.models.transformers.transformer_qwenimage import QwenImageTransformerBlock
-
     from bcg_diffusion.kernels import qk_prologue
     from bcg_diffusion.patches.attention import QK_PROLOGUE_ATTRIBUTE, qwen_joint_attention_per_group
 
     if _cudnn_fp8_reason() is not None:
         pytest.skip(_cudnn_fp8_reason())
-    torch.manual_seed(0)
-    attn = QwenImageTransformerBlock(3072, 24, 128).attn.to("cuda", torch.bfloat16).eval()
-    for norm in (attn.norm_q, attn.norm_k, attn.norm_added_q, attn.norm_added_k):
-        norm.weight.data.normal_(1.0, 0.5)
+    attn, hidden, text, args = qwen_attention_on_gpu()
     setattr(attn, KERNEL_ATTRIBUTE, "cudnn-fp8")
-    hidden = torch.randn(2, 1024, 3072, device="cuda", dtype=torch.bfloat16)
-    text = torch.randn(2, 77, 3072, device="cuda", dtype=torch.bfloat16)
-    angles = (torch.rand(1024, 64, device="cuda") * 6.28, torch.rand(77, 64, device="cuda") * 6.28)
-    rope = tuple(torch.polar(torch.ones_like(a), a) for a in angles)
-    args = (attn.processor, attn, hidden, text, rope, (50, 77))
     calls = []
     original = qk_prologue.joint_qkv_fp8
     qk_prologue.joint_qkv_fp8 = lambda *a: calls.append(1) or original(*a)
@@ -339,30 +330,13 @@ def test_qwen_processor_with_cudnn_fp8_attention_from_the_fp8_prologue_compiles_
             setattr(attn, QK_PROLOGUE_ATTRIBUTE, "fused")
             eager_fp8 = qwen_joint_attention_per_group(*args)
             assert calls
-            torch._dynamo.reset()
-            compiled_fn = torch.compile(qwen_joint_attention_per_group, fullgraph=True)
-            compiled = compiled_fn(*args)
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                compiled_fn(*args)  # warm-up on the capture stream
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                captured = compiled_fn(*args)
-            graph.replay()
-            torch.cuda.synchronize()
-            replayed = [t.clone() for t in captured]
             # Smaller values than at capture: the value's largest magnitude must be reduced afresh at each
             # replay (its buffer zeroed inside the graph), not kept from the capture's larger one.
-            hidden.mul_(0.25)
-            text.mul_(0.25)
-            graph.replay()
-            smaller = compiled_fn(*args)
-            torch.cuda.synchronize()
+            compiled, replayed, captured, smaller = compiled_and_replayed(
+                qwen_joint_attention_per_group, args, lambda: (hidden.mul_(0.25), text.mul_(0.25))
+            )
     finally:
         qk_prologue.joint_qkv_fp8 = original
-        torch._dynamo.reset()
     assert all(torch.equal(c, e) for c, e in zip(replayed, compiled, strict=True))
     assert all(torch.equal(c, e) for c, e in zip(captured, smaller, strict=True))
     errors = [
@@ -380,19 +354,9 @@ def test_qwen_processor_compiled_with_the_fused_prologue_stays_near_the_compiled
     (no graph break) and both stay as near the uncompiled output. (Inductor's own path skips the bf16
     roundings between norm and RoPE that diffusers, and the kernel, make: on a CPU it moves the output
     by 0.0066 relative, the fused one by 0.)"""
-    from diffusers.models.transformers.transformer_qwenimage import QwenImageTransformerBlock
-
     from bcg_diffusion.patches.attention import QK_PROLOGUE_ATTRIBUTE, qwen_joint_attention_per_group
 
-    torch.manual_seed(0)
-    attn = QwenImageTransformerBlock(3072, 24, 128).attn.to("cuda", torch.bfloat16).eval()
-    for norm in (attn.norm_q, attn.norm_k, attn.norm_added_q, attn.norm_added_k):
-        norm.weight.data.normal_(1.0, 0.5)
-    hidden = torch.randn(2, 1024, 3072, device="cuda", dtype=torch.bfloat16)
-    text = torch.randn(2, 77, 3072, device="cuda", dtype=torch.bfloat16)
-    angles = (torch.rand(1024, 64, device="cuda") * 6.28, torch.rand(77, 64, device="cuda") * 6.28)
-    rope = tuple(torch.polar(torch.ones_like(a), a) for a in angles)
-    args = (attn.processor, attn, hidden, text, rope, (50, 77))
+    attn, _, _, args = qwen_attention_on_gpu()
     with torch.no_grad():
         setattr(attn, QK_PROLOGUE_ATTRIBUTE, "compiled")
         reference = qwen_joint_attention_per_group(*args)

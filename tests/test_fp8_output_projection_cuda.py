@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _cases import qwen_attention_on_gpu
+from _checks import compiled_and_replayed
 
 from bcg_diffusion.kernels import cudnn_fp8_attention as cudnn_fp8
 from bcg_diffusion.patches import fp8_output_projection as fp8_output
@@ -25,21 +27,12 @@ def _relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
 
 def test_compiled_direct_path_replays_and_stays_near_the_scaled_one():
     pytest.importorskip("torchao")
-    from diffusers.models.transformers.transformer_qwenimage import QwenImageTransformerBlock
     from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow, quantize_
 
     reason = cudnn_fp8.unavailable(torch.device("cuda"))
     if reason is not None:
         pytest.skip(reason)
-    torch.manual_seed(0)
-    attn = QwenImageTransformerBlock(3072, 24, 128).attn.to("cuda", torch.bfloat16).eval()
-    for norm in (attn.norm_q, attn.norm_k, attn.norm_added_q, attn.norm_added_k):
-        norm.weight.data.normal_(1.0, 0.5)
-    hidden = torch.randn(2, 1024, 3072, device="cuda", dtype=torch.bfloat16)
-    text = torch.randn(2, 77, 3072, device="cuda", dtype=torch.bfloat16)
-    angles = (torch.rand(1024, 64, device="cuda") * 6.28, torch.rand(77, 64, device="cuda") * 6.28)
-    rope = tuple(torch.polar(torch.ones_like(a), a) for a in angles)
-    args = (attn.processor, attn, hidden, text, rope, (50, 77))
+    attn, hidden, text, args = qwen_attention_on_gpu()
     with torch.no_grad():
         bf16_attention = qwen_joint_attention_per_group(*args)  # SDPA, bf16 projection: the reference
     config = Float8DynamicActivationFloat8WeightConfig(granularity=PerRow(), set_inductor_config=False)
@@ -48,32 +41,14 @@ def test_compiled_direct_path_replays_and_stays_near_the_scaled_one():
     setattr(attn, QK_PROLOGUE_ATTRIBUTE, "fused")
     assert fp8_output.takes_fp8(attn)
     outputs = {}
-    try:
-        with torch.no_grad():
-            for choice in ("scaled", "direct"):
-                setattr(attn, fp8_output.FP8_OUTPUT_ATTRIBUTE, choice)
-                outputs[choice] = qwen_joint_attention_per_group(*args)
-            torch._dynamo.reset()
-            compiled_fn = torch.compile(qwen_joint_attention_per_group, fullgraph=True)
-            compiled = compiled_fn(*args)
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                compiled_fn(*args)  # warm-up on the capture stream
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                captured = compiled_fn(*args)
-            graph.replay()
-            torch.cuda.synchronize()
-            replayed = [t.clone() for t in captured]
-            hidden.mul_(0.25)  # other values: each group's output descale must follow them
-            text.mul_(0.25)
-            graph.replay()
-            smaller = compiled_fn(*args)
-            torch.cuda.synchronize()
-    finally:
-        torch._dynamo.reset()
+    with torch.no_grad():
+        for choice in ("scaled", "direct"):
+            setattr(attn, fp8_output.FP8_OUTPUT_ATTRIBUTE, choice)
+            outputs[choice] = qwen_joint_attention_per_group(*args)
+        # other values on the second replay: each group's output descale must follow them
+        compiled, replayed, captured, smaller = compiled_and_replayed(
+            qwen_joint_attention_per_group, args, lambda: (hidden.mul_(0.25), text.mul_(0.25))
+        )
     assert all(torch.equal(r, c) for r, c in zip(replayed, compiled, strict=True))
     assert all(torch.equal(c, s) for c, s in zip(captured, smaller, strict=True))
     image_errors = {
