@@ -151,6 +151,19 @@ def test_only_a_plain_row_wise_fp8_projection_takes_the_fp8_output():
     assert not fp8_output.takes_fp8(attn)
 
 
+def test_a_weight_only_fp8_projection_keeps_the_scaled_path():
+    # torchao's Float8WeightOnlyConfig: row-wise e4m3 weights, no product settings and bf16 activations; its
+    # product cannot take float8 rows (it once stopped on torchao's assertion of a product config)
+    attn = _attention(fp8_projection=False)
+    linear = attn.to_out[0]
+    weight = Float8Tensor.from_hp(linear.weight.detach(), torch.float8_e4m3fn, PerRow())
+    assert weight.mm_config is None and weight.act_quant_kwargs is None
+    linear.weight = torch.nn.Parameter(weight, requires_grad=False)
+    assert not fp8_output.takes_fp8(attn)
+    (image, text), _ = _run(attn, (9, 4), 1, "direct")
+    assert image.dtype == text.dtype == torch.bfloat16
+
+
 def test_a_bf16_projection_keeps_the_scaled_path(monkeypatch):
     attn = _attention(fp8_projection=False)
     monkeypatch.setattr(fp8_output, "project", lambda *a: pytest.fail("the FP8 path took a bf16 weight"))

@@ -15,9 +15,11 @@ with its own compiled blocks, which take the same path).
 
 Per attention module, :data:`FP8_OUTPUT_ATTRIBUTE` chooses (:func:`choose`): ``"direct"`` (the default) or
 ``"scaled"``, the output scaled back and quantized again, as before. The projection must be a plain
-``nn.Linear`` whose weight is torchao's float8 e4m3 tensor with one scale per row, without hooks of its own
-or a forward replaced (:func:`takes_fp8`); a LoRA layer, a bf16 weight or a hook gets the scaled path. A
-module attribute, so that the check of the Python state a graph read sees it change.
+``nn.Linear`` whose weight is torchao's float8 e4m3 tensor with one scale per row and activations quantized
+per row, without hooks of its own or a forward replaced (:func:`takes_fp8`); a LoRA layer, a bf16 or
+weight-only FP8 weight or a hook gets the scaled path. A module attribute, so that the check of the Python
+state a graph read sees it change. The direct path calls the product itself, not the module: a global
+module hook sees no call of the projection there, as with the stacked output projection.
 """
 
 from __future__ import annotations
@@ -48,26 +50,36 @@ def choose(model: torch.nn.Module, choice: str) -> int:
 
 
 def _row_wise_fp8(weight: torch.Tensor) -> bool:
-    """Whether ``weight`` is torchao's ``Float8Tensor`` in e4m3 with one scale per output row: what
-    :func:`linear_on_fp8` multiplies an input quantized per row with. Types and attributes only (dynamo
-    guards on them)."""
+    """Whether ``weight`` is torchao's ``Float8Tensor`` in e4m3 with one scale per output row whose product
+    takes activations quantized per row in e4m3 (``Float8DynamicActivationFloat8WeightConfig(PerRow())``'s
+    weights): what :func:`linear_on_fp8` multiplies an input quantized per row with. A weight-only FP8
+    weight (no product settings, bf16 activations) is not. Types and attributes only (dynamo guards on
+    them)."""
     if type(weight) in (torch.Tensor, torch.nn.Parameter):
         return False  # a plain weight: no need to import torchao (FP8 attention runs without it)
     try:
-        from torchao.quantization.quantize_.workflows import Float8Tensor
+        from torchao.quantization import PerRow
+        from torchao.quantization.quantize_.workflows import Float8Tensor, QuantizeTensorToFloat8Kwargs
     except ImportError:  # without torchao no weight is its FP8 tensor: the scaled path, which needs none
         return False
+    if not isinstance(weight, Float8Tensor):
+        return False
+    activation = weight.act_quant_kwargs
     return (
-        isinstance(weight, Float8Tensor)
-        and weight.qdata.dtype == torch.float8_e4m3fn
+        weight.qdata.dtype == torch.float8_e4m3fn
         and tuple(weight.block_size) == (1, weight.shape[-1])
+        and weight.mm_config is not None
+        and isinstance(activation, QuantizeTensorToFloat8Kwargs)
+        and isinstance(activation.granularity, PerRow)
+        and activation.float8_dtype == torch.float8_e4m3fn
     )
 
 
 def takes_fp8(attn: torch.nn.Module) -> bool:
     """Whether ``attn``'s output projection takes attention's FP8 output as it is: the module chose
     ``"direct"`` (:data:`FP8_OUTPUT_ATTRIBUTE`, the default) and ``attn.to_out[0]`` is a plain ``nn.Linear``
-    with a row-wise e4m3 torchao weight, no hooks of its own and no forward replaced on it. Raises
+    with a torchao FP8 weight whose product takes activations quantized per row (:func:`_row_wise_fp8`),
+    no hooks of its own and no forward replaced on it. Raises
     ValueError for a value of the attribute that is not one of :data:`FP8_OUTPUT_CHOICES`."""
     choice = getattr(attn, FP8_OUTPUT_ATTRIBUTE, "direct")
     if choice not in FP8_OUTPUT_CHOICES:
