@@ -52,6 +52,7 @@
 #                    projection on joined rows), fast-fp8-attn (the query and key quantized in the prologue),
 #                    fast-fp8-attn+cache (FP8_PROLOGUE_QWEN_MODES picks the modes)
 #   bench-stacked-qwen Qwen-Image 1024², 50 steps, true CFG 4: eager, fast, fast-joined-output
+#   bench-stacked-qwen-512 the same at 512² (run 149's probe saw the bf16 block 1.7% slower stacked there)
 #   tests-fp8-output the attention output projection taking cuDNN's FP8 output as it is
 #                    (tests/test_fp8_output_projection_cuda.py), then the FP8-prologue tests again (their bounds)
 #   bench-fp8-output-qwen Qwen-Image 1024², 50 steps, true CFG 4: eager, fast-fp8-attn, fast-fp8-all-linears,
@@ -134,7 +135,7 @@
 #                    for `python scripts/screenshot_replay.py DIR OUT.png` here (the GPU machine has no browser)
 # Everything it writes is under $OUT (logs, results.json/.md/.png); copy it to bench/results/<date>-h200/.
 set -uo pipefail
-[ $# -gt 0 ] || { echo "usage: scripts/gpu_session.sh tests-fp8-output|bench-fp8-output-qwen|bench-fp8-output-z|fp8-prologue|probe-stacked|bench-fp8-prologue-qwen|bench-stacked-qwen|bench-fp8-prologue-z|qwen-block-glue|bench-block-glue-qwen|probe-attention|probe-cudnn-fp8|tests-vae-fused|bench-fused-qkv-z|tests-fused-qkv|tests-cudnn-fp8|bench-cudnn-fp8-z|bench-cudnn-fp8-qwen|tests-kernels|probe-fp8-ff|bench-fp8-ff-qwen|bench-kernels-qwen|bench-kernels-z|bench-cachedit-qwen|tests-state|bench-state|tests|tests-full|tests-fast|tests-coexist|tests-shared|tests-cache|bench-cache-qwen-1024|bench-cache-qwen-512|bench-cache-z|bench-cfg-cache-qwen|bench-cfg-cache-qwen-1024|bench-cfg-cache-qwen-512|tests-quant|tests-auto|probe-hand-patches|bench-auto|coverage|bench-fp8-z|bench-fp8-qwen|warm-start-fp8-z|probe-fp8-groups|probe-fp8-block|hotswap-z|tests-z|te-z|fast-check|profile-qwen|profile-z|fast-qwen-50|ab-attention|probe-floor|probe-outside|probe-norms|probe-blocks|compile-max-qwen|memory-z|bench-z|warm-start-z|first-call-qwen-none|first-call-qwen-magcache|first-call-qwen-cachedit|first-call-qwen-fp8|bench-qwen|bench-qwen-512|bench-qwen-1024|issue2|parallel|parallel-cfg|serving|demo ..." >&2; exit 2; }
+[ $# -gt 0 ] || { echo "usage: scripts/gpu_session.sh bench-stacked-qwen-512|tests-fp8-output|bench-fp8-output-qwen|bench-fp8-output-z|fp8-prologue|probe-stacked|bench-fp8-prologue-qwen|bench-stacked-qwen|bench-fp8-prologue-z|qwen-block-glue|bench-block-glue-qwen|probe-attention|probe-cudnn-fp8|tests-vae-fused|bench-fused-qkv-z|tests-fused-qkv|tests-cudnn-fp8|bench-cudnn-fp8-z|bench-cudnn-fp8-qwen|tests-kernels|probe-fp8-ff|bench-fp8-ff-qwen|bench-kernels-qwen|bench-kernels-z|bench-cachedit-qwen|tests-state|bench-state|tests|tests-full|tests-fast|tests-coexist|tests-shared|tests-cache|bench-cache-qwen-1024|bench-cache-qwen-512|bench-cache-z|bench-cfg-cache-qwen|bench-cfg-cache-qwen-1024|bench-cfg-cache-qwen-512|tests-quant|tests-auto|probe-hand-patches|bench-auto|coverage|bench-fp8-z|bench-fp8-qwen|warm-start-fp8-z|probe-fp8-groups|probe-fp8-block|hotswap-z|tests-z|te-z|fast-check|profile-qwen|profile-z|fast-qwen-50|ab-attention|probe-floor|probe-outside|probe-norms|probe-blocks|compile-max-qwen|memory-z|bench-z|warm-start-z|first-call-qwen-none|first-call-qwen-magcache|first-call-qwen-cachedit|first-call-qwen-fp8|bench-qwen|bench-qwen-512|bench-qwen-1024|issue2|parallel|parallel-cfg|serving|demo ..." >&2; exit 2; }
 out=${OUT:-/tmp/bcg-out}
 mkdir -p "$out"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -246,6 +247,12 @@ case "$phase" in
       --guidance 4 --modes ${FP8_PROLOGUE_QWEN_MODES:-eager,fast-fp8,fast-fp8-joined-output,fast-fp8-attn,fast-fp8-attn+cache} \
       --runs 3 --warmup 0 --no-progress --out "$out/fp8-prologue-qwen-1024" 2>&1 | grep -v "Warning\|warnings.warn" \
       | tee "$out/fp8-prologue-qwen-1024.log" | tail -14
+    ;;
+  bench-stacked-qwen-512)
+    timeout 590 python3 -m bench --pipeline qwen-image --weights random-full --resolutions 512x512 --steps 50 \
+      --guidance 4 --modes eager,fast,fast-joined-output,fast-fp8,fast-fp8-joined-output --runs 5 --warmup 0 \
+      --no-progress --out "$out/stacked-qwen-512" 2>&1 | grep -v "Warning\|warnings.warn" \
+      | tee "$out/stacked-qwen-512.log" | tail -14
     ;;
   tests-fp8-output)
     timeout 300 python3 -m pytest -m cuda -q -rs -s -p no:cacheprovider --tb=short tests/test_fp8_output_projection_cuda.py \

@@ -37,7 +37,7 @@
   alone on the image stream's 2 x 4,096 rows.
 * ``fp8-prologue``: cuDNN's FP8 attention's inputs for Qwen-Image 1024² in the CFG batch, the query and key
   quantized after attention's prologue (inductor) against in it (``qk_prologue.joint_qkv_fp8``), alone and
-  in one Qwen-Image FP8 block.
+  in one Qwen-Image FP8 block; then the bf16 and FP8 prologue kernels alone under each launch setting.
 * ``stacked-output``: one Qwen-Image block in the CFG batch, bf16 and FP8, its image output projection run
   per group into one output (``patches.stacked_output``) against the groups' rows joined first, at 1024² and
   512².
@@ -643,6 +643,23 @@ def fp8_prologue() -> None:
     for label, fn in (("quantized after the prologue (inductor)", after), ("quantized in the prologue", inside)):
         _, out = _prologue_report(label, torch.compile(fn), nbytes)
     print(f"   in the prologue against after it: {_difference(out, torch.compile(after)())}", flush=True)
+
+    # The two kernels alone, without the value's cast: the FP8 one moves less (float8 query and key) but
+    # also reduces the value's largest magnitude (one atomic per program) and divides each element.
+    descales = [cudnn_fp8.descale(b) for b in bounds]
+    kernels_alone = {
+        "bf16 prologue (joint_qkv)": (
+            lambda: qk_prologue.joint_qkv(image, text, weights, eps, freqs, lengths),
+            rows * heads * head_dim * (3 * 2 + 3 * 2),  # read q, k, v; write them
+        ),
+        "FP8 prologue (joint_qkv_fp8)": (
+            lambda: qk_prologue.joint_qkv_fp8(image, text, weights, eps, freqs, lengths, *descales),
+            rows * heads * head_dim * (3 * 2 + 2 * 1 + 2),  # read q, k, v; write q8, k8, v
+        ),
+    }
+    for label, (fn, kernel_bytes) in kernels_alone.items():
+        print(f"-- {label}, each launch setting", flush=True)
+        _sweep_configs(fn, kernel_bytes)
 
     from bcg_diffusion.features.fp8_attention import choose_prologue
 
