@@ -39,12 +39,13 @@ def _norm_rope(x, w, eps, cos, sin, OUT_TY: tl.constexpr, BLOCK_R: tl.constexpr,
 
 @triton.jit
 def _store(OUT, rows, d, x, mask, HP_TY: tl.constexpr, DESCALE, FP8: tl.constexpr):
-    """Store rows ``x`` (float32) rounded to ``HP_TY``; with ``FP8``, then divided by the scalar at
-    ``DESCALE``, saturated to e4m3's range and rounded to ``OUT``'s float8 dtype (PyTorch's
-    ``(x.float() / descale).clamp(-448, 448).to(torch.float8_e4m3fn)``, division correctly rounded)."""
+    """Store rows ``x`` (float32) rounded to ``HP_TY``; with ``FP8``, then multiplied by the reciprocal of
+    the scalar at ``DESCALE``, saturated to e4m3's range and rounded to ``OUT``'s float8 dtype (PyTorch's
+    ``(x.float() * descale.reciprocal()).clamp(-448, 448).to(torch.float8_e4m3fn)``, the reciprocal
+    correctly rounded: one division per program, not one per element)."""
     x = x.to(HP_TY)
     if FP8:
-        scaled = tl.math.div_rn(x.to(tl.float32), tl.load(DESCALE))
+        scaled = x.to(tl.float32) * tl.math.div_rn(1.0, tl.load(DESCALE))
         x = tl.clamp(scaled, -448.0, 448.0, propagate_nan=tl.PropagateNan.ALL)
     tl.store(OUT + rows[:, None] + d[None, :], x.to(OUT.dtype.element_ty), mask=mask)
 

@@ -139,10 +139,12 @@ def descale(bound: torch.Tensor) -> torch.Tensor:
 
 
 def quantize(x: torch.Tensor, descale: torch.Tensor) -> torch.Tensor:
-    """``x`` in float8 e4m3 at ``descale`` (a float32 scalar): ``x / descale`` in float32, rounded to the
-    nearest e4m3 value, saturated at ±448 (a value past the bound, bf16 rounding of a bounded one, must
-    not become NaN). The arithmetic attention's prologue kernel repeats for the query and key."""
-    return (x.float() / descale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    """``x`` in float8 e4m3 at ``descale`` (a float32 scalar): ``x`` times ``descale``'s reciprocal in
+    float32 (both correctly rounded), rounded to the nearest e4m3 value, saturated at ±448 (a value past
+    the bound, bf16 rounding of a bounded one, must not become NaN). The arithmetic attention's prologue
+    kernel repeats for the query and key: one division per tensor there, not one per element, which the
+    kernel paid for in time (run 148)."""
+    return (x.float() * descale.float().reciprocal()).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
 
 
 def _quantize(x: torch.Tensor, bound: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
