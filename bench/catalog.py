@@ -139,8 +139,8 @@ DESCRIPTIONS = {
     "as fast-joined-output",
     "fast-fp8-all-linears": "fast-fp8 with every block linear in FP8, the attention output projections too "
     "(quantize_filter=block_linears(pipe.transformer); the default filter keeps those in bf16)",
-    "fast-fp8-all-linears-attn": "fast-fp8-all-linears with FP8 attention: on Qwen-Image, cuDNN's float8 output "
-    "handed to the FP8 output projection as it is (patches.fp8_output_projection)",
+    "fast-fp8-all-linears-attn": "fast-fp8-all-linears with FP8 attention: cuDNN's float8 output handed to the FP8 "
+    "output projection as it is (patches.fp8_output_projection)",
     "fast-fp8-all-linears-attn-scaled-output": "fast-fp8-all-linears-attn with attention's output scaled back to bf16 "
     'and quantized again before the output projection (fp8_output_projection.choose(pipe.transformer, "scaled"))',
     "eager-fp8+cache": "eager-fp8 with the step cache (--cache)",

@@ -79,8 +79,8 @@ def takes_fp8(attn: torch.nn.Module) -> bool:
     """Whether ``attn``'s output projection takes attention's FP8 output as it is: the module chose
     ``"direct"`` (:data:`FP8_OUTPUT_ATTRIBUTE`, the default) and ``attn.to_out[0]`` is a plain ``nn.Linear``
     with a torchao FP8 weight whose product takes activations quantized per row (:func:`_row_wise_fp8`),
-    no hooks of its own and no forward replaced on it. Raises
-    ValueError for a value of the attribute that is not one of :data:`FP8_OUTPUT_CHOICES`."""
+    no hooks of its own and no forward replaced on it. Raises ValueError for a value of the attribute that
+    is not one of :data:`FP8_OUTPUT_CHOICES`."""
     choice = getattr(attn, FP8_OUTPUT_ATTRIBUTE, "direct")
     if choice not in FP8_OUTPUT_CHOICES:
         raise ValueError(
@@ -100,12 +100,12 @@ def project(
     attn: torch.nn.Module, parts: list[torch.Tensor], descales: list[torch.Tensor], dtype: torch.dtype
 ) -> torch.Tensor:
     """``attn.to_out`` (projection, then dropout) on rows given in float8: ``parts`` ``[rows, C]`` e4m3 each,
-    every part of the same rows (in batch order; for Qwen-Image each a batch row's image tokens; one part
-    is not copied), ``descales`` one float32 scalar per part
-    (the part's real values are ``part.float() * descale``); returns ``[len(parts), rows, N]`` in
-    ``dtype``. One torchao product over the parts joined (a copy of float8 rows, half the bytes of the
-    bf16 join), each row's scale its part's descale. Needs :func:`takes_fp8`; raises ValueError when the
-    parts and descales differ in number or the parts are not float8 e4m3."""
+    all of the same rows (in batch order; for Qwen-Image each a batch row's image tokens), ``descales`` one
+    float32 scalar per part (the part's real values are ``part.float() * descale``); returns
+    ``[len(parts), rows, N]`` in ``dtype``. One torchao product over the parts joined (a copy of float8
+    rows, half the bytes of the bf16 join; one part is not copied), each row's scale its part's descale.
+    Needs :func:`takes_fp8`; raises ValueError when the parts and descales differ in number or the parts
+    are not float8 e4m3."""
     if len(parts) != len(descales) or not parts:
         raise ValueError(f"{len(parts)} parts and {len(descales)} descales: one descale per part is needed")
     if any(part.dtype != torch.float8_e4m3fn for part in parts):
