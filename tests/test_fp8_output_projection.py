@@ -1,5 +1,5 @@
-"""Qwen-Image's image output projection taking cuDNN's FP8 attention output as it is
-(``patches/fp8_output_projection.py``), on a CPU: the attention operator and the prologue run their PyTorch
+"""The attention output projection (Qwen-Image's image stream's, Z-Image's) taking cuDNN's FP8 attention
+output as it is (``patches/fp8_output_projection.py``), on a CPU: the attention operator and the prologue run their PyTorch
 references, and torchao's product runs on the CPU on weights made as its config makes them (its hardware
 check aside, as in ``tests/test_fp8_feed_forward.py``). The direct path computes attention's float8 output
 times the FP8 weight; the text stream and the scaled path keep their bytes; anything but a plain row-wise
