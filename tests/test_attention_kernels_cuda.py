@@ -227,11 +227,11 @@ def test_qk_prologue_kernel_matches_its_reference_and_is_deterministic(layout):
 
 def test_qk_prologue_fp8_outputs_are_its_bf16_outputs_quantized():
     """``joint_qkv_fp8`` at Qwen-Image 1024² in fast mode's CFG batch: its query and key are
-    ``joint_qkv``'s quantized by ``cudnn_fp8_attention.quantize`` (divided with correct rounding and cast
-    to e4m3 as PyTorch does) save a rare element (:func:`_assert_quantized_near`), the value is copied, each group's largest value magnitude
-    is PyTorch's ``amax`` of the group's slice to the bit; the same bytes on every call; a NaN in one
-    group's value is that group's largest, not the other's. Then ``norm_rope_fp8`` at Z-Image 1024²
-    against ``norm_rope`` quantized, likewise."""
+    ``joint_qkv``'s quantized by ``cudnn_fp8_attention.quantize`` (times the descale's correctly rounded
+    reciprocal, cast to e4m3 as PyTorch does) save a rare element (:func:`_assert_quantized_near`); the
+    value is copied; each group's largest value magnitude is PyTorch's ``amax`` of the group's slice to the
+    bit; the same bytes on every call; a NaN in one group's value is that group's largest, not the
+    other's. Then ``norm_rope_fp8`` at Z-Image 1024² against ``norm_rope`` quantized, likewise."""
     from bcg_diffusion.kernels import qk_prologue
 
     torch.manual_seed(0)
