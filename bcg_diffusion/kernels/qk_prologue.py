@@ -265,9 +265,9 @@ def joint_qkv_fp8(
     are stored as ``cudnn_fp8_attention.quantize(x, descale)`` of their bf16 values (an element past the
     bound saturates). Those are :func:`joint_qkv`'s but for a few elements per million: the two builds of
     the kernel round a rare norm differently, as each does against PyTorch, which moves an element by at
-    most two bf16 steps of its head's largest. Returns :class:`Fp8Joint`, laid out as :func:`joint_qkv`'s outputs
-    (:func:`group_slices` applies), with each group's largest value magnitude over its valid text and its
-    image (NaN where the group's value holds one). Raises ValueError on what
+    most two bf16 steps of its head's largest. Returns :class:`Fp8Joint`, laid out as :func:`joint_qkv`'s
+    outputs (:func:`group_slices` applies), with each group's largest value magnitude over its valid text
+    and its image (NaN where the group's value holds one). Raises ValueError on what
     :func:`unsupported_joint_fp8` names.
 
     >>> joint = joint_qkv_fp8(image, text, weights, eps, freqs, (77,), descale_q, descale_k)  # doctest: +SKIP
@@ -326,9 +326,9 @@ def norm_rope_fp8(
 
     ``query_descale``, ``key_descale``: as :func:`joint_qkv_fp8` takes them; each of the query and key is
     stored as ``cudnn_fp8_attention.quantize(x, descale)`` of its bf16 values, :func:`norm_rope`'s but
-    for a rare element, as for :func:`joint_qkv_fp8`. Returns
-    two new contiguous ``[B, S, H, D]`` float8 tensors and the value's largest magnitude (a float32 scalar;
-    NaN where the value holds one). Raises ValueError on what :func:`unsupported_norm_rope_fp8` names."""
+    for a rare element, as for :func:`joint_qkv_fp8`. Returns two new contiguous ``[B, S, H, D]`` float8
+    tensors and the value's largest magnitude (a float32 scalar; NaN where the value holds one). Raises
+    ValueError on what :func:`unsupported_norm_rope_fp8` names."""
     descales = (query_descale, key_descale)
     reason = unsupported_norm_rope_fp8(query, key, value, weights, freqs, descales)
     if reason is not None:
