@@ -431,22 +431,24 @@ def qwen_joint_attention_per_group(
             query, key, value = _compiled_joint(image, text, freqs, first, last, length)
         if isinstance(joints, qk_prologue.Fp8Joint):
             descales, largest = (joints.query_descale, joints.key_descale), joints.value_largest[group]
-            out, descale = cudnn_fp8_attention.attention_fp8_output(query, key, *descales, value, largest)
-            if not fp8_output:  # scaled back, as attention_quantized does
-                out = (out.float() * descale).to(value.dtype)
+            if fp8_output:
+                out, descale = cudnn_fp8_attention.attention_fp8_output(query, key, *descales, value, largest)
+            else:
+                out = cudnn_fp8_attention.attention_quantized(query, key, *descales, value, largest)
         else:
             out = attend(attn, query, key, value, _diffusers_dispatch, **options)
         out = out.flatten(2, 3)
-        text_out = out[:, :length]
         if fp8_output:
-            text_out = (text_out.float() * descale).to(value.dtype)  # the text stream's projection is bf16
+            text_out = (out[:, :length].float() * descale).to(value.dtype)  # the text stream's projection: bf16
             image_descales.extend([descale] * rows)
-        text_outputs.append(F.pad(text_out.to(value.dtype), (0, 0, 0, text_tokens - length)))
+        else:
+            out = out.to(value.dtype)
+            text_out = out[:, :length]
+        text_outputs.append(F.pad(text_out, (0, 0, 0, text_tokens - length)))
         image_outputs.extend(out[:, length:].unbind(0))  # each batch row's image rows, [S_image, C]
     if fp8_output:
         image_output = fp8_output_projection.project(attn, image_outputs, image_descales, value.dtype)
     else:
-        image_outputs = [part.to(value.dtype) for part in image_outputs]
         image_output = stacked_output.project_image(attn, image_outputs)
     text_output = attn.to_add_out(torch.cat(text_outputs))
     return image_output, text_output
@@ -673,15 +675,13 @@ def _zimage_attention_call(dispatch: Callable[..., torch.Tensor], default: str) 
         if prologue and attention_mask is None and _fp8_prologue(attn, default, options):
             quantized = _fused_norm_rope(attn, query, key, freqs_cis, fp8_value=value)
         if quantized is not None:
-            query8, key8, query_descale, key_descale, largest = quantized
-            out, descale = cudnn_fp8_attention.attention_fp8_output(
-                query8, key8, query_descale, key_descale, value, largest
-            )
+            query8, key8, *descales, largest = quantized
             if fp8_output_projection.takes_fp8(attn):  # the float8 output as it is, one descale for the batch
-                rows = out.flatten(0, 1).flatten(1, 2)  # [B * S, C]
+                out8, descale = cudnn_fp8_attention.attention_fp8_output(query8, key8, *descales, value, largest)
+                rows = out8.flatten(0, 1).flatten(1, 2)  # [B * S, C]
                 output = fp8_output_projection.project(attn, [rows], [descale], value.dtype)
-                return output.reshape(*out.shape[:2], -1)
-            out = (out.float() * descale).to(value.dtype)  # scaled back, as attention_quantized does
+                return output.reshape(*out8.shape[:2], -1)
+            out = cudnn_fp8_attention.attention_quantized(query8, key8, *descales, value, largest)
         else:
             out = _zimage_attention(
                 attn, query, key, value, attention_mask, freqs_cis, prologue, dispatch, default, options

@@ -52,6 +52,7 @@ __all__ = [
     "patch_fp8_feed_forwards",
     "plain_fp8_linear",
     "unfit",
+    "unfit_float8_weight",
     "unfit_weight",
 ]
 
@@ -76,7 +77,25 @@ def _mslk_installed() -> bool:
 
 def unfit_weight(weight: Any) -> str | None:
     """Why ``weight`` is not a torchao FP8 weight with row-wise scales whose activations torchao
-    quantizes row-wise with its PyTorch kernels (None: it is)."""
+    quantizes row-wise with its PyTorch kernels (None: it is): :func:`unfit_float8_weight`, and torchao
+    would not pick mslk's kernels (installed)."""
+    reason = unfit_float8_weight(weight)
+    if reason is not None:
+        return reason
+    from torchao.quantization.quantize_.workflows.float8.float8_tensor import KernelPreference
+
+    preferences = (weight.kernel_preference, weight.act_quant_kwargs.kernel_preference)
+    if KernelPreference.AUTO in preferences and _mslk_installed():
+        return "torchao would run mslk's kernels (installed), not PyTorch's"
+    return None
+
+
+def unfit_float8_weight(weight: Any) -> str | None:
+    """Why ``weight`` is not a torchao FP8 weight with row-wise scales whose activations are quantized
+    row-wise in e4m3, kernel preference AUTO or TORCH (None: it is). Types and attributes only, so that
+    compiled code can ask too (dynamo guards on them); :func:`unfit_weight` adds the installed packages."""
+    if type(weight) in (torch.Tensor, torch.nn.Parameter):
+        return "the projection's weight is not a torchao Float8Tensor"  # no need to import torchao
     try:
         from torchao.quantization import PerRow
         from torchao.quantization.quantize_.workflows import Float8Tensor, QuantizeTensorToFloat8Kwargs
@@ -87,6 +106,8 @@ def unfit_weight(weight: Any) -> str | None:
         return "the projection's weight is not a torchao Float8Tensor"
     if tuple(weight.block_size) != (1, weight.shape[-1]) or weight.qdata.dtype != torch.float8_e4m3fn:
         return "the weight is not float8_e4m3fn with one scale per row"
+    if weight.mm_config is None:
+        return "the weight has no FP8 product settings (a weight-only config's)"
     act = weight.act_quant_kwargs
     if not isinstance(act, QuantizeTensorToFloat8Kwargs) or not isinstance(act.granularity, PerRow):
         return "the activations are not quantized per row"
@@ -95,8 +116,6 @@ def unfit_weight(weight: Any) -> str | None:
     preferences = (weight.kernel_preference, act.kernel_preference)
     if any(p not in (KernelPreference.AUTO, KernelPreference.TORCH) for p in preferences):
         return "a kernel preference other than AUTO or TORCH"
-    if KernelPreference.AUTO in preferences and _mslk_installed():
-        return "torchao would run mslk's kernels (installed), not PyTorch's"
     return None
 
 

@@ -26,7 +26,8 @@ from __future__ import annotations
 
 import torch
 
-from .fp8_feed_forward import linear_on_fp8
+from .fp8_feed_forward import linear_on_fp8, unfit_float8_weight
+from .stacked_output import plain_linear
 
 __all__ = ["FP8_OUTPUT_ATTRIBUTE", "FP8_OUTPUT_CHOICES", "choose", "project", "takes_fp8"]
 
@@ -49,37 +50,12 @@ def choose(model: torch.nn.Module, choice: str) -> int:
     return len(modules)
 
 
-def _row_wise_fp8(weight: torch.Tensor) -> bool:
-    """Whether ``weight`` is torchao's ``Float8Tensor`` in e4m3 with one scale per output row whose product
-    takes activations quantized per row in e4m3 (``Float8DynamicActivationFloat8WeightConfig(PerRow())``'s
-    weights): what :func:`linear_on_fp8` multiplies an input quantized per row with. A weight-only FP8
-    weight (no product settings, bf16 activations) is not. Types and attributes only (dynamo guards on
-    them)."""
-    if type(weight) in (torch.Tensor, torch.nn.Parameter):
-        return False  # a plain weight: no need to import torchao (FP8 attention runs without it)
-    try:
-        from torchao.quantization import PerRow
-        from torchao.quantization.quantize_.workflows import Float8Tensor, QuantizeTensorToFloat8Kwargs
-    except ImportError:  # without torchao no weight is its FP8 tensor: the scaled path, which needs none
-        return False
-    if not isinstance(weight, Float8Tensor):
-        return False
-    activation = weight.act_quant_kwargs
-    return (
-        weight.qdata.dtype == torch.float8_e4m3fn
-        and tuple(weight.block_size) == (1, weight.shape[-1])
-        and weight.mm_config is not None
-        and isinstance(activation, QuantizeTensorToFloat8Kwargs)
-        and isinstance(activation.granularity, PerRow)
-        and activation.float8_dtype == torch.float8_e4m3fn
-    )
-
-
 def takes_fp8(attn: torch.nn.Module) -> bool:
     """Whether ``attn``'s output projection takes attention's FP8 output as it is: the module chose
     ``"direct"`` (:data:`FP8_OUTPUT_ATTRIBUTE`, the default) and ``attn.to_out[0]`` is a plain ``nn.Linear``
-    with a torchao FP8 weight whose product takes activations quantized per row (:func:`_row_wise_fp8`),
-    no hooks of its own and no forward replaced on it. Raises ValueError for a value of the attribute that
+    (:func:`bcg_diffusion.patches.stacked_output.plain_linear`: no hooks of its own, no forward replaced)
+    with a torchao FP8 weight whose product takes activations quantized per row, as fast mode's FP8
+    feed-forward asks of its weights (:func:`bcg_diffusion.patches.fp8_feed_forward.unfit_float8_weight`). Raises ValueError for a value of the attribute that
     is not one of :data:`FP8_OUTPUT_CHOICES`."""
     choice = getattr(attn, FP8_OUTPUT_ATTRIBUTE, "direct")
     if choice not in FP8_OUTPUT_CHOICES:
@@ -87,13 +63,7 @@ def takes_fp8(attn: torch.nn.Module) -> bool:
             f"{type(attn).__name__}.{FP8_OUTPUT_ATTRIBUTE} is {choice!r}; expected one of {FP8_OUTPUT_CHOICES}"
         )
     projection = attn.to_out[0]
-    return (
-        choice == "direct"
-        and type(projection) is torch.nn.Linear
-        and "forward" not in projection.__dict__
-        and not (projection._forward_hooks or projection._forward_pre_hooks)
-        and _row_wise_fp8(projection.weight)
-    )
+    return choice == "direct" and plain_linear(projection) and unfit_float8_weight(projection.weight) is None
 
 
 def project(

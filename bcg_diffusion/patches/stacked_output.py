@@ -24,7 +24,7 @@ import torch
 
 from ..kernels import stacked_linear
 
-__all__ = ["STACKED_OUTPUT_ATTRIBUTE", "STACKED_OUTPUT_CHOICES", "choose", "project_image"]
+__all__ = ["STACKED_OUTPUT_ATTRIBUTE", "STACKED_OUTPUT_CHOICES", "choose", "plain_linear", "project_image"]
 
 STACKED_OUTPUT_ATTRIBUTE = "_bcg_stacked_output"
 STACKED_OUTPUT_CHOICES = ("stacked", "joined")
@@ -45,7 +45,7 @@ def choose(model: torch.nn.Module, choice: str) -> int:
     return len(modules)
 
 
-def _plain_linear(module: torch.nn.Module) -> bool:
+def plain_linear(module: torch.nn.Module) -> bool:
     """Whether calling ``module`` is exactly ``F.linear`` with its own weight and bias: a plain
     ``nn.Linear`` without hooks of its own or a forward replaced on it (accelerate's offload hooks replace
     it). Global module hooks are not looked at: the runner's search for ops a graph cannot hold installs
@@ -65,7 +65,7 @@ def _stacks(attn: torch.nn.Module, projection: torch.nn.Module, parts: list[torc
         raise ValueError(
             f"{type(attn).__name__}.{STACKED_OUTPUT_ATTRIBUTE} is {choice!r}; expected one of {STACKED_OUTPUT_CHOICES}"
         )
-    if choice == "joined" or len(parts) < 2 or not _plain_linear(projection):
+    if choice == "joined" or len(parts) < 2 or not plain_linear(projection):
         return False
     return stacked_linear.unsupported(parts, projection.weight, projection.bias) is None
 
