@@ -260,7 +260,10 @@ def test_qk_prologue_fp8_outputs_are_its_bf16_outputs_quantized():
     assert torch.equal(joint.value_largest, expected_largest) and expected_largest[1] == 30.0
     again = qk_prologue.joint_qkv_fp8(image, text, weights, eps, freqs, lengths, *descales)
     for a, b in zip(again[:3], joint[:3]):
-        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), "the kernel is not deterministic"
+        # Each group's slice: the rows before a shorter prompt's text are padding the kernel never
+        # writes (attention never reads them), so they hold whatever the allocator left there.
+        for sa, sb in zip(*(qk_prologue.group_slices(t.view(torch.uint8), lengths, text_tokens) for t in (a, b))):
+            assert torch.equal(sa, sb), "the kernel is not deterministic"
     image[2][0, 7, 2, 9] = float("nan")
     largest = qk_prologue.joint_qkv_fp8(image, text, weights, eps, freqs, lengths, *descales).value_largest
     assert largest[0].isnan() and largest[1] == 30.0, largest
