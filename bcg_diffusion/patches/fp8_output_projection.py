@@ -11,7 +11,9 @@ quantized again, row by row, by torchao's dynamic activation quantization, befor
 scale its group's descale (:func:`bcg_diffusion.patches.fp8_feed_forward.linear_on_fp8`). The product then
 quantizes nothing, and its input is rounded once (by attention) instead of three times (attention, bf16,
 the row quantization): another rounding than the path it replaces, which fast mode allows (its contract is
-with its own compiled blocks, which take the same path).
+with its own compiled blocks, which take the same path). Measured on an H200 (runs 158 and 159): 0.015 s of
+Qwen-Image's 50 steps at 1024² with CFG (within the runs' spread) and 2% of a Z-Image-Turbo call at 1024²
+(0.508 → 0.499 s); most of what FP8 output projections gain is the product's own.
 
 Per attention module, :data:`FP8_OUTPUT_ATTRIBUTE` chooses (:func:`choose`): ``"direct"`` (the default) or
 ``"scaled"``, the output scaled back and quantized again, as before. The projection must be a plain
