@@ -49,6 +49,7 @@ __all__ = [
     "attention",
     "attention_fp8_output",
     "attention_quantized",
+    "dequantize",
     "descale",
     "pack_scales",
     "quantize",
@@ -147,6 +148,13 @@ def quantize(x: torch.Tensor, descale: torch.Tensor) -> torch.Tensor:
     return (x.float() * descale.float().reciprocal()).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
 
 
+def dequantize(x8: torch.Tensor, descale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x8`` (float8 e4m3) scaled back by ``descale`` (a float32 scalar) in float32, rounded to ``dtype``:
+    how this module scales attention's float8 output back, so that a caller that scales part of it back
+    itself gets the same bytes."""
+    return (x8.float() * descale).to(dtype)
+
+
 def _quantize(x: torch.Tensor, bound: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """``x`` in e4m3 with its descale: ``bound`` (else ``x``'s largest magnitude) maps to 448."""
     largest = x.abs().amax() if bound is None else bound.to(device=x.device)
@@ -194,7 +202,7 @@ def attention_quantized(
     Refuses (ValueError) what :func:`unsupported_quantized` names.
     """
     out8, descale_o = attention_fp8_output(query8, key8, query_descale, key_descale, value, value_largest, scale)
-    return (out8.float() * descale_o).to(value.dtype)
+    return dequantize(out8, descale_o, value.dtype)
 
 
 def attention_fp8_output(
@@ -213,7 +221,7 @@ def attention_fp8_output(
     :func:`attention_quantized` does.
 
     >>> out8, descale = attention_fp8_output(q8, k8, dq, dk, v)  # doctest: +SKIP
-    >>> torch.equal((out8.float() * descale).to(v.dtype), attention_quantized(q8, k8, dq, dk, v))  # doctest: +SKIP
+    >>> torch.equal(dequantize(out8, descale, v.dtype), attention_quantized(q8, k8, dq, dk, v))  # doctest: +SKIP
     True
     """
     reason = unsupported_quantized(query8, key8, value)

@@ -439,7 +439,7 @@ def qwen_joint_attention_per_group(
             out = attend(attn, query, key, value, _diffusers_dispatch, **options)
         out = out.flatten(2, 3)
         if fp8_output:
-            text_out = (out[:, :length].float() * descale).to(value.dtype)  # the text stream's projection: bf16
+            text_out = cudnn_fp8_attention.dequantize(out[:, :length], descale, value.dtype)  # its projection: bf16
             image_descales.extend([descale] * rows)
         else:
             out = out.to(value.dtype)

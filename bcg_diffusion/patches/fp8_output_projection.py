@@ -57,8 +57,8 @@ def takes_fp8(attn: torch.nn.Module) -> bool:
     ``"direct"`` (:data:`FP8_OUTPUT_ATTRIBUTE`, the default) and ``attn.to_out[0]`` is a plain ``nn.Linear``
     (:func:`bcg_diffusion.patches.stacked_output.plain_linear`: no hooks of its own, no forward replaced)
     with a torchao FP8 weight whose product takes activations quantized per row, as fast mode's FP8
-    feed-forward asks of its weights (:func:`bcg_diffusion.patches.fp8_feed_forward.unfit_float8_weight`). Raises ValueError for a value of the attribute that
-    is not one of :data:`FP8_OUTPUT_CHOICES`."""
+    feed-forward asks of its weights (:func:`bcg_diffusion.patches.fp8_feed_forward.unfit_float8_weight`).
+    Raises ValueError for a value of the attribute that is not one of :data:`FP8_OUTPUT_CHOICES`."""
     choice = getattr(attn, FP8_OUTPUT_ATTRIBUTE, "direct")
     if choice not in FP8_OUTPUT_CHOICES:
         raise ValueError(

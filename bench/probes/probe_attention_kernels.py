@@ -645,7 +645,7 @@ def fp8_prologue() -> None:
     print(f"   in the prologue against after it: {_difference(out, torch.compile(after)())}", flush=True)
 
     # The two kernels alone, without the value's cast: the FP8 one moves less (float8 query and key) but
-    # also reduces the value's largest magnitude (one atomic per program) and divides each element.
+    # also reduces the value's largest magnitude (one atomic per program) and scales each element.
     descales = [cudnn_fp8.descale(b) for b in bounds]
     kernels_alone = {
         "bf16 prologue (joint_qkv)": (
