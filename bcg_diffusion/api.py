@@ -14,10 +14,10 @@ from typing import Any, TypeVar
 import torch
 
 from . import features
+from .components import follow_components, module_eager_reason
 from .config import _KNOWN_COMPONENTS, AccelerateConfig, describe_changes
 from .core.hooks import diffusers_hooks, serialise_calls, unserialise_calls
 from .core.runner import BCGWarning
-from .features.step_caching import cache_dit_unsupported
 from .group import GraphGroup, held_by, pipeline_names
 from .pipelines import PipelineAdapter, adapter_for
 from .state import (
@@ -83,20 +83,9 @@ def _eager_reason(pipe: Any, config: AccelerateConfig, device: torch.device) -> 
         if not torch.cuda.is_available():
             return "CUDA is not available"
     for name in config.components:
-        module = getattr(pipe, name, None)
-        if module is not None and hasattr(module, "_hf_hook"):
-            return (
-                f"{name} has accelerate offload hooks (enable_*_cpu_offload): graphs need weights resident on the GPU"
-            )
-        hooks = diffusers_hooks(module) if isinstance(module, torch.nn.Module) else []
-        if hooks:
-            return (
-                f"{name} has diffusers hooks {hooks} (a cache other than FirstBlockCache, TaylorSeer and MagCache, "
-                "layerwise casting or group offloading: they decide on the host or move weights every forward); "
-                "remove them, or accept eager speed"
-            )
-        if isinstance(module, torch.nn.Module) and (reason := cache_dit_unsupported(module)) is not None:
-            return f"{name}: {reason}"
+        reason = module_eager_reason(name, getattr(pipe, name, None))
+        if reason is not None:
+            return reason
     return None
 
 
@@ -204,7 +193,7 @@ def accelerate(pipe: P, config: AccelerateConfig | None = None, **options: Any) 
         warnings.warn(
             f"bcg-diffusion: {type(pipe).__name__} has none of {config.components}", BCGWarning, stacklevel=2
         )
-    serialise_calls(pipe, group.lock)
+    serialise_calls(pipe, group.lock, before_call=lambda: follow_components(state))
     attach_state(pipe, state)
     weakref.finalize(pipe, _release_collected, state).atexit = False
     if config.warmup:
@@ -369,18 +358,19 @@ def stats(pipe: Any) -> dict[str, Any]:
         patches += [name for feature in installed for name in feature.patch_names()]
         shared_with = pipeline_names(group.members, but=state) if group is not None else []
     totals = ("captures", "replays", "eager_fallbacks", "misses", "evictions", "invalidations", "hotswaps")
-    totals += ("state_checks", "state_changes", "capture_seconds", "state_check_seconds")
+    totals += ("state_checks", "state_changes", "capture_seconds", "state_check_seconds", "mismatches")
     return {
         "active": state.active,
         "reason": state.reason,
         "mode": state.config.mode,
         "debug": state.config.debug,
         "adapter": state.adapter.name,
-        **{key: sum(c[key] for c in components.values()) for key in totals},
+        **{key: sum(c[key] for c in components.values()) + state.retired.get(key, 0) for key in totals},
         "graph_memory_bytes": pool_bytes,
         **reported,
         "signatures": signatures,
         "components": components,
         "patches": patches,
         "shared_with": shared_with,
+        "replaced_components": list(state.replaced_components),
     }

@@ -26,8 +26,13 @@ class AccelerateConfig:
             its own) and the whole forward, compiled blocks included, is captured as breakable graphs.
             Byte-identical to the same compiled blocks run without graphs (``with eager(pipe):``), not
             to eager: compiled kernels round differently (see the README for measured differences).
-        debug: run the whole runner path (signatures, static buffers, copies, output clones,
-            counters) eagerly, without CUDA graphs. Works on CPU; tells a capture bug from a model bug.
+        debug: run the whole runner path (signatures, static buffers, copies, output clones, counters)
+            without CUDA graphs, on any device, the CPU included. Each signature's forward is recorded
+            once and replayed from its record (:mod:`bcg_diffusion.core.recording`): Python values are
+            baked in as a graph bakes them, so debug mode goes stale exactly where a GPU would.
+            ``"verify"``: the same, and every replay is also compared with the eager forward; a difference
+            warns (:class:`BCGWarning`), naming the first operation that differs and its source line,
+            and is counted in ``stats()["mismatches"]``. The tool to ask "is my model safe to graph?".
         components: which pipeline components to run as graphs: ``"transformer"`` (its forward),
             ``"transformer_2"`` (the second expert of two-expert pipelines such as Wan 2.2), ``"vae"`` (its ``decode``) and ``"text_encoder"`` (its forward; built for Z-Image's Qwen3
             encoder, whose prompts are always padded to 512 tokens: one capture serves every prompt;
@@ -94,7 +99,7 @@ class AccelerateConfig:
     """
 
     mode: str = "exact"
-    debug: bool = False
+    debug: bool | str = False
     components: tuple[str, ...] | None = None
     warmup_runs: int = 2
     capture_error_mode: str = "thread_local"
@@ -115,7 +120,11 @@ class AccelerateConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.mode, str) or self.mode not in _MODES:
             raise ValueError(f"mode must be one of {_MODES}, got {self.mode!r}")
-        for name in ("debug", "track_external_tensors", "lazy_capture", "auto_breaks"):
+        if isinstance(self.debug, str) and self.debug != "verify":
+            raise ValueError(f'debug must be True, False or "verify", got {self.debug!r}')
+        if not isinstance(self.debug, (bool, str)):
+            raise TypeError(f'debug must be a bool or "verify", got {type(self.debug).__name__}')
+        for name in ("track_external_tensors", "lazy_capture", "auto_breaks"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {type(getattr(self, name)).__name__}")
         if not isinstance(self.cfg_parallel, bool) and not hasattr(self.cfg_parallel, "size"):

@@ -118,9 +118,12 @@ class GraphGroup:
                 "share their graphs and must be accelerated with the same options (or restore the others first)"
             )
 
-    def take(self, state: Any, modules: dict[str, torch.nn.Module]) -> dict[str, HeldModule]:
+    def take(
+        self, state: Any, modules: dict[str, torch.nn.Module], pipeline_features: bool = True
+    ) -> dict[str, HeldModule]:
         """Accelerate ``modules`` (``state``'s pipeline's modules that no member holds yet) and return the
-        records of those that got a runner or a feature; install ``state``'s pipeline features."""
+        records of those that got a runner or a feature; install ``state``'s pipeline features too, unless
+        ``pipeline_features`` is False (a component replaced later: the pipeline's are installed already)."""
         pipe, config, adapter = state.pipe, self.config, self.adapter
         transformer = modules.get("transformer", getattr(pipe, "transformer", None))
         setup = Setup(
@@ -135,7 +138,7 @@ class GraphGroup:
         records = {name: HeldModule(name, module, self) for name, module in modules.items()}
         features: list[Feature] = []
         try:
-            self._install(setup, state, records, features)
+            self._install(setup, state, records, features, pipeline_features)
         except BaseException:
             # Leave the modules as they were; the error itself is what the caller must see.
             _undo(records.values(), features, state)
@@ -145,13 +148,22 @@ class GraphGroup:
             object.__setattr__(record.module, _HELD_ATTR, record)
         return taken
 
-    def _install(self, setup: Setup, state: Any, records: dict[str, HeldModule], features: list[Feature]) -> None:
+    def _install(
+        self,
+        setup: Setup,
+        state: Any,
+        records: dict[str, HeldModule],
+        features: list[Feature],
+        pipeline_features: bool = True,
+    ) -> None:
         """The install order every feature relies on (see :mod:`bcg_diffusion.features.base`)."""
         for name, record in records.items():
             self.adapter.install_module(name, record.module, record.patches)
         for feature_class in feature_registry.FEATURES:  # looked up now: the list is the extension point
             if feature_class.component is not None and feature_class.component not in records:
                 continue  # its module is absent, or held already (installed by the pipeline that took it)
+            if feature_class.component is None and not pipeline_features:
+                continue
             feature = feature_class.create(setup)
             if feature is not None:
                 features.append(feature)
@@ -210,24 +222,27 @@ class GraphGroup:
     def release(self, state: Any) -> list[HeldModule]:
         """``state``'s pipeline leaves: undo what only it held. Returns the records other members still
         hold. The caller holds :attr:`lock`."""
-        kept = []
-        for record in state.held.values():
-            record.holders.remove(state)
-            if record.holders:
-                kept.append(record)
-                continue
-            for feature in record.features:
-                feature.before_undo()
-            record.patches.undo()
-            if record.runner is not None:
-                record.runner.close()
-            for feature in record.features:
-                feature.close()
-            record.module.__dict__.pop(_HELD_ATTR, None)
+        kept = [record for record in state.held.values() if not self.let_go(record, state)]
         self.members.remove(state)
         if not self.members:
             self.close()
         return kept
+
+    def let_go(self, record: HeldModule, state: Any) -> bool:
+        """``state``'s pipeline no longer holds ``record``'s module: undo everything on the module if no other
+        member holds it (True), else leave it accelerated for them (False). The caller holds :attr:`lock`."""
+        record.holders.remove(state)
+        if record.holders:
+            return False
+        for feature in record.features:
+            feature.before_undo()
+        record.patches.undo()
+        if record.runner is not None:
+            record.runner.close()
+        for feature in record.features:
+            feature.close()
+        record.module.__dict__.pop(_HELD_ATTR, None)
+        return True
 
     def close(self) -> None:
         """No member is left: revert the process-wide patches and let the pool go."""

@@ -35,6 +35,12 @@ class PipelineState:
     held: dict[str, HeldModule] = field(default_factory=dict)
     patches: MethodPatches = field(default_factory=MethodPatches)
     features: list[Feature] = field(default_factory=list)
+    # Components set on the pipeline after accelerate (see bcg_diffusion.components), in order; and the modules
+    # left eager among them (by id, with their component names), so each is refused once, not at every call.
+    replaced_components: list[str] = field(default_factory=list)
+    left_eager: dict[int, set[str]] = field(default_factory=dict)
+    # The counters of the runners of components replaced since: stats() totals keep counting them.
+    retired: dict[str, float] = field(default_factory=dict)
 
     @property
     def pipe(self) -> Any:

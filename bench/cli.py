@@ -148,6 +148,12 @@ def build_parser() -> argparse.ArgumentParser:
         "with random weights, built on the GPU, no download), a hub id or a local path",
     )
     parser.add_argument(
+        "--layers",
+        type=int,
+        help="random-full only: keep every width but only this many layers of the transformer and text encoder "
+        "(what a CPU can build: the per-call costs of full-width modules, the state check's among them)",
+    )
+    parser.add_argument(
         "--device",
         type=runs.device_name,
         help="cpu, cuda or cuda:N (default: cuda if torch sees a CUDA GPU, else cpu)",
@@ -234,6 +240,8 @@ def parse_args(argv: list[str] | None = None, parser: argparse.ArgumentParser | 
         parser.error(str(exc))
     if not args.cases:
         parser.error(f"--preset {args.preset} has no case for --pipeline {' or '.join(args.pipeline)}")
+    if args.layers is not None and (args.weights != "random-full" or args.layers < 1):
+        parser.error(f"--layers takes a positive number of layers, with --weights random-full (got {args.layers})")
     args.device = args.device or runs.default_device()
     if (problem := runs.device_problem(args.device)) is not None:
         parser.error(problem)
@@ -291,7 +299,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parse_args(argv, parser)
     pipelines = _pipeline_names(args)
-    if runs.refuse_without_gpu("bench", args.weights, pipelines, runs.smoke_command(pipelines)):
+    weights = "tiny" if args.layers is not None else args.weights  # reduced depth: a CPU can build it
+    if runs.refuse_without_gpu("bench", weights, pipelines, runs.smoke_command(pipelines)):
         return 2
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logger.setLevel(logging.INFO)
@@ -302,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
     command = "python -m bench " + shlex.join(sys.argv[1:] if argv is None else argv)
     record: dict[str, Any] = {
         "command": command,
-        "weights": args.weights,
+        "weights": args.weights if args.layers is None else f"{args.weights}, {args.layers} layer(s)",
         "runs": args.runs,
         "stage_syncs": args.stage_syncs,
         "environment": measure.environment(args.device),

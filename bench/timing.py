@@ -45,7 +45,8 @@ def build(name: str, args: argparse.Namespace) -> Any:
     dtype = torch.bfloat16 if args.device.type == "cuda" else None
     started = time.perf_counter()
     try:
-        base = build_pipeline(name, args.weights, device=args.device, dtype=dtype)
+        layers = getattr(args, "layers", None)
+        base = build_pipeline(name, args.weights, device=args.device, dtype=dtype, num_layers=layers)
     except (OSError, ValueError) as exc:
         if isinstance(exc, ValueError) and args.weights in RANDOM_WEIGHTS:
             raise

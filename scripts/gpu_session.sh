@@ -151,10 +151,11 @@ case "$phase" in
       2>&1 | tee "$out/pytest-cuda-tiny.log" | tail -15
     ;;
   tests-state)
-    # Python state read by captures (module attributes, globals, in-place constants) and object arguments
+    # Python state read by captures (module attributes, globals, in-place constants; processors, non-plain
+    # attributes, global settings, hooks, replaced components, inputs written) and object arguments
     # (Flux2KleinKVPipeline's KV cache, arguments used through eager breaks), exact and fast (tiny)
-    timeout "${STATE_TESTS_TIMEOUT:-240}" python3 -m pytest -m cuda -q -rs -s -p no:cacheprovider --tb=short \
-      tests/test_python_state_cuda.py tests/test_object_arguments_cuda.py 2>&1 \
+    timeout "${STATE_TESTS_TIMEOUT:-420}" python3 -m pytest -m cuda -q -rs -s -p no:cacheprovider --tb=short \
+      tests/test_python_state_cuda.py tests/test_stale_state_cuda.py tests/test_object_arguments_cuda.py 2>&1 \
       | grep -v "Warning\|warnings.warn" | tee "$out/pytest-state.log" | tail -30
     ;;
   bench-state)

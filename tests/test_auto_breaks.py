@@ -5,6 +5,7 @@ stand-in for the capture; the real captures are in ``test_auto_breaks_cuda.py``)
 from __future__ import annotations
 
 import threading
+import warnings
 
 import pytest
 import torch
@@ -148,17 +149,26 @@ class HostRead(torch.nn.Module):
 
 @pytest.mark.parametrize("auto_breaks", [True, False])
 def test_debug_mode_lists_the_breaks_a_capture_would_make(auto_breaks):
+    # Debug mode records the forward as a capture would: with automatic breaks the host read becomes one; without
+    # them the recording refuses it, as CUDA refuses it inside a capture, and the signature runs eagerly.
     model = HostRead()
     runner = GraphRunner(
         model.forward, name="toy", pool=None, lock=threading.RLock(), debug=True, module=model, auto_breaks=auto_breaks
     )
-    with torch.no_grad():
-        for _ in range(2):  # the first replay runs under the finder
-            x = torch.randn(4)
-            assert torch.equal(runner(x), x * float(x.sum()))
+    with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        x = torch.tensor([1.0, 2.0, 3.0, 4.0])
+        for inputs in (x, x.flip(0)):  # the capture, then a replay whose host read gives the same sum
+            assert torch.equal(runner(inputs), inputs * float(inputs.sum()))
     [record] = runner.records()
-    assert record.hostile_ops and record.hostile_ops[0].startswith("aten._local_scalar_dense.default (host sync)")
-    assert record.auto_breaks == (record.hostile_ops if auto_breaks else [])
+    if auto_breaks:
+        assert record.hostile_ops and record.hostile_ops[0].startswith("aten._local_scalar_dense.default (host sync)")
+        assert record.auto_breaks == record.hostile_ops and record.breaks == 1
+        assert runner.counters.replays == 1 and not caught
+    else:
+        assert record.status == "failed" and "aten._local_scalar_dense.default (host sync)" in record.reason
+        assert runner.counters.eager_fallbacks == 2
+        assert any("runs eagerly" in str(w.message) for w in caught)
 
 
 class BuildsFromPython(torch.nn.Module):

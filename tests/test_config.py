@@ -16,7 +16,8 @@ def test_defaults():
     ("options", "error", "match"),
     [
         ({"mode": "turbo"}, ValueError, "mode must be one of"),
-        ({"debug": "yes"}, TypeError, "debug must be a bool"),
+        ({"debug": "yes"}, ValueError, 'debug must be True, False or "verify"'),
+        ({"debug": 1}, TypeError, "debug must be a bool"),
         ({"components": ("unet",)}, ValueError, "unknown components"),
         ({"components": ()}, ValueError, "empty"),
         ({"components": [1]}, TypeError, "tuple of strings"),

@@ -37,6 +37,10 @@ def test_fast_mode_options_are_validated():
 
 
 class _FakeCapture:
+    """A CUDA capture's tracker and its way of calling compiled regions, without a stream."""
+
+    call_compiled = graphs_module._BreakableCapture.call_compiled
+
     def __init__(self) -> None:
         self.tracker = _ExternalTensorTracker(capture_stream=None)
 

@@ -128,7 +128,7 @@ def test_the_package_has_no_import_cycle():
 
 def test_the_top_level_holds_the_public_entry_and_the_subpackages():
     top = sorted(path.stem for path in ROOT.glob("*.py"))
-    assert top == ["__init__", "api", "config", "group", "state", "warmup"], top
+    assert top == ["__init__", "api", "components", "config", "group", "state", "warmup"], top
     assert len(top) <= 10
 
 

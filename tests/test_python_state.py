@@ -136,7 +136,9 @@ def test_a_mutable_list_a_constant_was_built_from_is_watched():
     watch.add("sig", recorder.reads)
     assert watch.changes() == []
     data[1] = 5.0
-    assert [w.describe_change() for w in watch.changes()] == ["the data of torch.tensor: changed in place"]
+    assert [w.describe_change() for w in watch.changes()] == [
+        "the data of torch.tensor: [0.0, 1.0] -> [0.0, 5.0] (changed in place)"
+    ]
 
 
 def test_compiled_regions_run_with_the_hook_off_and_are_counted():

@@ -43,7 +43,7 @@ from diffusers.quantizers.gguf.utils import GGUFLinear, GGUFParameter  # noqa: E
 
 QUANT_TYPES = ("Q8_0", "Q4_0")
 # What Q4_0's dequantize builds from Python data on every forward: ``torch.tensor([0, 4], device=...)``
-Q4_0_OP = "aten.lift_fresh.default (tensor from Python data)"
+Q4_0_OP = "torch.tensor (tensor from Python data, held as a graph constant)"
 
 
 def gguf_weights(model: torch.nn.Module, quant_type: str) -> list[str]:

@@ -163,5 +163,7 @@ def test_debug_mode_logs_a_debug_run_not_an_empty_capture(caplog):
     with torch.no_grad(), caplog.at_level("INFO", logger="bcg_diffusion.core.runner"):
         runner(torch.zeros(3))
     lines = [r.getMessage() for r in caplog.records if r.name == "bcg_diffusion.core.runner"]
-    assert any("toy: debug run of" in line and "(no graph: debug mode)" in line for line in lines), lines
+    assert any("toy: debug mode recorded" in line and "(no graph; replayed as: record)" in line for line in lines), (
+        lines
+    )
     assert not any("segments" in line or "MiB" in line for line in lines), lines

@@ -52,11 +52,12 @@ segment; we need owned bridges, tensor-returning breaks and segment boundaries w
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import functools
 import logging
 import warnings
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -373,54 +374,60 @@ def _plain_tensors(tree: Any) -> list[Any]:
     return out
 
 
-def call_untracked(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    """Call ``fn(*args, **kwargs)`` with the capture's external-tensor tracker paused.
+@contextlib.contextmanager
+def host_work() -> Iterator[None]:
+    """Bookkeeping of ours during a capture that is not part of the forward (comparing a graph constant's
+    values, building its host copy). A CUDA capture records no host work anyway; a debug recording
+    (:mod:`bcg_diffusion.core.recording`), where the model's tensors are host tensors too, pauses for it."""
+    paused = getattr(_ACTIVE.get(), "paused", None)
+    if paused is None:
+        yield
+        return
+    with paused():
+        yield
 
-    For compiled regions, which ``torch.compile`` will not run under a dispatch mode. Outside a
-    capture, or when the tracker is off, it is a plain call. During a capture the tracker first keeps
-    ``fn``'s tensor arguments that the capture did not create (as it would for any op), marks ``fn``'s
-    tensor results as created by the capture, and is paused only in between. Needs: ``fn`` reads no
-    CUDA tensor from outside the capture except its arguments and what its owner holds for the
-    graph's whole life (a module's parameters and buffers, a compiled function's constants).
+
+def call_untracked(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """Call ``fn(*args, **kwargs)``, a compiled region, as the active capture needs it called.
+
+    ``torch.compile`` will not run compiled frames under a dispatch mode, and guards on the torch-function
+    mode stack, so the modes of ours that say so (``pauses_for_compiled_code``) leave the stacks meanwhile.
+    Outside a capture it is a plain call. During a CUDA capture the external-tensor tracker first keeps
+    ``fn``'s tensor arguments that the capture did not create (as it would for any op), marks ``fn``'s tensor
+    results as created by the capture, and is paused only in between. During a recording
+    (:mod:`bcg_diffusion.core.recording`, debug mode), ``fn`` is recorded as one call that every replay makes
+    again. Needs: ``fn`` reads no CUDA tensor from outside the capture except its arguments and what its
+    owner holds for the graph's whole life (a module's parameters and buffers, a compiled function's
+    constants).
     """
     if python_state.recording():
         # The read recorder's hook on nn.Module leaves meanwhile: dynamo traces attribute access itself.
         with python_state.paused():
             return call_untracked(fn, *args, **kwargs)
-    # A torch-function mode that pauses for compiled code (bcg_diffusion.core.python_data's, during warm-ups
-    # and captures) leaves the stack meanwhile: torch.compile guards on that stack, and would compile
-    # each block again.
-    mode = _get_current_function_mode()
-    if not getattr(mode, "pauses_for_compiled_code", False):
-        return _call_untracked(fn, *args, **kwargs)
-    mode.__exit__(None, None, None)
+    # Torch-function modes that pause for compiled code (bcg_diffusion.core.python_data's, during warm-ups and
+    # captures; a recording's) leave the stack meanwhile: torch.compile guards on that stack, and would
+    # compile each block again.
+    paused = []
+    while getattr(mode := _get_current_function_mode(), "pauses_for_compiled_code", False):
+        mode.__exit__(None, None, None)
+        paused.append(mode)
     try:
-        return _call_untracked(fn, *args, **kwargs)
+        capture = _ACTIVE.get()
+        if capture is not None:
+            return capture.call_compiled(fn, args, kwargs)
+        return _call_unwatched(fn, args, kwargs)
     finally:
-        mode.__enter__()
+        for mode in reversed(paused):
+            mode.__enter__()
 
 
-def _call_untracked(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    capture = _ACTIVE.get()
-    tracker = capture.tracker if capture is not None else None
-    if tracker is None or not tracker.recording:
-        if getattr(_get_current_dispatch_mode(), "pauses_for_compiled_code", False):
-            # bcg_diffusion.core.hostile's finder (debug mode): compiled code will not run under it either.
-            # A block compiled with fullgraph=True holds no host sync, so nothing is missed inside.
-            with _pop_mode_temporarily():
-                return fn(*args, **kwargs)
-        return fn(*args, **kwargs)
-    if _get_current_dispatch_mode() is not tracker:
-        # Another mode sits above ours; popping ours would pop it instead. Let fn run under both.
-        return fn(*args, **kwargs)
-    tracker.note_reads((args, kwargs))
-    tracker.__exit__(None, None, None)
-    try:
-        result = fn(*args, **kwargs)
-    finally:
-        tracker.__enter__()
-    tracker.note_produced(result)
-    return result
+def _call_unwatched(fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    if getattr(_get_current_dispatch_mode(), "pauses_for_compiled_code", False):
+        # bcg_diffusion.core.hostile's finder (debug mode): compiled code will not run under it either.
+        # A block compiled with fullgraph=True holds no host sync, so nothing is missed inside.
+        with _pop_mode_temporarily():
+            return fn(*args, **kwargs)
+    return fn(*args, **kwargs)
 
 
 class _BreakableCapture:
@@ -490,6 +497,23 @@ class _BreakableCapture:
         stream = torch.cuda.current_stream(self.pool.device)
         if stream != self.pool.stream:
             self.side_streams.add(stream)
+
+    def call_compiled(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        """A compiled region inside this capture (see :func:`call_untracked`)."""
+        tracker = self.tracker
+        if tracker is None or not tracker.recording:
+            return _call_unwatched(fn, args, kwargs)
+        if _get_current_dispatch_mode() is not tracker:
+            # Another mode sits above ours; popping ours would pop it instead. Let fn run under both.
+            return fn(*args, **kwargs)
+        tracker.note_reads((args, kwargs))
+        tracker.__exit__(None, None, None)
+        try:
+            result = fn(*args, **kwargs)
+        finally:
+            tracker.__enter__()
+        tracker.note_produced(result)
+        return result
 
     def agree(self) -> None:
         """With a consensus (context parallelism), vote that this rank is still capturing; raise

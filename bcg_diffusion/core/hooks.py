@@ -253,7 +253,7 @@ def current_call() -> PipelineCall | None:
     return scope[1] if scope is not None and isinstance(scope[1], PipelineCall) else None
 
 
-def serialise_calls(pipe: Any, lock: threading.RLock) -> None:
+def serialise_calls(pipe: Any, lock: threading.RLock, before_call: Callable[[], None] | None = None) -> None:
     """Make concurrent calls of this pipeline object run one at a time.
 
     A diffusers pipeline keeps per-call state on itself (the scheduler's step index, guidance scale,
@@ -261,12 +261,15 @@ def serialise_calls(pipe: Any, lock: threading.RLock) -> None:
     with graphs they would also share static buffers. The instance gets a subclass of its own class,
     with the same name (``save_pretrained`` records it), whose ``__call__`` holds ``lock`` and runs in
     a :func:`~bcg_diffusion.core.python_state.call_scope` (runners check the Python state their graphs
-    read once per scope; :func:`current_call` returns the call).
+    read once per scope; :func:`current_call` returns the call). ``before_call``, if given, runs first in
+    each call, under the lock (:func:`bcg_diffusion.components.follow_components`).
     """
     original = type(pipe)
 
     def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
         with lock, call_scope(PipelineCall(self, args, kwargs)):
+            if before_call is not None:
+                before_call()
             return original.__call__(self, *args, **kwargs)
 
     functools.update_wrapper(__call__, original.__call__)

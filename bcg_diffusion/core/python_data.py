@@ -32,7 +32,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
-from . import python_state
+from . import graphs, python_state
 from .hostile import HostileOp, innermost_module, user_frame
 
 __all__ = ["KIND", "PythonDataConstants"]
@@ -115,8 +115,9 @@ class PythonDataConstants(TorchFunctionMode):
         kwargs = kwargs or {}
         if not self._builds_here(func, args, kwargs):
             return func(*args, **kwargs)
-        # cloned: as_tensor and asarray share a NumPy array's memory, which may change before the capture
-        value = func(*args, **{**kwargs, "device": "cpu"}).clone()
+        with graphs.host_work():
+            # cloned: as_tensor and asarray share a NumPy array's memory, which may change before the capture
+            value = func(*args, **{**kwargs, "device": "cpu"}).clone()
         if not self._serving:
             python_state.note_data(f"the data of {self._site(func)}", self._data(func, args, kwargs))
             tensor = func(*args, **kwargs)
@@ -126,7 +127,9 @@ class PythonDataConstants(TorchFunctionMode):
             return tensor
         position, self._position = self._position, self._position + 1
         built = [run[position] if position < len(run) else None for run in self._runs]
-        if not built or any(b is None or not _same(b.value, value) for b in built):
+        with graphs.host_work():
+            stable = bool(built) and all(b is not None and _same(b.value, value) for b in built)
+        if not stable:
             _note(self.unstable, self._site(func))
             return func(*args, **kwargs)  # a capture refuses it: the runner learns a module break
         first = built[0]

@@ -8,8 +8,12 @@ finds what a capture read and checks it once per pipeline call:
 
 * :class:`ReadRecorder` notes, during one eager warm-up, every attribute of the component's modules
   that the forward reads: plain instance attributes (numbers, strings, ``None``, tuples, lists and
-  dicts of those), parameters, buffers and submodules (by identity and storage), and names read but
-  absent (``getattr(self, "extra", None)``). It installs ``__getattribute__`` on ``torch.nn.Module``
+  dicts of those) by value; parameters, buffers, submodules and tensors in plain attributes (by identity
+  and storage), containers holding tensors or objects (their items, by identity), NumPy arrays (by
+  content); any other object (an attention processor, a function) by identity, and an object's own
+  attributes as plain attributes are watched; names read but absent (``getattr(self, "extra", None)``);
+  and, for every module the forward calls, its forward hooks and pre-hooks (added or removed) and an
+  instance ``forward`` (set, replaced or deleted). It installs ``__getattribute__`` on ``torch.nn.Module``
   for the run's duration (one Python call per attribute read, paid in that warm-up only). Compiled
   regions cannot run under it (dynamo traces attribute access itself), so they run with the hook
   taken off (:func:`paused`), and the recorder then asks for one more run in which compiled code
@@ -24,24 +28,29 @@ finds what a capture read and checks it once per pipeline call:
   not again in it (a 50-step call checks once, not 50 times); outside any scope (a component called
   directly) it checks at every call.
 
-What it cannot see: module globals and closures a forward reads, class attributes, attributes of
-objects that are not modules (attention processors), values a forward reads through ``__dict__``
-directly, and changes made between the steps of one pipeline call. ``invalidate(pipe)`` drops the
-graphs after such a change; ``docs/limits.md`` lists them.
+What it cannot see: module globals and closures a forward reads, class attributes, attributes two
+levels into a non-module object (``processor.config.scale``), values a forward reads through
+``__dict__`` directly, and changes made between the steps of one pipeline call. ``invalidate(pipe)``
+drops the graphs after such a change; ``docs/invalidation.md`` lists them. Global torch settings
+(autocast, TF32, SDP backends...) are not watched here: they key each signature
+(:mod:`bcg_diffusion.core.settings`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import enum
 import itertools
 import operator
 import threading
+import types
 from collections.abc import Hashable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.utils.hooks
 
 __all__ = [
     "ReadRecorder",
@@ -58,6 +67,7 @@ __all__ = [
 
 _SKIP = object()
 ABSENT = object()  # the value of a name read but not set: a later assignment is a change
+_VOLATILE = object()  # the token of a value the forward changes itself at every run: it never matches
 
 # Bookkeeping of nn.Module itself, read by every call (hooks, registries): not values a forward computes with.
 _MODULE_INTERNALS = frozenset(
@@ -71,23 +81,25 @@ _MODULE_INTERNALS = frozenset(
         "_backward_pre_hooks",
         "_backward_hooks",
         "_is_full_backward_hook",
-        "_forward_hooks",
         "_forward_hooks_with_kwargs",
         "_forward_hooks_always_called",
-        "_forward_pre_hooks",
         "_forward_pre_hooks_with_kwargs",
         "_state_dict_hooks",
         "_state_dict_pre_hooks",
         "_load_state_dict_pre_hooks",
         "_load_state_dict_post_hooks",
         "_compiled_call_impl",
-        "forward",
         # hook registries (accelerate's, diffusers'): the runner follows those itself
         "_hf_hook",
         "_diffusers_hook",
     }
 )
-_IMMUTABLE = (type(None), bool, int, float, str)
+_IMMUTABLE = (type(None), bool, int, float, str, bytes, complex, torch.dtype, torch.device)
+# What nn.Module.__call__ reads of every module it runs: watched by size and last handle id (handle ids only
+# grow, so the pair changes whenever a hook is added or removed).
+_HOOK_REGISTRIES = frozenset({"_forward_hooks", "_forward_pre_hooks"})
+# Objects whose own attributes are not looked into (watched by identity alone).
+_OPAQUE = (types.FunctionType, types.BuiltinFunctionType, types.MethodType, type, types.ModuleType, enum.Enum)
 
 
 def plain(value: Any) -> Any:
@@ -134,22 +146,53 @@ def _holds_tensor(value: Any) -> bool:
     return False
 
 
+def _hooks_token(registry: dict) -> Any:
+    return (len(registry), next(reversed(registry))) if registry else 0
+
+
+def _keys_token(attributes: dict) -> Any:
+    return (len(attributes), tuple(attributes))
+
+
+def _array_token(value: Any) -> Any:
+    return ("ndarray", value.dtype.str, value.shape, value.tobytes())
+
+
+def _is_array(value: Any) -> bool:
+    return type(value).__module__ == "numpy" and type(value).__name__ == "ndarray"
+
+
+def _items(value: Any) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+    """A container's keys (None for a list or tuple) and its items, compared by identity."""
+    return (tuple(value), tuple(value.values())) if isinstance(value, dict) else (None, tuple(value))
+
+
 @dataclass(eq=False)
 class Watched:
     """One value a capture read: where it lives (``holder[name]``, or ``data`` itself for the Python data
-    of a graph constant), the object read and its comparable form."""
+    of a graph constant), the object read and its comparable form.
 
-    ident: tuple[int, str]  # (id of the module or data, name): one item per value watched
+    Kinds: ``attribute`` (a plain value, compared by :func:`plain`), ``tensor`` (a parameter, buffer or
+    tensor attribute: the same object on the same storage), ``module`` and ``object`` (the same object),
+    ``items`` (a container holding tensors or objects: the same keys, each bound to the same object),
+    ``array`` (a NumPy array: the same dtype, shape and bytes), ``binding`` (an instance ``forward``: the
+    same function, or still absent), ``hooks`` (a hook registry: no hook added or removed), ``names`` (an
+    object's attribute names: none added or removed), ``absent`` (still not set) and ``data`` (a graph
+    constant's Python data, compared by :func:`plain`). A value the forward changes itself at every run is
+    volatile: it never compares equal, so its signatures capture again at every call."""
+
+    ident: tuple[int, str]  # (id of the module, object or data, name): one item per value watched
     where: str  # for messages: "layers.0.shift", "layers.0.proj.weight"...
-    kind: str  # "attribute", "tensor", "module", "absent" or "data"
-    holder: Any  # the dict the name lives in (a module's __dict__, _parameters, _buffers, _modules)
+    kind: str
+    holder: Any  # the dict the name lives in (a module's __dict__, _parameters, _buffers, _modules); a registry
     name: str
     value: Any
     token: Any
+    shown: str = ""  # the value as read, for messages (a container may change in place later)
 
     def current(self) -> Any:
         """The value now (``ABSENT`` when unset)."""
-        if self.kind == "data":
+        if self.kind in ("data", "hooks", "names"):
             return self.value
         if self.kind == "absent":
             for holder in self.holder:
@@ -160,33 +203,131 @@ class Watched:
 
     def changed(self) -> bool:
         """Whether the value now differs from the one read at capture."""
+        if self.token is _VOLATILE:
+            return True
         value = self.current()
-        if self.kind == "attribute":
+        kind = self.kind
+        if kind == "attribute":
             if value is self.value and isinstance(value, _IMMUTABLE):
                 return False
             return value is ABSENT or plain(value) != self.token
-        if self.kind == "tensor":  # the same parameter object, on the same storage (or None, as before)
+        if kind == "tensor":  # the same tensor object, on the same storage (or None, as before)
             return value is not self.value or (value is not None and storage(value) != self.token)
-        if self.kind == "module":
+        if kind in ("module", "object", "binding"):
             return value is not self.value
-        if self.kind == "absent":
+        if kind == "absent":
             return value is not ABSENT
+        if kind == "hooks":
+            return _hooks_token(value) != self.token
+        if kind == "names":
+            return _keys_token(value) != self.token
+        if kind == "array":
+            return not _is_array(value) or _array_token(value) != self.token
+        if kind == "items":
+            keys, values = self.token
+            if type(value) is not type(self.value) or len(value) != len(values):
+                return True
+            if isinstance(value, dict):
+                return tuple(value) != keys or not all(map(operator.is_, value.values(), values))
+            return not all(map(operator.is_, value, values))
         return plain(value) != self.token  # data
 
+    def refresh(self) -> None:
+        """Take the value as it is now as the one read (the forward may have initialised it lazily after
+        reading it, which its later runs, the capture's among them, see done)."""
+        kind = self.kind
+        if kind in ("data", "hooks", "names", "absent"):
+            if kind == "hooks":
+                self.token = _hooks_token(self.value)
+            elif kind == "names":
+                self.token = _keys_token(self.value)
+            elif kind == "data":
+                self.token, self.shown = plain(self.value), _short(self.value)
+            return
+        value = self.holder.get(self.name, ABSENT)
+        if kind == "binding":
+            self.value = value
+            return
+        if value is ABSENT:
+            self.token = _VOLATILE
+            return
+        if kind == "tensor":
+            self.value, self.token = value, storage(value) if value is not None else None
+            return
+        [fresh, *_] = watch_value(self.ident, self.where, self.holder, self.name, value, depth=0)
+        if fresh.kind != kind and not (kind == "object" and fresh.kind == "object"):
+            self.token = _VOLATILE  # it is another kind of value now: the forward rebinds it
+            return
+        self.value, self.token, self.shown = fresh.value, fresh.token, fresh.shown
+
     def describe_change(self) -> str:
+        if self.token is _VOLATILE:
+            return f"{self.where}: changed by the forward itself during the capture's runs"
         value = self.current()
-        if self.kind == "attribute":
-            return f"{self.where}: {_short(self.value)} -> {_short(value)}"
+        before = self.shown or _short(self.value)
+        if self.kind in ("attribute", "array", "items", "object", "binding"):
+            return f"{self.where}: {before} -> {_short(value)}"
         if self.kind == "absent":
             return f"{self.where}: unset -> {_short(value)}"
+        if self.kind == "hooks":
+            return f"{self.where}: hooks added or removed ({before} -> {len(value)})"
+        if self.kind == "names":
+            added = sorted(set(value) - set(self.token[1]))
+            removed = sorted(set(self.token[1]) - set(value))
+            return f"{self.where}: attributes added {added}, removed {removed}"
         if self.kind == "data":
-            return f"{self.where}: changed in place"
+            return f"{self.where}: {before} -> {_short(plain_copy(value))} (changed in place)"
         return f"{self.where}: replaced"
+
+
+def plain_copy(value: Any) -> Any:
+    """``value`` itself, or for a list or dict a shallow copy (for messages that show it as it was)."""
+    return list(value) if isinstance(value, list) else dict(value) if isinstance(value, dict) else value
+
+
+def watch_value(
+    ident: tuple[int, str], where: str, holder: dict, name: str, value: Any, depth: int = 1
+) -> list[Watched]:
+    """The :class:`Watched` items for ``holder[name]`` (``value``), read at ``where``: one, plus for an object
+    (not a function, class or enum) with a ``__dict__``, its own attributes, ``depth`` levels down."""
+    if isinstance(value, torch.Tensor):
+        return [Watched(ident, where, "tensor", holder, name, value, storage(value))]
+    if isinstance(value, torch.nn.Module):
+        return [Watched(ident, where, "module", holder, name, value, None)]
+    if _is_array(value):
+        return [Watched(ident, where, "array", holder, name, value, _array_token(value), _short(value.tolist()))]
+    token = plain(value)
+    if token is not _SKIP:
+        shown = _short(value) if isinstance(value, (list, dict)) else ""
+        return [Watched(ident, where, "attribute", holder, name, value, token, shown)]
+    if isinstance(value, (list, tuple, dict)):
+        return [Watched(ident, where, "items", holder, name, value, _items(value), _short(value))]
+    found = [Watched(ident, where, "object", holder, name, value, None, f"<{type(value).__qualname__}>")]
+    if depth > 0:
+        found += object_attributes(where, value)
+    return found
+
+
+def object_attributes(where: str, value: Any) -> list[Watched]:
+    """The :class:`Watched` items of an object's own attributes (not a function's, class's or enum's), each
+    one level deep, and of the set of their names (an attribute added later is a change)."""
+    attributes = getattr(value, "__dict__", None)
+    if not isinstance(attributes, dict) or isinstance(value, _OPAQUE):
+        return []
+    ident = (id(value), "<attributes>")
+    found = [Watched(ident, where, "names", attributes, "", attributes, _keys_token(attributes))]
+    for attribute, item in list(attributes.items()):
+        found += watch_value((id(value), attribute), f"{where}.{attribute}", attributes, attribute, item, depth=0)
+    return found
 
 
 def _short(value: Any) -> str:
     if value is ABSENT:
         return "deleted"
+    if isinstance(value, torch.Tensor):
+        return f"tensor {str(value.dtype).removeprefix('torch.')}[{'x'.join(map(str, value.shape))}]"
+    if not isinstance(value, (*_IMMUTABLE, list, tuple, dict)) and not _is_array(value):
+        return f"<{type(value).__qualname__} object>"
     text = repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
 
@@ -283,16 +424,20 @@ class ReadRecorder:
         [w.where for w in recorder.reads.values()]   # ["proj.weight", "proj.bias", "shift", ...]
     """
 
-    def __init__(self, modules: dict[int, tuple[str, torch.nn.Module]]) -> None:
+    def __init__(self, modules: dict[int, tuple[str, torch.nn.Module]], skip: set[int] = frozenset()) -> None:
         self.modules = modules
+        self.skip = skip  # ids of objects that something else carries through the graphs: not watched
         self.reads: dict[tuple[int, str], Watched] = {}
         self.written: set[tuple[int, str]] = set()
         self.paused = 0
         self.through_compiled = False
         self._thread = threading.get_ident()
+        self._refreshed: set[tuple[int, str]] = set()
 
     @contextlib.contextmanager
     def recording(self, through_compiled: bool = False) -> Iterator[ReadRecorder]:
+        """Note what the code run inside reads. When the run ends, every value is taken as it is then (see
+        :meth:`Watched.refresh`), and the attributes of every object read are added as they are then."""
         self.through_compiled, self.paused = through_compiled, 0
         self._thread = threading.get_ident()
         _RECORDERS.append(self)
@@ -304,16 +449,38 @@ class ReadRecorder:
             if not _RECORDERS:
                 _uninstall()
             self.through_compiled = False
+            self._after_run()
+
+    def _after_run(self) -> None:
+        for item in list(self.reads.values()):
+            if item.ident in self._refreshed:
+                continue
+            self._refreshed.add(item.ident)
+            item.refresh()
+            if item.kind == "object" and item.token is not _VOLATILE:
+                for child in object_attributes(item.where, item.value):
+                    if child.ident not in self.reads:
+                        self.reads[child.ident] = child
+                        self._refreshed.add(child.ident)
+
+    def settle(self) -> None:
+        """After the capture: a value that changed since the end of the first run was changed by the forward
+        itself in a later run (the capture's among them), so what the graph read is not known: volatile."""
+        for item in self.reads.values():
+            if item.token is not _VOLATILE and item.changed():
+                item.token = _VOLATILE
 
     def add_data(self, where: str, data: Any) -> None:
         """Watch ``data``, the Python data a graph constant was built from (a module-level list changed
-        in place later changes the constant), when it is a mutable container of plain values."""
-        if isinstance(data, (list, dict)) and not _holds_tensor(data):
+        in place later changes the constant), when it is a mutable container of plain values or a NumPy
+        array (``torch.as_tensor(self.table)``)."""
+        ident = (id(data), "<data>")
+        if _is_array(data):
+            self.reads.setdefault(ident, Watched(ident, where, "array", {"": data}, "", data, _array_token(data)))
+        elif isinstance(data, (list, dict)) and not _holds_tensor(data):
             token = plain(data)
             if token is not _SKIP:
-                self.reads.setdefault(
-                    (id(data), "<data>"), Watched((id(data), "<data>"), where, "data", None, "", data, token)
-                )
+                self.reads.setdefault(ident, Watched(ident, where, "data", None, "", data, token, _short(data)))
 
     # The three notes run inside every attribute access of the recording run: keep them lean.
     def note_read(self, module: Any, name: str, value: Any) -> None:
@@ -324,13 +491,17 @@ class ReadRecorder:
         if key in self.reads or key in self.written:
             return
         instance = _OBJECT_GETATTRIBUTE(module, "__dict__")
-        if instance.get(name, ABSENT) is not value:
-            return  # a class attribute, method or property: not instance state
-        if _holds_tensor(value):
-            return  # an unregistered tensor is a cache the model manages (a RoPE table); not watched
-        token = plain(value)
-        if token is not _SKIP:
-            self.reads[key] = Watched(key, _join(entry[0], name), "attribute", instance, name, value, token)
+        where = _join(entry[0], name)
+        if name == "forward":  # read by nn.Module.__call__: a forward set on the instance replaces the class's
+            self.reads[key] = Watched(key, where, "binding", instance, name, instance.get(name, ABSENT), None)
+            return
+        if name in _HOOK_REGISTRIES:
+            self.reads[key] = Watched(key, where, "hooks", value, name, value, _hooks_token(value), str(len(value)))
+            return
+        if instance.get(name, ABSENT) is not value or id(value) in self.skip:
+            return  # a class attribute, method or property: not instance state; or a value carried by others
+        for item in watch_value(key, where, instance, name, value):
+            self.reads.setdefault(item.ident, item)
 
     def note_missing(self, module: Any, name: str) -> None:
         entry = self.modules.get(id(module))
@@ -384,7 +555,9 @@ class StateWatch:
     def __init__(self) -> None:
         self._items: dict[tuple[int, str], Watched] = {}
         self._readers: dict[tuple[int, str], set[Hashable]] = {}
-        self._compiled: tuple[list, list, list, list, list, list] | None = None
+        self._compiled: tuple[list, ...] | None = None
+        self._hook_mark: int | None = None  # the hook counter when every registry last held its capture hooks
+        self._held_hooks: list[Watched] = []  # the registries that held hooks at capture
 
     def __len__(self) -> int:
         return len(self._items)
@@ -408,35 +581,66 @@ class StateWatch:
         """The watched values that changed since their capture."""
         if self._compiled is None:
             self._compiled = self._compile()
-        holders, names, values, tensors, pointers, by_value = self._compiled
+        holders, names, values, tensors, pointers, registries, sizes, empty_hooks, by_value = self._compiled
         unchanged = (
             all(map(operator.is_, map(dict.get, holders, names, itertools.repeat(ABSENT)), values))
             and list(map(torch.Tensor.data_ptr, tensors)) == pointers
+            and list(map(len, registries)) == sizes
+            and self._no_hook_added(empty_hooks)
             and not any(item.changed() for item in by_value)
         )
         return [] if unchanged else [item for item in self._items.values() if item.changed()]
 
-    def _compile(self) -> tuple[list, list, list, list, list, list]:
-        """The lists :meth:`changes` checks in one pass: (holder, name, object read) for every value
-        bound by name (``None`` included), (tensor, data address) for every plain tensor, and the items
-        compared by value. A wrapper subclass's inner tensors (:func:`storage`) are bound by name in its
+    def _no_hook_added(self, empty: list[dict]) -> bool:
+        """Whether every hook registry holds the hooks it held at capture. Those that held some are compared by
+        size and last handle id; the (thousands of) empty ones can only have gained hooks, and every hook torch
+        registers takes the next id of one process-wide counter: while it stands where it stood at the last look
+        that found them all empty, they are, and the look costs one comparison."""
+        if any(item.changed() for item in self._held_hooks):
+            return False
+        mark = _next_hook_id()
+        if mark is not None and mark == self._hook_mark:
+            return True
+        if any(map(len, empty)):
+            return False
+        self._hook_mark = mark
+        return True
+
+    def _compile(self) -> tuple[list, ...]:
+        """The lists :meth:`changes` checks in one pass: (holder, name, object read) for every value bound by
+        name (``None`` and an absent instance ``forward`` included), (tensor, data address) for every plain
+        tensor, the size of every hook registry, and the items compared by value (registries that held hooks,
+        containers, arrays). A wrapper subclass's inner tensors (:func:`storage`) are bound by name in its
         ``__dict__`` and checked the same way; those it keeps elsewhere are compared by value."""
-        holders, names, values, tensors, pointers, by_value = [], [], [], [], [], []
+        holders, names, values, tensors, pointers, registries, sizes, by_value = [], [], [], [], [], [], [], []
+        empty_hooks: list[dict] = []
+        self._hook_mark, self._held_hooks = None, []
         for item in self._items.values():
-            single = item.kind in ("attribute", "tensor", "module")
+            kind = item.kind
+            if item.token is _VOLATILE:
+                by_value.append(item)
+                continue
+            if kind == "hooks":
+                (empty_hooks if item.token == 0 else self._held_hooks).append(item.holder if item.token == 0 else item)
+                continue
+            if kind == "names":
+                registries.append(item.holder)
+                sizes.append(item.token[0])
+                continue
+            single = kind in ("attribute", "tensor", "module", "object", "binding", "items", "array")
             if single:
                 holders.append(item.holder)
                 names.append(item.name)
                 values.append(item.value)
             if (
-                item.kind == "tensor"
+                kind == "tensor"
                 and item.value is not None
                 and not _bind_storage(item.value, item.token, holders, names, values, tensors, pointers)
             ):
                 by_value.append(item)
-            if not single or (item.kind == "attribute" and not _immutable(item.value)):
+            if not single or kind in ("items", "array") or (kind == "attribute" and not _immutable(item.value)):
                 by_value.append(item)
-        return holders, names, values, tensors, pointers, by_value
+        return holders, names, values, tensors, pointers, registries, sizes, empty_hooks, by_value
 
     def readers(self, item: Watched) -> set[Hashable]:
         """The signatures that read ``item``."""
@@ -461,6 +665,11 @@ class StateWatch:
         self._items.clear()
         self._readers.clear()
         self._compiled = None
+
+
+def _next_hook_id() -> int | None:
+    """The id torch's next hook handle will take (None where torch keeps no such counter)."""
+    return getattr(torch.utils.hooks.RemovableHandle, "next_id", None)
 
 
 def _bind_storage(

@@ -38,14 +38,15 @@ from typing import Any, Protocol
 
 import torch
 
-from . import graphs
-from .auto_breaks import BREAK_KINDS, AutoBreaker, module_breaks, modules_to_break, refused_by_capture
+from . import graphs, settings
+from .auto_breaks import AutoBreaker, module_breaks, modules_to_break, refused_by_capture
 from .budget import SignatureBudget
 from .graphs import BreakableGraph, BreakResultMismatch, GraphPool, capture_breakable
 from .hostile import HostileOpFinder
 from .opaque import OpaqueArgument
 from .python_data import PythonDataConstants
 from .python_state import ReadRecorder, StateWatch, Watched, current_scope
+from .recording import NotRecordable, RecordedGraph, first_difference, record_breakable, same_bytes
 from .tree import UnsupportedValue, describe, differences, flatten, unflatten
 
 __all__ = ["MAX_PATHS", "BCGWarning", "GraphRunner", "OuterState", "RunnerCounters", "SignatureRecord"]
@@ -72,6 +73,9 @@ class OuterState(Protocol):
     ``record()`` after the capture; after a replay, ``apply(record)`` with that capture's record. When a
     replay's break returns another value, ``restart()`` before the breaks run again: it undoes what
     breaks changed in the state since ``key()`` (a break that changes nothing needs nothing).
+
+    Optionally, ``managed()``: the objects whose state it carries (the read recorder of
+    :mod:`bcg_diffusion.core.python_state` leaves them alone: they change at every step by design).
 
     Optionally, ``path_hint()`` (called after ``key()``, before a replay): a hashable that tells apart
     the calls whose breaks tend to decide alike (Cache-DiT: how many calls its contexts ran in this
@@ -110,6 +114,7 @@ class RunnerCounters:
     state_checks: int = 0  # checks of the Python state the graphs read (once per pipeline call)
     state_check_seconds: float = 0.0
     state_changes: int = 0  # values found changed since their capture (their graphs were dropped)
+    mismatches: int = 0  # debug="verify": calls whose replay differed from the eager forward
 
 
 @dataclass
@@ -127,8 +132,8 @@ class SignatureRecord:
     capture_seconds: float = 0.0
     replays: int = 0
     paths: int = 0  # graphs captured for this signature: one per way its breaks' decisions went
-    # Debug mode: what a capture of this signature would trip on (bcg_diffusion.core.hostile), found on its
-    # first replay (after the first run made every lazy initialisation, as warm-ups do before a capture).
+    # Debug mode: what a capture of this signature would trip on outside the marked breaks (automatic
+    # breaks, graph constants, collectives: bcg_diffusion.core.hostile), found by its recording.
     hostile_ops: list[str] | None = None
     # The eager breaks the capture made by itself (bcg_diffusion.core.auto_breaks), each "op (kind) in
     # module at file:line"; in debug mode, the ones a capture would make.
@@ -139,11 +144,19 @@ class SignatureRecord:
     # Python values the capture read (module attributes, parameters, submodules: bcg_diffusion.core.python_state),
     # checked once per pipeline call; a change drops the signature.
     watched: int = 0
+    # How a replay runs: "graph" (CUDA), "record" (debug mode: the recorded operations, see
+    # bcg_diffusion.core.recording), with the compiled regions it calls anew, or "re-run" and why.
+    replayed_as: str = ""
+    # Arguments (positions among the call's tensors) the forward writes into: written back after each replay.
+    written_inputs: list[int] = field(default_factory=list)
+    # debug="verify": where replays of this signature first differed from the eager forward.
+    mismatches: list[str] = field(default_factory=list)
 
 
 class _EagerReplay:
-    """Debug-mode stand-in for a :class:`BreakableGraph`: re-runs the callable on the static inputs
-    and copies the result into the static outputs, exactly where a graph replay would write."""
+    """Debug-mode stand-in for a :class:`BreakableGraph` where a record cannot be made
+    (:class:`~bcg_diffusion.core.recording.NotRecordable`): re-runs the callable on the static inputs and
+    copies the result into the static outputs, exactly where a graph replay would write."""
 
     num_segments = 0
     num_breaks = 0
@@ -166,7 +179,7 @@ class _EagerReplay:
 class _Path:
     """One captured way through a signature's forward: its graph, outputs and outer-state record."""
 
-    graph: BreakableGraph | _EagerReplay
+    graph: BreakableGraph | _EagerReplay  # a RecordedGraph in debug mode
     outputs: list[torch.Tensor]
     output_spec: Hashable
     outer: Any = None
@@ -215,6 +228,7 @@ class _Entry:
     current: _Path | None = None  # the path the last call took; None: the signature runs eagerly
     stand_ins: list[OpaqueArgument] = field(default_factory=list)  # for arguments the spec cannot hold
     hints: PathHints = field(default_factory=PathHints)
+    written: list[int] | None = None  # static inputs the forward writes into (None: not known yet)
 
     def reset(self) -> None:
         for path in self.paths:
@@ -225,11 +239,36 @@ class _Entry:
         self.static_inputs = []
 
 
-def _describe_state(state: tuple[Hashable, Hashable, Hashable]) -> str:
-    """The parts of a signature's extra key that are set (state key, call key, outer state), for stats."""
+def _describe_state(state: tuple[Hashable, ...]) -> str:
+    """The parts of a signature's extra key that are set (state key, call key, outer state, and the global
+    settings that differ from the process's), for stats."""
     names = ("state", "call", "outer")
-    parts = [f"{name}={value!r}" for name, value in zip(names, state) if value not in (None, ())]
+    parts = [f"{name}={value!r}" for name, value in zip(names, state[:3]) if value not in (None, ())]
+    changed = settings.describe(state[3])
+    if changed:
+        parts.append(f"settings: {changed}")
     return "; ".join(parts)
+
+
+def _state_differences(old: tuple[Hashable, ...], new: tuple[Hashable, ...]) -> list[str]:
+    """What differs between two signatures' extra keys, one line each (see :func:`_describe_state`)."""
+    lines = [f"component state: {a!r} -> {b!r}" for a, b in zip(old[:3], new[:3]) if a != b]
+    return lines + [f"global setting {line}" for line in settings.differences(old[3], new[3])]
+
+
+def _writeback_refusal(leaves: list[torch.Tensor], written: list[int]) -> str | None:
+    """Why the values a forward wrote into its arguments cannot be copied back into the caller's tensors
+    after a replay (None when they can): a tensor that overlaps itself (an expanded one), or one that shares
+    memory with another argument, which the graph's separate static copies cannot reproduce."""
+    for index in written:
+        leaf = leaves[index]
+        if torch._debug_has_internal_overlap(leaf) != 0:
+            return f"the forward writes into argument tensor {index}, which overlaps itself (expanded)"
+        pointer = leaf.untyped_storage().data_ptr()
+        shared = [i for i, other in enumerate(leaves) if i != index and other.untyped_storage().data_ptr() == pointer]
+        if pointer and shared:
+            return f"the forward writes into argument tensor {index}, which shares memory with argument tensor {shared[0]}"
+    return None
 
 
 def _changed_arguments(spec: Hashable, leaves: list[torch.Tensor], args: tuple, kwargs: dict) -> str | None:
@@ -257,6 +296,14 @@ def _pointed(stand_ins: list[OpaqueArgument], objects: list[Any]) -> Iterator[No
             stand_in.point_at(None)
 
 
+def _device_type(module: torch.nn.Module | None) -> str:
+    """Where ``module``'s parameters live (the first one's device type), "cpu" without any."""
+    if module is not None:
+        for parameter in module.parameters():
+            return parameter.device.type
+    return "cpu"
+
+
 def _static_copy(tensor: torch.Tensor) -> torch.Tensor:
     # empty_like keeps the caller's strides when they are dense (so the captured kernels are the ones
     # eager picks) and falls back to contiguous for expanded tensors, which cannot be written into.
@@ -271,7 +318,10 @@ class GraphRunner:
         name: component name for stats and warnings (``"transformer"``).
         pool: the shared :class:`GraphPool`; ``None`` only in debug mode.
         lock: serialises captures and replays of every runner sharing ``pool``.
-        debug: run the runner path without graphs (see :class:`_EagerReplay`).
+        debug: run the runner path without graphs: each signature's forward is recorded and replayed
+            from its record, stale where a graph would be (:mod:`bcg_diffusion.core.recording`).
+            ``"verify"``: also run the eager forward at every replay and compare; a difference warns,
+            naming the first operation that differs (``stats()["signatures"][i]["mismatches"]``).
         warmup_runs, capture_error_mode, track_external_tensors: see :class:`AccelerateConfig`.
         state_key: returns extra hashable state that changes what ``fn`` computes but is not in its
             arguments (VAE tiling flags, the attention backend); it becomes part of the signature.
@@ -301,7 +351,7 @@ class GraphRunner:
         name: str,
         pool: GraphPool | None,
         lock: threading.RLock,
-        debug: bool = False,
+        debug: bool | str = False,
         warmup_runs: int = 2,
         capture_error_mode: str = "thread_local",
         track_external_tensors: bool = True,
@@ -319,7 +369,8 @@ class GraphRunner:
         self.name = name
         self.pool = pool
         self.lock = lock
-        self.debug = debug
+        self.debug = bool(debug)
+        self.verify = debug == "verify"
         self.warmup_runs = warmup_runs
         self.capture_error_mode = capture_error_mode
         self.track_external_tensors = track_external_tensors
@@ -330,6 +381,8 @@ class GraphRunner:
         self.consensus = consensus
         owner = getattr(fn, "__self__", None)
         self.module = module if module is not None or not isinstance(owner, torch.nn.Module) else owner
+        # The device type of the tensors a capture (or a debug recording) works on: what its breaks are for.
+        self.device_type = pool.device.type if pool is not None else _device_type(self.module)
         self.auto_breaks = auto_breaks and consensus is None
         self._learned_ops: set[str] = set()  # ops that failed inside a capture: broken around from then on
         self._module_breaks: list[str] = []  # submodules of module run as eager breaks in every capture
@@ -372,7 +425,7 @@ class GraphRunner:
             if len(self._watch):
                 self._check_state()
             try:
-                key = (spec, self._state(args, kwargs)) if self._keyed else spec
+                key = (spec, self._state(args, kwargs))
             except UnsupportedValue as exc:
                 return self._eager(f"unsupported:{exc}", str(exc), args, kwargs)
             entry = self._entries.get(key)
@@ -394,15 +447,14 @@ class GraphRunner:
             with _pointed(entry.stand_ins, objects):
                 return self._replay(entry, leaves, args, kwargs)
 
-    @property
-    def _keyed(self) -> bool:
-        return self.state_key is not None or self.call_key is not None or self.outer_state is not None
-
-    def _state(self, args: tuple, kwargs: dict) -> Hashable:
+    def _state(self, args: tuple, kwargs: dict) -> tuple[Hashable, ...]:
+        """What keys a signature besides its arguments: the state key, the call key, the outer state and the
+        global torch settings (:mod:`bcg_diffusion.core.settings`)."""
         return (
             self.state_key() if self.state_key is not None else None,
             self.call_key(args, kwargs) if self.call_key is not None else None,
             self.outer_state.key() if self.outer_state is not None else None,
+            settings.current(),
         )
 
     def _run(self, args: tuple, kwargs: dict) -> Any:
@@ -435,12 +487,11 @@ class GraphRunner:
     def _replay(self, entry: _Entry, leaves: list[torch.Tensor], args: tuple, kwargs: dict) -> Any:
         for static, fresh in zip(entry.static_inputs, leaves):
             static.copy_(fresh)
-        path = entry.current
-        if self.debug and entry.record.hostile_ops is None:
-            return self._replay_finding(entry, path)
-        hint_of = getattr(self.outer_state, "path_hint", None)
+        outer = self.outer_state
+        before = outer.checkpoint() if self.verify and outer is not None else None
+        hint_of = getattr(outer, "path_hint", None)
         hint = hint_of() if hint_of is not None else None
-        path = entry.hints.start(hint, path)
+        path = entry.hints.start(hint, entry.current)
         for _ in range(MAX_PATHS + 1):  # each switch fixes one more decision, so this ends sooner
             try:
                 path.graph.replay()
@@ -449,58 +500,112 @@ class GraphRunner:
                 # The breaks up to this one have run, and a break may change the outer state (a cache's
                 # step counter): put it back as key() found it before any of them runs again, in another
                 # path, in a branch's capture or in an eager call.
-                if self.outer_state is not None:
-                    self.outer_state.restart()
+                if outer is not None:
+                    outer.restart()
                 if exc.index is None or self.consensus is not None:
                     # Ranks of a context-parallel model must take every path together: not supported.
                     return self._give_up(entry, f"{type(exc).__name__}: {exc}", args, kwargs)
                 branch = path.decisions[: exc.index] + (exc.spec,)
                 found = next((p for p in entry.paths if p.decisions[: len(branch)] == branch), None)
                 if found is None:
-                    return self._branch(entry, branch, args, kwargs)
+                    return self._branch(entry, branch, leaves, args, kwargs)
                 self.counters.branch_switches += 1
                 path = found
         else:
             return self._give_up(entry, "a break's results changed between two runs of one input", args, kwargs)
         entry.current = path
         entry.hints.taken(hint, path)
-        if self.outer_state is not None and not self.debug:
-            self.outer_state.apply(path.outer)
+        if outer is not None:
+            outer.apply(path.outer)
+        self._write_back(entry, leaves)
         entry.record.replays += 1
         self.counters.replays += 1
-        return self._cloned_outputs(path)
+        result = self._cloned_outputs(path)
+        if self.verify:
+            self._verify(entry, path, leaves, result, before)
+        return result
 
-    def _replay_finding(self, entry: _Entry, path: _Path) -> Any:
-        """A debug replay under the hostile-op finder: its findings go to the signature's record."""
-        with HostileOpFinder(self.module) as finder:
-            path.graph.replay()
-        entry.record.hostile_ops = [str(op) for op in finder.found]
-        if self.auto_breaks:
-            entry.record.auto_breaks = [str(op) for op in finder.found if op.kind in BREAK_KINDS]
-        if finder.found:
-            logger.warning(
-                "%s: a capture of %s would meet %d operation(s) it cannot hold outside the eager breaks, first: %s",
-                self.name,
-                entry.record.signature,
-                len(finder.found),
-                finder.found[0],
-            )
-        entry.record.replays += 1
-        self.counters.replays += 1
-        return self._cloned_outputs(path)
+    def _write_back(self, entry: _Entry, leaves: list[torch.Tensor]) -> None:
+        """Leave the caller's tensors as eager leaves them: what the forward wrote into its static copies."""
+        for index in entry.written or ():
+            leaves[index].copy_(entry.static_inputs[index])
+
+    def _restore_inputs(self, entry: _Entry, leaves: list[torch.Tensor]) -> None:
+        """Give the static copies the forward writes into the call's values again, before another run."""
+        for index in entry.written or ():
+            entry.static_inputs[index].copy_(leaves[index])
+
+    # -------------------------------------------------------------------------------------- verify
+    def _verify(self, entry: _Entry, path: _Path, leaves: list[torch.Tensor], result: Any, before: Any) -> None:
+        """debug="verify": run the eager forward on the call's inputs, from the state the replay started in,
+        and compare. On a difference, find the first recorded operation that differs (a fresh recording of the
+        eager forward against the replay, op by op), warn once per place, and count it."""
+        outer = self.outer_state
+        after = outer.checkpoint() if outer is not None else None
+
+        def inputs() -> tuple[tuple, dict]:
+            """The call's inputs in the static copies, and the outer state as the replay found it."""
+            if outer is not None:
+                outer.rewind(before)
+            for static, fresh in zip(entry.static_inputs, leaves):
+                static.copy_(fresh)
+            return unflatten(entry.spec, entry.static_inputs, entry.stand_ins)
+
+        try:
+            static_args, static_kwargs = inputs()
+            got, got_spec = flatten(result)
+            want, want_spec = flatten(self.fn(*static_args, **static_kwargs))
+            if got_spec == want_spec and all(map(same_bytes, got, want)):
+                return
+            where = self._first_difference(path, inputs)
+        finally:
+            if outer is not None:
+                outer.rewind(after)
+        self.counters.mismatches += 1
+        entry.record.mismatches = list(dict.fromkeys([*entry.record.mismatches, where]))
+        self._warn_once(
+            f"mismatch:{entry.record.signature}:{where}",
+            f"bcg-diffusion: {self.name}: a replay of signature {entry.record.signature} differs from the eager "
+            f"forward: {where}. The graph replays a Python value (or code) that changed since its capture and "
+            "that no check sees: a module-level global, a closure, a class attribute; invalidate(pipe) after such "
+            "a change (docs/invalidation.md)",
+        )
+
+    def _first_difference(self, path: _Path, inputs: Callable[[], tuple[tuple, dict]]) -> str:
+        """Where ``path``'s replay first differs from a recording of the eager forward on ``inputs()`` (see
+        :func:`~bcg_diffusion.core.recording.first_difference`)."""
+        graph = path.graph
+        if not isinstance(graph, RecordedGraph):
+            return "the outputs differ (this forward is re-run, not replayed from a record: no operation to name)"
+        breaker = AutoBreaker(self.module, self._learned_ops, self.device_type) if self.auto_breaks else None
+        static_args, static_kwargs = inputs()
+        fresh, _ = record_breakable(
+            lambda: self.fn(*static_args, **static_kwargs), breaker=breaker, sites=True, observe=True
+        )
+        try:
+            inputs()
+            found = first_difference(graph, fresh)
+        finally:
+            fresh.reset()
+        if found is None:
+            return "the outputs differ, but every recorded operation agrees with eager's (an eager break differs)"
+        return str(found)
 
     def _give_up(self, entry: _Entry, reason: str, args: tuple, kwargs: dict) -> Any:
         self._disable(entry, reason)
         self.counters.eager_fallbacks += 1
         return self.fn(*args, **kwargs)
 
-    def _branch(self, entry: _Entry, branch: tuple[Hashable, ...], args: tuple, kwargs: dict) -> Any:
+    def _branch(
+        self, entry: _Entry, branch: tuple[Hashable, ...], leaves: list[torch.Tensor], args: tuple, kwargs: dict
+    ) -> Any:
         """Capture the path a replay's decisions chose, from the signature's static inputs."""
         if len(entry.paths) >= MAX_PATHS:
             return self._give_up(entry, f"its breaks took more than {MAX_PATHS} different paths", args, kwargs)
+        self._restore_inputs(entry, leaves)
         static_args, static_kwargs = unflatten(entry.spec, entry.static_inputs, entry.stand_ins)
         started = time.perf_counter()
-        path = self._capture_cuda(entry, static_args, static_kwargs, warmup_runs=1)
+        path = self._capture_path(entry, static_args, static_kwargs, 1, leaves)
         if path is None:
             self.counters.eager_fallbacks += 1
             return self.fn(*args, **kwargs)
@@ -514,6 +619,7 @@ class GraphRunner:
         entry.record.capture_seconds += elapsed
         self.counters.branches += 1
         self.counters.capture_seconds += elapsed
+        self._write_back(entry, leaves)
         logger.info(
             "%s: captured path %d of %s in %.3f s", self.name, len(entry.paths), entry.record.signature, elapsed
         )
@@ -537,7 +643,7 @@ class GraphRunner:
             component=self.name,
             signature=describe(spec),
             status="debug" if self.debug else "captured",
-            state=_describe_state(key[1]) if self._keyed else "",
+            state=_describe_state(key[1]),
         )
         self._log_miss(key, spec)
         entry = _Entry(key=key, record=record, static_inputs=[], spec=spec, stand_ins=stand_ins)
@@ -554,16 +660,14 @@ class GraphRunner:
         static_args, static_kwargs = unflatten(spec, entry.static_inputs, stand_ins)
         static_spec = flatten((static_args, static_kwargs), [])[1]  # the copies' own strides may differ
         try:
-            if self.debug:
-                path = self._capture_debug(entry, static_args, static_kwargs)
-            else:
-                # An argument structure captured before under another outer state (a cache's next step)
-                # has run its lazy initialisation already: one warm-up, for the state's buffers.
-                warmups = 1 if self.outer_state is not None and spec in self._specs else self.warmup_runs
-                path = self._capture_cuda(entry, static_args, static_kwargs, warmup_runs=warmups)
-                if path is None:
-                    self.counters.eager_fallbacks += 1
-                    return self.fn(*args, **kwargs)
+            # An argument structure captured before under another outer state (a cache's next step) has
+            # run its lazy initialisation already: one warm-up, for the state's buffers. Debug mode warms up
+            # once: lazy initialisation is done in the first run, and CUDA's own (cuBLAS, Triton) is absent.
+            warmups = 1 if self.debug or (self.outer_state is not None and spec in self._specs) else self.warmup_runs
+            path = self._capture_path(entry, static_args, static_kwargs, warmups, leaves)
+            if path is None:
+                self.counters.eager_fallbacks += 1
+                return self.fn(*args, **kwargs)
             changed = _changed_arguments(static_spec, entry.static_inputs, static_args, static_kwargs)
             if changed is not None:
                 path.graph.reset()
@@ -594,6 +698,7 @@ class GraphRunner:
         except BaseException:
             self._entries.pop(key, None)
             raise
+        self._write_back(entry, leaves)
         record.capture_seconds = time.perf_counter() - started
         if self.budget is not None:
             self.budget.admit(self, key)
@@ -601,10 +706,11 @@ class GraphRunner:
         self.counters.capture_seconds += record.capture_seconds
         if self.debug:  # no graph was made: segments and memory would read 0
             logger.info(
-                "%s: debug run of %s in %.3f s (no graph: debug mode)",
+                "%s: debug mode recorded %s in %.3f s (no graph; replayed as: %s)",
                 self.name,
                 record.signature,
                 record.capture_seconds,
+                record.replayed_as,
             )
         else:
             logger.info(
@@ -630,12 +736,8 @@ class GraphRunner:
         if not self._entries or not logger.isEnabledFor(logging.INFO):
             return
         candidates = []
-        for other_key in self._entries:
-            other_spec, other_state = other_key if self._keyed else (other_key, None)
-            found = differences(other_spec, spec)
-            if self._keyed and other_state != key[1]:
-                found.append(f"component state: {other_state!r} -> {key[1]!r}")
-            candidates.append(found)
+        for other_spec, other_state in self._entries:
+            candidates.append(differences(other_spec, spec) + _state_differences(other_state, key[1]))
         # Specs are of (args, kwargs): "0.2.x" is positional argument 2, "1.mask" the keyword "mask".
         renames = (
             (r"^0\.(\d+)", r"arg \1"),
@@ -655,89 +757,138 @@ class GraphRunner:
             "; ".join(nearest[:4]) + (f" (+{len(nearest) - 4} more)" if len(nearest) > 4 else ""),
         )
 
-    def _capture_debug(self, entry: _Entry, args: tuple, kwargs: dict) -> _Path:
-        outer = self.outer_state
-        token = outer.checkpoint() if outer is not None else None  # its checks, as before a real capture
-        recorder = self._recorder()
-        with recorder.recording() if recorder is not None else contextlib.nullcontext():
-            outputs, output_spec = flatten(self._run(args, kwargs))
-        if recorder is not None and recorder.paused:
-            after = outer.checkpoint() if outer is not None else None
-            self._record_through_compiled(recorder, args, kwargs, token)
-            if outer is not None:
-                outer.rewind(after)
-        self._watch_reads(entry, recorder)
-        graph = _EagerReplay(lambda *a, **k: self._run(a, k), args, kwargs, outputs, output_spec)
-        return _Path(graph, outputs, output_spec)
+    def _capture_path(
+        self, entry: _Entry, args: tuple, kwargs: dict, warmup_runs: int, leaves: list[torch.Tensor]
+    ) -> _Path | None:
+        """Warm up, then capture one path: a CUDA graph, or in debug mode a record of its operations. None (and
+        the entry disabled) if the capture failed.
 
-    def _capture_cuda(self, entry: _Entry, args: tuple, kwargs: dict, warmup_runs: int) -> _Path | None:
-        """Warm up, then capture one path. None (and the entry disabled) if the capture failed.
-
-        With an outer state, every run starts from the state the call found (``rewind``), and at least
-        one warm-up runs: it allocates the state's buffers, which the capture may not.
+        With an outer state, every run starts from the state the call found (``rewind``), and at least one
+        warm-up runs: it allocates the state's buffers, which the capture may not. The first warm-up notes
+        the Python state the forward reads and which of its arguments it writes into; every later run starts
+        from the call's values in those (``leaves``: the call's own tensors).
         """
-        pool = self.pool
         outer = self.outer_state
         token = outer.checkpoint() if outer is not None else None
         if outer is not None:
             warmup_runs = max(warmup_runs, 1)
-        constants = PythonDataConstants(self._module_names()) if self.auto_breaks else None
+        constants = PythonDataConstants(self._module_names(), self.device_type) if self.auto_breaks else None
         recorder = self._recorder()  # the first warm-up notes the Python state the forward reads
-        stream = pool.stream  # the warm-ups' stream; a failed capture may move the pool to a new one (renew)
-        caller_stream = torch.cuda.current_stream(pool.device)
-        stream.wait_stream(caller_stream)
+        pool = self.pool
+        caller_stream = torch.cuda.current_stream(pool.device) if pool is not None else None
+        stream = pool.stream if pool is not None else None  # a failed capture may move the pool (renew)
+        if stream is not None:
+            stream.wait_stream(caller_stream)
         try:
-            with torch.cuda.stream(stream):
+            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
                 for index in range(warmup_runs):
                     if outer is not None:
                         outer.rewind(token)
+                    self._restore_inputs(entry, leaves)
+                    versions = [t._version for t in entry.static_inputs] if entry.written is None else None
                     reading = recorder.recording() if recorder is not None and index == 0 else contextlib.nullcontext()
                     with reading, constants.recording() if constants is not None else contextlib.nullcontext():
                         self._run(args, kwargs)
+                    if versions is not None:
+                        entry.written = [i for i, t in enumerate(entry.static_inputs) if t._version != versions[i]]
                 if recorder is not None and recorder.paused:
+                    self._restore_inputs(entry, leaves)
                     self._record_through_compiled(recorder, args, kwargs, token)
                 if outer is not None:
                     outer.rewind(token)
+                self._restore_inputs(entry, leaves)
         finally:
-            caller_stream.wait_stream(stream)
+            if stream is not None:
+                caller_stream.wait_stream(stream)
+        refusal = _writeback_refusal(leaves, entry.written) if entry.written else None
+        if refusal is not None:
+            self._disable(entry, refusal)
+            return None
+        entry.record.written_inputs = list(entry.written or ())
 
-        reserved_before = pool.reserved_bytes()
+        reserved_before = pool.reserved_bytes() if pool is not None else 0
         attempts = 2 if self.auto_breaks else 1  # a failed capture may teach one more break
         for attempt in range(attempts):
-            breaker = AutoBreaker(self.module, self._learned_ops) if self.auto_breaks else None
-            stream = pool.stream
-            stream.wait_stream(caller_stream)
+            breaker = AutoBreaker(self.module, self._learned_ops, self.device_type) if self.auto_breaks else None
+            if pool is not None:
+                stream = pool.stream
+                stream.wait_stream(caller_stream)
             serving = constants.serving() if constants is not None else contextlib.nullcontext()
             try:
-                with torch.cuda.stream(stream), module_breaks(self.module, self._module_breaks), serving:
-                    graph, result = capture_breakable(
-                        lambda: self._run(args, kwargs),
-                        pool,
-                        capture_error_mode=self.capture_error_mode,
-                        track_external=self.track_external_tensors,
-                        consensus=self.consensus,
-                        breaker=breaker,
-                    )
+                with (
+                    torch.cuda.stream(stream) if pool is not None else contextlib.nullcontext(),
+                    module_breaks(self.module, self._module_breaks),
+                    serving,
+                ):
+                    graph, result = self._capture_graph(args, kwargs, breaker)
                 outputs, output_spec = flatten(result)
                 break
+            except NotRecordable as exc:  # debug mode only: re-run this signature's forward instead
+                if outer is not None:
+                    outer.rewind(token)
+                self._restore_inputs(entry, leaves)
+                return self._rerun_path(entry, args, kwargs, str(exc))
             except Exception as exc:  # any capture failure: fall back for this signature, say why
-                caller_stream.wait_stream(stream)
+                if pool is not None:
+                    caller_stream.wait_stream(stream)
                 if outer is not None:  # the eager call that follows must start where this one did
                     outer.rewind(token)
+                self._restore_inputs(entry, leaves)
                 if attempt + 1 < attempts and self._learn(breaker, constants, exc, args, kwargs):
+                    self._restore_inputs(entry, leaves)
                     continue
                 reason = f"capture failed: {type(exc).__name__}: {str(exc).strip().splitlines()[0][:300]}"
                 self._disable(entry, reason)
                 return None
-        caller_stream.wait_stream(stream)
+        if pool is not None:
+            caller_stream.wait_stream(stream)
+            entry.record.memory_bytes += max(0, pool.reserved_bytes() - reserved_before)
         entry.record.segments = max(entry.record.segments, graph.num_segments)
         entry.record.breaks = max(entry.record.breaks, graph.num_breaks)
-        entry.record.memory_bytes += max(0, pool.reserved_bytes() - reserved_before)
         if breaker is not None:
             self._record_auto_breaks(entry, breaker, constants)
+        if isinstance(graph, RecordedGraph):
+            self._record_replay(entry, graph, breaker, constants)
+        else:
+            entry.record.replayed_as = "graph"
         self._watch_reads(entry, recorder)
         keep = constants.kept if constants is not None else []
         return _Path(graph, outputs, output_spec, outer.record() if outer is not None else None, keep)
+
+    def _capture_graph(self, args: tuple, kwargs: dict, breaker: AutoBreaker | None) -> tuple[BreakableGraph, Any]:
+        """One capture of the forward: a breakable CUDA graph, or in debug mode a record of its operations."""
+        if self.pool is None:
+            return record_breakable(lambda: self._run(args, kwargs), breaker=breaker, consensus=self.consensus)
+        return capture_breakable(
+            lambda: self._run(args, kwargs),
+            self.pool,
+            capture_error_mode=self.capture_error_mode,
+            track_external=self.track_external_tensors,
+            consensus=self.consensus,
+            breaker=breaker,
+        )
+
+    def _rerun_path(self, entry: _Entry, args: tuple, kwargs: dict, why: str) -> _Path:
+        """Debug mode, where a record cannot be made: a path that re-runs the forward at every replay."""
+        entry.record.replayed_as = f"re-run: {why}"
+        logger.warning(
+            "%s: signature %s is re-run, not replayed from a record: %s", self.name, entry.record.signature, why
+        )
+        outputs, output_spec = flatten(self._run(args, kwargs))
+        graph = _EagerReplay(lambda *a, **k: self._run(a, k), args, kwargs, outputs, output_spec)
+        outer = self.outer_state
+        return _Path(graph, outputs, output_spec, outer.record() if outer is not None else None)
+
+    def _record_replay(
+        self, entry: _Entry, graph: RecordedGraph, breaker: AutoBreaker | None, constants: PythonDataConstants | None
+    ) -> None:
+        """Debug mode: how the record replays, and what a capture on a GPU would meet outside the marked breaks."""
+        rerun = f"; {graph.rerun} compiled region(s) run anew at each replay" if graph.rerun else ""
+        entry.record.replayed_as = f"record{rerun}"
+        found = [str(op) for op in breaker.made] if breaker is not None else []
+        found += [str(site) for site in constants.served] if constants is not None else []
+        found += [str(site) for site in graph.hostile]
+        entry.record.hostile_ops = list(dict.fromkeys((entry.record.hostile_ops or []) + found))
 
     def _module_names(self) -> dict[int, str]:
         return {id(m): name for name, m in self.module.named_modules()} if self.module is not None else {}
@@ -747,7 +898,9 @@ class GraphRunner:
         """A recorder of what the forward reads of ``module``'s tree (None without a module)."""
         if self.module is None:
             return None
-        return ReadRecorder({id(m): (name, m) for name, m in self.module.named_modules()})
+        managed = getattr(self.outer_state, "managed", None)
+        skip = {id(value) for value in managed()} if managed is not None else set()
+        return ReadRecorder({id(m): (name, m) for name, m in self.module.named_modules()}, skip)
 
     def _record_through_compiled(self, recorder: ReadRecorder, args: tuple, kwargs: dict, token: Any) -> None:
         """One more run, from the call's outer state, in which compiled regions run their eager originals
@@ -762,6 +915,7 @@ class GraphRunner:
         (the capture read their new value) drop those signatures."""
         if recorder is None:
             return
+        recorder.settle()
         stale = self._watch.add(entry.key, recorder.reads)
         if stale:
             self._drop_changed(stale, keep=entry.key)
@@ -786,18 +940,25 @@ class GraphRunner:
         self.counters.state_check_seconds += time.perf_counter() - started
 
     def _drop_changed(self, changed: list[Watched], keep: Hashable = None) -> None:
+        """Forget the values in ``changed`` and drop the signatures that read any of them (but ``keep``), with
+        one INFO line naming each value, old -> new, and what was dropped."""
+        doomed: set[Hashable] = set()
+        described = []
         for item in changed:
-            doomed = self._watch.readers(item) - {keep}
+            doomed |= self._watch.readers(item)
+            described.append(item.describe_change())
             self._watch.forget_item(item)
-            for key in doomed:
-                self._remove(key)
-            self.counters.state_changes += 1
-            logger.info(
-                "%s: %s since its capture; dropping %d captured signature(s) that read it",
-                self.name,
-                item.describe_change(),
-                len(doomed),
-            )
+        doomed.discard(keep)
+        for key in doomed:
+            self._remove(key)
+        self.counters.state_changes += len(changed)
+        shown = "; ".join(described[:8]) + (f"; and {len(described) - 8} more" if len(described) > 8 else "")
+        one = len(described) == 1
+        dropped = (
+            f"; dropping {len(doomed)} captured signature(s) that read {'it' if one else 'them'}" if doomed else ""
+        )
+        logger.info("%s: %s since %s capture%s", self.name, shown, "its" if one else "their", dropped)
+        for item in changed:
             streak = self._change_streaks[item.where] = self._change_streaks.get(item.where, 0) + 1
             if streak == 3:
                 self._warn_once(
@@ -911,7 +1072,7 @@ class GraphRunner:
         """Drop the signatures whose outer-state key (see :class:`OuterState`) ``outer_key`` accepts:
         what they bake in is gone for good. Other signatures keep their graphs."""
         with self.lock:
-            doomed = [key for key in self._entries if self._keyed and outer_key(key[1][2])]
+            doomed = [key for key in self._entries if outer_key(key[1][2])]
             for key in doomed:
                 self._remove(key)
             if doomed:

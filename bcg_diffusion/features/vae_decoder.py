@@ -49,6 +49,7 @@ import torch
 
 from ..core.hooks import MethodPatches
 from ..kernels import triton_unavailable
+from ..patches.followed import installable
 from ..patches.group_norm import VAE_GROUP_NORM_PATCH, patch_group_norms
 from ..patches.vae_decoder import VAE_FUSED_PATCH, fusable, fuse_decoder
 from .base import Feature, Setup
@@ -129,7 +130,12 @@ class FastVaeDecoder(Feature):
         device = weight.device if weight is not None else torch.device("cpu")
         if choice == "compiled" and device.type == "cuda" and _compilable(decoder):
             self.compiled = compile_decoder(decoder, patches)
-        elif choice == "fused" and triton_unavailable(device) is None and fusable(decoder):
+        elif (
+            choice == "fused"
+            and triton_unavailable(device) is None
+            and fusable(decoder)
+            and installable("vae decoder (fused)", stacklevel=4)
+        ):
             self.fused = fuse_decoder(decoder, patches)
         else:
             self.patched = bool(patch_group_norms(decoder, patches))

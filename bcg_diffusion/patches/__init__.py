@@ -17,6 +17,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from .followed import FOLLOWED, installable
+
 __all__ = ["FunctionPatch"]
 
 logger = logging.getLogger(__name__)
@@ -34,7 +36,9 @@ class FunctionPatch:
         replacement: the device-side equivalent.
 
     ``apply()`` returns False (and logs why) when none of the modules has the attribute, e.g. a
-    diffusers version that renamed it; the caller then relies on eager fallback.
+    diffusers version that renamed it, and (with a warning) when the function it replaces is not the code
+    the replacement was written for (:mod:`bcg_diffusion.patches.followed`); the caller then relies on the
+    original function and the runner's automatic breaks.
     """
 
     name: str
@@ -55,6 +59,8 @@ class FunctionPatch:
     def apply(self) -> bool:
         with self._lock:
             if self._users == 0:
+                if self.name in FOLLOWED and not installable(self.name, stacklevel=4):
+                    return False  # diffusers' function is not the one ours copies: theirs runs, with a warning
                 for path in self.modules:
                     try:
                         module = importlib.import_module(path)

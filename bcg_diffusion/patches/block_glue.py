@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from ..core.hooks import MethodPatches, private_copy
+from .followed import installable
 
 __all__ = ["BLOCK_CLASSES", "FUSED_BLOCK_CHOICE", "choose", "chosen_off", "patch_blocks"]
 
@@ -44,14 +45,17 @@ def patch_blocks(
     patches: MethodPatches,
     unfit: Callable[[torch.nn.Module], str | None],
     forward: Callable[..., Any],
+    followed: str,
 ) -> int:
     """Give every module of ``model`` that ``unfit`` accepts (None) ``forward`` as its forward, recorded in
     ``patches``; returns how many. The blocks share one copy of ``forward`` (a function of its own per
-    call of this one), so fast mode compiles it once for all of them."""
+    call of this one), so fast mode compiles it once for all of them. None is patched (with a warning) when
+    the diffusers code ``forward`` inlines is not the code it was written for: the patch ``followed`` names
+    in :mod:`bcg_diffusion.patches.followed`."""
+    fitting = [module for module in model.modules() if unfit(module) is None]
+    if not fitting or not installable(followed, stacklevel=5):
+        return 0
     shared = private_copy(forward)
-    patched = 0
-    for module in model.modules():
-        if unfit(module) is None:
-            patches.replace(module, "forward", types.MethodType(shared, module))
-            patched += 1
-    return patched
+    for module in fitting:
+        patches.replace(module, "forward", types.MethodType(shared, module))
+    return len(fitting)

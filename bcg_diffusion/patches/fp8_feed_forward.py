@@ -39,6 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from ..core.hooks import MethodPatches
+from .followed import installable
 
 __all__ = [
     "FP8_FEED_FORWARD_ATTRIBUTE",
@@ -291,11 +292,15 @@ def patch_fp8_feed_forwards(model: torch.nn.Module, patches: MethodPatches) -> i
     """Give every feed-forward of ``model`` that fits (:func:`unfit`) and chose ``"fused"``
     (:data:`FP8_FEED_FORWARD_ATTRIBUTE`, else :data:`FP8_FEED_FORWARD_DEFAULT`) the forward of
     :func:`fused_forward`, recorded in ``patches``; returns how many. Raises ValueError for a choice that is
-    not one of :data:`FP8_FEED_FORWARD_CHOICES`."""
-    patched = 0
-    for module in model.modules():
-        if type(module).__name__ != "FeedForward" or _choice(module) != "fused" or unfit(module) is not None:
-            continue
+    not one of :data:`FP8_FEED_FORWARD_CHOICES`. None is patched (with a warning) when diffusers' feed-forward
+    code is not the code :func:`fused_forward` was written for (:mod:`bcg_diffusion.patches.followed`)."""
+    fitting = [
+        module
+        for module in model.modules()
+        if type(module).__name__ == "FeedForward" and _choice(module) == "fused" and unfit(module) is None
+    ]
+    if not fitting or not installable("fp8 feed-forward", stacklevel=4):
+        return 0
+    for module in fitting:
         patches.replace(module, "forward", fused_forward(module))
-        patched += 1
-    return patched
+    return len(fitting)

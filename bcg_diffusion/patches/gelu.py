@@ -19,6 +19,7 @@ from collections.abc import Callable
 import torch
 
 from ..core.hooks import MethodPatches
+from .followed import installable
 
 __all__ = ["GELU_EPILOGUE_PATCH", "gelu_in_epilogue", "patch_gelu_epilogues"]
 
@@ -57,10 +58,11 @@ def _fits(module: torch.nn.Module) -> bool:
 
 def patch_gelu_epilogues(model: torch.nn.Module, patches: MethodPatches) -> int:
     """Give every fitting ``GELU`` module in ``model`` the forward of :func:`gelu_in_epilogue`
-    (recorded in ``patches``); returns how many."""
-    patched = 0
-    for module in model.modules():
-        if _fits(module):
-            patches.replace(module, "forward", gelu_in_epilogue(module))
-            patched += 1
-    return patched
+    (recorded in ``patches``); returns how many. None is patched (with a warning) when diffusers' ``GELU`` is not
+    the code it was written for (:mod:`bcg_diffusion.patches.followed`)."""
+    fitting = [module for module in model.modules() if _fits(module)]
+    if not fitting or not installable("gelu epilogue", stacklevel=4):
+        return 0
+    for module in fitting:
+        patches.replace(module, "forward", gelu_in_epilogue(module))
+    return len(fitting)

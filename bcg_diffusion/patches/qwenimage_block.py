@@ -274,4 +274,4 @@ def fused_block_forward(
 def patch_qwenimage_blocks(model: torch.nn.Module, patches: MethodPatches) -> int:
     """Give every block of ``model`` that fits (:func:`unfit`) the forward of :func:`fused_block_forward`,
     recorded in ``patches``; returns how many (:func:`bcg_diffusion.patches.block_glue.patch_blocks`)."""
-    return patch_blocks(model, patches, unfit, fused_block_forward)
+    return patch_blocks(model, patches, unfit, fused_block_forward, "qwenimage fused block")

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from ..core.hooks import MethodPatches
+from .followed import FOLLOWED, installable
 
 __all__ = ["ProcessorPatch"]
 
@@ -75,18 +76,25 @@ class ProcessorPatch:
     def apply(self, model: torch.nn.Module, patches: MethodPatches) -> int:
         """Patch ``model``'s matching processors (recorded in ``patches``); returns how many.
 
-        Returns 0 (and logs why) when ``condition`` says the patch does not apply to ``model``.
-        Raises ValueError when the processor's code no longer uses the names we replace.
+        Returns 0 (and logs why) when ``condition`` says the patch does not apply to ``model``, and (with a
+        warning) when the processor's code is not the code the patch was written for
+        (:mod:`bcg_diffusion.patches.followed`). Raises ValueError when the processor's code no longer uses
+        the names we replace.
         """
         reason = None if self.condition is None else self.condition(model)
         if reason is not None:
             logger.info("patch %s not applied to %s: %s", self.name, type(model).__name__, reason)
             return 0
+        matching = [
+            module
+            for module in model.modules()
+            if type(module.__dict__.get("processor")).__name__ == self.processor_class
+        ]
+        if not matching or (self.name in FOLLOWED and not installable(self.name, stacklevel=4)):
+            return 0  # nothing to patch, or diffusers' processor is not the code ours rearranges
         count = 0
-        for module in model.modules():
-            processor = module.__dict__.get("processor")
-            if processor is None or type(processor).__name__ != self.processor_class:
-                continue
+        for module in matching:
+            processor = module.__dict__["processor"]
             scoped = copy.copy(processor)
             scoped.__class__ = self._subclass(type(processor))
             patches.replace(module, "processor", scoped)

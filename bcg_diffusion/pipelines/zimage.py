@@ -19,6 +19,7 @@ import torch
 
 from ..core.hooks import MethodPatches
 from ..patches.attention import ZIMAGE_ATTENTION_PATCH, ZIMAGE_ROPE_PATCH
+from ..patches.followed import changed, installable
 from ..patches.zimage import (
     CAPTION_MULTIPLE,
     bucket_captions,
@@ -29,6 +30,7 @@ from ..patches.zimage import (
 from .base import PipelineAdapter, WarmupRequest
 
 MAX_SEQUENCE_LENGTH = 512  # ZImagePipeline's default: every prompt is padded to this many tokens
+CAPTION_BUCKETS = "zimage caption buckets"  # the patch's name in bcg_diffusion.patches.followed
 
 
 class ZImageAdapter(PipelineAdapter):
@@ -42,17 +44,23 @@ class ZImageAdapter(PipelineAdapter):
     default_components = ("transformer", "vae", "text_encoder")
     text_trim_multiple = 64  # the pipeline pads every prompt to 512 tokens for its causal Qwen3 encoder
 
+    # Caption buckets pass the pad masks through diffusers' patchify: only where that is the code they were
+    # written for (bcg_diffusion.patches.followed); otherwise one signature per caption length, with a warning.
     def install_module(self, component: str, module: torch.nn.Module, patches: MethodPatches) -> None:
-        if component == "transformer" and callable(getattr(module, "patchify_and_embed", None)):
+        if (
+            component == "transformer"
+            and callable(getattr(module, "patchify_and_embed", None))
+            and installable(CAPTION_BUCKETS, stacklevel=5)
+        ):
             patches.replace(module, "patchify_and_embed", patchify_with_caption_masks(module.patchify_and_embed))
 
     def runner_callable(self, component: str, method: Callable[..., Any]) -> Callable[..., Any]:
         if component == "transformer":
-            return with_caption_masks(method)
+            return method if changed(CAPTION_BUCKETS) else with_caption_masks(method)
         return super().runner_callable(component, method)
 
     def prepare_call(self, component: str) -> Callable[[tuple, dict], tuple[tuple, dict]] | None:
-        return bucket_captions if component == "transformer" else None
+        return bucket_captions if component == "transformer" and not changed(CAPTION_BUCKETS) else None
 
     def install_text_buckets(self, pipe: Any, buckets: tuple[int, ...], patches: MethodPatches) -> None:
         raise ValueError(

@@ -22,6 +22,7 @@ from ...core.hooks import MethodPatches, register_graph_safe_hooks
 from ...core.runner import BCGWarning
 from ..base import Feature, Setup, Target
 from .cachedit import cache_dit_enabled
+from .cachedit import code_refused as cache_dit_code_refused
 from .cachedit import unsupported as cache_dit_unsupported
 from .cfg_join import JOINT_CONTEXT, CfgJoin
 from .enable import SkipCounter, disable_cache, enable_cache
@@ -34,6 +35,7 @@ __all__ = [
     "SkipCounter",
     "StepCaching",
     "cache_dit_enabled",
+    "cache_dit_code_refused",
     "cache_dit_unsupported",
     "cache_hooks",
     "disable_cache",

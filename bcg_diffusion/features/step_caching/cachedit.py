@@ -49,43 +49,25 @@ import torch
 from ...core.graphs import eager_break
 from ...core.runner import BCGWarning
 from ...core.tree import UnsupportedValue
+from ...patches.followed import installable
 
 __all__ = [
     "BREAKS",
     "CACHE_DIT_STATE_MODULE",
-    "FOLLOWED_SOURCES",
+    "FOLLOWED_PATCH",
     "CacheDit",
     "cache_dit_enabled",
+    "code_refused",
     "eager_blocks",
     "unsupported",
 ]
 
-# The Cache-DiT 1.5.3 code (under cache_dit.caching) this carrier relies on, by the first 16 hex digits of the
-# SHA-256 of its source: the cached blocks call the state only through the methods of BREAKS (and config
-# getters), those methods rebind what they keep and call none of each other, the kept tensors are never written
-# in place (the TaylorSeer calibrator included), and the decision is can_cache's bool.
-# tests/test_step_cache_cpu.py fails when the installed Cache-DiT differs: check this module against it.
-FOLLOWED_SOURCES = {
-    "cache_blocks.pattern_base.CachedBlocks_Pattern_Base.forward": "563d0d920528b033",
-    "cache_blocks.pattern_base.CachedBlocks_Pattern_Base.call_Mn_blocks": "f71303d9bc816d7e",
-    "cache_blocks.pattern_3_4_5.CachedBlocks_Pattern_3_4_5.forward": "6889b2f01832cdc8",
-    "cache_contexts.cache_manager.CachedContextManager.set_context": "d68927da9b9e8196",
-    "cache_contexts.cache_manager.CachedContextManager.can_cache": "af14fccac435c181",
-    "cache_contexts.cache_manager.CachedContextManager.similarity": "1520e86e8e955d6a",
-    "cache_contexts.cache_manager.CachedContextManager.apply_cache": "0108631d6a82b6fb",
-    "cache_contexts.cache_manager.CachedContextManager.set_Fn_buffer": "4d1c7a80294cc001",
-    "cache_contexts.cache_manager.CachedContextManager.set_Bn_buffer": "ebb4de7bed51be95",
-    "cache_contexts.cache_manager.CachedContextManager.set_Bn_encoder_buffer": "d19016e0e1872ef2",
-    "cache_contexts.cache_context.CachedContext.mark_step_begin": "fab2b01ccff821a3",
-    "cache_contexts.cache_context.CachedContext.add_cached_step": "f9997caf3df73ff8",
-    "cache_contexts.calibrators.taylorseer.TaylorSeerState.update": "d2c656fca9b752e7",
-    "cache_contexts.calibrators.taylorseer.TaylorSeerState.derivative": "03aa4178e8c265a2",
-    "cache_contexts.calibrators.taylorseer.TaylorSeerState.approximate": "6319025b5f59fae1",
-    "cache_contexts.calibrators.taylorseer.TaylorSeerCalibrator.update": "a0982f1c06ccf2c8",
-    "cache_contexts.calibrators.taylorseer.TaylorSeerCalibrator.approximate": "06346c7bf511d0ea",
-    # Where the cached-blocks modules live between calls (see _cached_blocks): the closure of the forward it installs.
-    "cache_adapters.cache_adapter.CachedAdapter.mock_transformer": "02eff48b7adab224",
-}
+# The Cache-DiT code this carrier relies on (the cached blocks call the state only through the methods of BREAKS
+# and config getters, those methods rebind what they keep and call none of each other, the kept tensors are never
+# written in place, the TaylorSeer calibrator included, and the decision is can_cache's bool; the cached-blocks
+# modules live in the closure of the forward mock_transformer installs) is fingerprinted in
+# bcg_diffusion.patches.followed under this name: a Cache-DiT whose code differs keeps the transformer eager.
+FOLLOWED_PATCH = "step caching: Cache-DiT"
 
 # The context-manager methods Cache-DiT's cached blocks call to change or read its state: eager breaks.
 BREAKS = (
@@ -127,6 +109,14 @@ def unsupported(module: torch.nn.Module) -> str | None:
             "Cache-DiT under parallelism (its decisions are all-reduced) is not carried: the transformer runs eagerly"
         )
     return None
+
+
+def code_refused(module: torch.nn.Module, stacklevel: int = 4) -> str | None:
+    """Why Cache-DiT on ``module`` cannot be carried because its code is not the code this carrier was written
+    for (:mod:`bcg_diffusion.patches.followed`, which warns once), or None (it is, or Cache-DiT is not on)."""
+    if not cache_dit_enabled(module) or installable(FOLLOWED_PATCH, stacklevel=stacklevel):
+        return None
+    return "Cache-DiT's code is not the code bcg-diffusion's carrier was written for: the transformer runs eagerly"
 
 
 def eager_blocks(module: torch.nn.Module) -> str | None:
@@ -270,6 +260,7 @@ class CacheDit:
         self.module = module
         self.manager: Any = None  # the context manager on the module when key() last ran
         self.eager_reason: str | None = None  # why the cached blocks run as one eager break (see eager_blocks)
+        self.refused: str | None = None  # why the manager's Cache-DiT cannot be carried (code_refused)
         self._blocks: list[torch.nn.Module] = []  # cached-blocks modules whose forward is that break
         self._start: Snapshot | None = None  # the state key() found
         self.call = eager_break(self._call)
@@ -285,9 +276,10 @@ class CacheDit:
         manager = _manager(self.module)
         if manager is not self.manager:
             self.close()
+            self.refused = code_refused(self.module, stacklevel=6)  # once per manager: it reads the sources
         if manager is None:
             return None
-        reason = unsupported(self.module)
+        reason = self.refused or unsupported(self.module)
         if reason is not None:
             raise UnsupportedValue(reason)
         names = vars(self.module).get("_context_names") or []

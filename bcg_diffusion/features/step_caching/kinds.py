@@ -43,7 +43,6 @@ from ...core.tree import UnsupportedValue, flatten, unflatten
 
 __all__ = [
     "DEFAULT_CONTEXT",
-    "FOLLOWED_SOURCES",
     "KINDS",
     "Kind",
     "install",
@@ -61,26 +60,11 @@ DEFAULT_CONTEXT = "inference"
 
 _PATCHED = "_bcg_patched"  # on a hook: the names of the attributes we set on it (see install)
 
-# The diffusers 0.42.1 code (under diffusers.hooks) these kinds mirror or rely on, by the first 16 hex digits of
-# the SHA-256 of its source: what each state holds and which path writes what, where each hook decides, that
-# TaylorSeer's hook updates or predicts through the state its _measure_should_compute returns and that an update
-# sets last_update_step to the current step, MagCache's decision (mirrored by _mag_head_decision) and step
-# advance. tests/test_step_cache_cpu.py fails when the installed diffusers differs: check these kinds against it.
-FOLLOWED_SOURCES = {
-    "first_block_cache.FBCSharedBlockState.__init__": "3b727d7dfabe1778",
-    "first_block_cache.FBCHeadBlockHook.new_forward": "8a70eb4637ed9503",
-    "first_block_cache.FBCHeadBlockHook._should_compute_remaining_blocks": "9aa23f94a7226754",
-    "first_block_cache.FBCBlockHook.new_forward": "c8364de4d6d7550f",
-    "mag_cache.MagCacheState.__init__": "56d55e675e24799d",
-    "mag_cache.MagCacheHeadHook.new_forward": "a3afbbcf73474682",
-    "mag_cache.MagCacheBlockHook.new_forward": "0676e355b9f12730",
-    "mag_cache.MagCacheBlockHook._advance_step": "ec3b86a3268672b6",
-    "taylorseer_cache.TaylorSeerState.__init__": "a7180673eb9b013e",
-    "taylorseer_cache.TaylorSeerState.update": "a042a8ccb6ea07f9",
-    "taylorseer_cache.TaylorSeerState.predict": "9735e2ab83b90f1d",
-    "taylorseer_cache.TaylorSeerCacheHook._measure_should_compute": "5b33ef14637ad27b",
-    "taylorseer_cache.TaylorSeerCacheHook.new_forward": "3b4063f731e02278",
-}
+# The diffusers code these kinds mirror or rely on (what each state holds and which path writes what, where
+# each hook decides, that TaylorSeer's hook updates or predicts through the state its _measure_should_compute
+# returns and that an update sets last_update_step to the current step, MagCache's decision, mirrored by
+# _mag_head_decision, and its step advance) is fingerprinted in bcg_diffusion.patches.followed ("step caching:
+# <kind name>"): a diffusers whose code differs keeps its calls with that cache eager (see state._Holder).
 
 
 def layout(tensor: torch.Tensor) -> Hashable:
@@ -369,7 +353,7 @@ _TAYLOR_DECISIONS: dict[tuple[Any, ...], bool] = {}
 def taylor_decision(hook: Any, state: Any) -> bool:
     """Whether a TaylorSeer hook will compute (True) or predict (False) at its next call from ``state``
     (None: a fresh state): diffusers' own ``_measure_should_compute``, run on a copy. It reads the hook's
-    three step settings and the state's step counter alone (``FOLLOWED_SOURCES``), so the decision is
+    three step settings and the state's step counter alone (:mod:`bcg_diffusion.patches.followed`), so the decision is
     remembered by those."""
     step = None if state is None else state.current_step
     key = (type(hook), hook.cache_interval, hook.disable_cache_before_step, hook.disable_cache_after_step, step)

@@ -43,7 +43,9 @@ import torch
 
 from ...core.graphs import eager_break
 from ...core.tree import UnsupportedValue, flatten, unflatten
+from ...patches.followed import FOLLOWED, installable
 from .cachedit import CacheDit, cache_dit_enabled
+from .cachedit import _manager as _cachedit_manager
 from .kinds import DEFAULT_CONTEXT, Kind, install, kind_of, layout, run_taylor_step, uninstall
 
 __all__ = [
@@ -130,6 +132,17 @@ class _Holder:
         self.name, self.hooks, self.manager = name, hooks, manager
         self.hook = hooks[0]
         self.kind: Kind = kind_of(manager)
+        # Why this cache cannot be carried: diffusers' code for it is not the code its kind mirrors (a warning
+        # says so, once, when the holder is made; every call with the hook then runs eagerly).
+        followed = f"step caching: {self.kind.name}"
+        self.refused = (
+            None
+            if followed not in FOLLOWED or installable(followed, stacklevel=7)
+            else (
+                f"diffusers' {self.kind.name} code is not the code bcg-diffusion's step caching mirrors "
+                "(bcg_diffusion.patches.followed); calls with that cache run eagerly"
+            )
+        )
         self.buffers: dict[Hashable, torch.Tensor] = {}
         # What of the holder keys its signatures besides its state: set when diffusers makes the hook.
         self.identity = (id(manager), name, type(self.hook).__name__, _plain_config(self.hook))
@@ -334,6 +347,8 @@ class CacheState:
         self._undo.clear()
         parts = []
         for holder in self._live():
+            if holder.refused is not None:
+                raise UnsupportedValue(holder.refused)
             holder.stash.clear()
             holder.plan = None
             state = holder.state()
@@ -346,6 +361,13 @@ class CacheState:
         if dit is not None:
             parts.append(dit)
         return tuple(parts)
+
+    def managed(self) -> list[Any]:
+        """The objects whose state this carries through the graphs (the runner's optional hook): Cache-DiT's
+        context manager, which its blocks hold as an attribute and change at every step. diffusers' hook
+        states live in the modules' hook registries, which the state check leaves alone anyway."""
+        manager = _cachedit_manager(self.module)
+        return [manager] if manager is not None else []
 
     def path_hint(self) -> Hashable | None:
         """Which earlier calls the coming one should decide like (the runner's optional hint): Cache-DiT's
