@@ -70,12 +70,14 @@ def _masks_the_first_token(encoder_hidden_states, encoder_hidden_states_mask=Non
 def test_a_function_patch_over_changed_code_is_not_installed_and_the_images_follow_the_new_code(monkeypatch):
     monkeypatch.setattr(transformer_qwenimage, "compute_text_seq_len_from_mask", _masks_the_first_token)
     pipe = _pipe("qwen-image")
+    reference = run_case(pipe, "qwen-image", "mask_two_lengths", height=32, width=32)  # eager, the new code
     with pytest.warns(BCGWarning, match=r"qwenimage.compute_text_seq_len_from_mask.*diffusers 0\.42"):
         accelerate(pipe, debug=True)
     try:
         assert TEXT_SEQ_LEN_PATCH.name not in stats(pipe)["patches"]
         assert transformer_qwenimage.compute_text_seq_len_from_mask is _masks_the_first_token
         _equal_to_eager(pipe, "qwen-image", "mask_two_lengths")  # the mask reaches the transformer
+        assert torch.equal(run_case(pipe, "qwen-image", "mask_two_lengths", height=32, width=32), reference)
         assert_graphs_ran(pipe, components=("transformer",))
     finally:
         restore(pipe)

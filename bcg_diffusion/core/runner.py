@@ -585,6 +585,8 @@ class GraphRunner:
         try:
             inputs()
             found = first_difference(graph, fresh)
+        except BreakResultMismatch as exc:
+            return f"an eager break returned another value than at capture: {exc}"
         finally:
             fresh.reset()
         if found is None:
