@@ -93,6 +93,23 @@ DEFAULT_MODES: tuple[str, ...] = tuple(
 )
 # What a run without --modes compares on a CPU, where every mode of ours runs in debug mode (no graphs).
 CPU_DEFAULT_MODES: tuple[str, ...] = ("eager", "bcg")
+# The modes a user picks, each in one line of --help; the others (ablations, kernel and layout variants of the
+# rounds that measured them) are listed by --list-modes.
+SUMMARIES = {
+    "eager": "diffusers as is",
+    "bcg": "exact mode: the eager kernels replayed from graphs",
+    "fast": 'mode="fast": compiled blocks inside the graphs',
+    "compile": "peer: diffusers' compile_repeated_blocks",
+    "compile-max": 'peer: torch.compile(mode="reduce-overhead")',
+    "eager+cache": "diffusers with a step cache (--cache): baseline",
+    "bcg+cache": "exact mode, the same step cache inside its graphs",
+    "fast+cache": "fast mode, the same step cache inside its graphs",
+    "eager-fp8": "diffusers, transformer in FP8 (torchao): baseline",
+    "fast-fp8": 'fast mode with quantize="fp8"',
+    "fast-fp8-attn": 'fast-fp8 with attention="fp8" too',
+    "fast+cachedit": "fast mode with Cache-DiT (--cachedit-mask)",
+}
+USER_MODES: tuple[str, ...] = tuple(SUMMARIES)
 DESCRIPTIONS = {
     "eager": "diffusers as is",
     "bcg": "bcg-diffusion accelerate(pipe), exact mode (debug mode on CPU: no graphs, timings not meaningful)",

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import difflib
 import logging
 import shlex
 import shutil
@@ -33,6 +34,7 @@ from .cases import PRESET_ALIASES, PRESETS, PROMPT_SET_NAMES, Case
 from .catalog import (
     ABLATIONS,
     CACHED,
+    CACHEDIT,
     CPU_DEFAULT_MODES,
     DEFAULT_MODES,
     DESCRIPTIONS,
@@ -41,6 +43,8 @@ from .catalog import (
     MODES,
     OURS,
     SEPARATE,
+    SUMMARIES,
+    USER_MODES,
     baseline,
 )
 
@@ -61,11 +65,12 @@ EXAMPLES = [
 def _modes(text: str) -> list[str]:
     names = [m.strip() for m in text.split(",") if m.strip()]
     if not names:
-        raise argparse.ArgumentTypeError(f"no mode given; choose from {', '.join(MODES)}")
+        raise argparse.ArgumentTypeError(f"no mode given; choose from {', '.join(USER_MODES)} (--list-modes: all)")
     unknown = [m for m in names if m not in MODES]
     if unknown:
-        listed = ", ".join(unknown)
-        raise argparse.ArgumentTypeError(f"unknown mode {listed}; choose from {', '.join(MODES)} (see --help)")
+        close = difflib.get_close_matches(unknown[0], MODES, n=1)
+        hint = f"; did you mean {close[0]}?" if close else ""
+        raise argparse.ArgumentTypeError(f"unknown mode {', '.join(unknown)}{hint} (--list-modes lists them all)")
     return list(dict.fromkeys(names))
 
 
@@ -98,25 +103,44 @@ def _listing(title: str, rows: list[tuple[str, str]], width: int) -> list[str]:
 
 
 def _epilog() -> str:
-    """The modes, grouped as the defaults group them, the presets with their cases, and examples: all taken from
-    :mod:`bench.catalog` and :mod:`bench.cases`, so the help lists every mode and preset there is."""
+    """The modes a user picks, one line each, the presets with their cases, and examples: all taken from
+    :mod:`bench.catalog` and :mod:`bench.cases`. ``--list-modes`` lists every mode (:func:`mode_listing`)."""
     width = _width()
-    groups = [
-        ("modes (--modes), those a GPU run compares by default", DEFAULT_MODES),
-        ("modes that leave out one thing our defaults add (ablations)", ABLATIONS),
-        ("modes with a step cache (--cache), compared with eager+cache", CACHED),
-        ("modes with the transformer's linears in FP8, compared with eager-fp8", FP8_MODES),
-    ]
-    listed = {name for _, names in groups for name in names}
-    groups.append(("other modes", tuple(m for m in MODES if m not in listed)))
-    lines: list[str] = []
-    for title, names in groups:
-        if names:
-            lines += _listing(title, [(name, DESCRIPTIONS[name]) for name in names], width)
+    lines = _listing("modes (--modes)", [(name, SUMMARIES[name]) for name in USER_MODES], width)
+    others = len(MODES) - len(USER_MODES)
+    lines += [f"  and {others} more (ablations, kernel variants): --list-modes lists and describes them all", ""]
     presets = [(name, "; ".join(case.label for case in cases)) for name, cases in PRESETS.items()]
     lines += _listing("presets (--preset)", presets, width)
     lines += ["examples:"] + [f"  {command}" + (f"   # {note}" if note else "") for command, note in EXAMPLES]
     return "\n".join(lines)
+
+
+def mode_listing() -> str:
+    """Every mode with its full description, grouped as the defaults group them, each once."""
+    width = _width()
+    groups = [
+        ("modes a GPU run compares by default", DEFAULT_MODES),
+        ("modes that leave out one thing our defaults add (ablations)", ABLATIONS),
+        ("modes with a step cache (--cache), compared with eager+cache", CACHED),
+        ("modes with the transformer's linears in FP8, compared with eager-fp8", FP8_MODES),
+        ("modes with Cache-DiT (--cachedit-mask), compared with eager+cachedit", CACHEDIT),
+    ]
+    lines: list[str] = []
+    listed: set[str] = set()
+    for title, names in groups:
+        fresh = [name for name in names if name not in listed]
+        listed.update(fresh)
+        lines += _listing(title, [(name, DESCRIPTIONS[name]) for name in fresh], width)
+    rest = [name for name in MODES if name not in listed]
+    if rest:
+        lines += _listing("other modes", [(name, DESCRIPTIONS[name]) for name in rest], width)
+    return "\n".join(lines)
+
+
+class _ListModes(argparse.Action):
+    def __call__(self, parser: argparse.ArgumentParser, namespace: Any, values: Any, option: Any = None) -> None:
+        print(mode_listing())
+        parser.exit()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -183,8 +207,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--modes",
         type=_modes,
         metavar="MODE[,MODE...]",
-        help="comma-separated, from the modes listed below (default on a GPU: "
+        help="comma-separated, from the modes below or --list-modes (default on a GPU: "
         f"{','.join(DEFAULT_MODES)}; on a CPU: {','.join(CPU_DEFAULT_MODES)})",
+    )
+    parser.add_argument(
+        "--list-modes", nargs=0, action=_ListModes, help="list every mode with what it runs, and exit (default: off)"
     )
     parser.add_argument("--cache", choices=CACHES, default="magcache", help="the step cache of the +cache modes")
     parser.add_argument("--cache-threshold", type=float, default=0.2, help="FirstBlockCache's threshold")
@@ -210,8 +237,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--stage-syncs",
         action="store_true",
-        help="synchronise the GPU at each stage boundary (encode, denoise, decode) inside the timed calls, as bench "
-        "did before run 140; by default the stages are CUDA events and nothing inside a call waits for the GPU",
+        help="synchronise the GPU at each stage boundary (encode, denoise, decode) inside the timed calls; by "
+        "default the stages are CUDA events and nothing inside a call waits for the GPU",
     )
     parser.add_argument(
         "--profile",

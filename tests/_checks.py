@@ -24,7 +24,9 @@ from bcg_diffusion import stats
 
 # Inductor compiles C++ on CPU: the tests that compile (fast mode on CPU) need a compiler.
 needs_compiler = pytest.mark.skipif(shutil.which("g++") is None, reason="inductor on CPU needs a C++ compiler (g++)")
-needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton (its interpreter)")
+needs_triton = pytest.mark.skipif(
+    importlib.util.find_spec("triton") is None, reason='needs Triton (its interpreter): pip install "triton==3.6.0"'
+)
 
 
 def run_interpreted(script: str) -> None:

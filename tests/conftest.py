@@ -146,10 +146,25 @@ def pytest_runtest_teardown(item, nextitem):
     return result
 
 
+# How to get the tests that a missing package skips running (CI installs these: .ci/run)
+INSTALL_HINTS = {
+    "torchao": 'pip install "torchao==0.17.0" (the fp8 extra)',
+    "triton": 'pip install "triton==3.6.0"',
+    "cache_dit": 'pip install "cache-dit==1.5.3" (the test extra)',
+    "gguf": "pip install gguf (the test extra)",
+    "peft": "pip install peft (the test extra)",
+}
+
+
 def _skip_reason(report: pytest.TestReport) -> str:
     longrepr = report.longrepr
     reason = longrepr[2] if isinstance(longrepr, tuple) and len(longrepr) == 3 else str(longrepr)
-    return re.sub(r"^Skipped: ", "", reason).strip()
+    reason = re.sub(r"^Skipped: ", "", reason).strip()
+    missing = re.match(r"could not import '([\w.]+)'", reason)
+    if missing and missing.group(1).split(".")[0] in INSTALL_HINTS:
+        name = missing.group(1).split(".")[0]
+        return f"needs {name}: {INSTALL_HINTS[name]}"
+    return reason
 
 
 def skip_lines(reasons: Counter[str]) -> list[str]:

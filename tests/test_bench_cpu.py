@@ -415,9 +415,11 @@ def test_a_pipeline_that_cannot_be_built_is_a_one_line_error(tmp_path, capsys, m
     assert "cannot build z-image (tiny) on cpu: tiny is not a local folder and not a model id" in line
 
 
-def test_help_is_quick_shows_every_default_the_presets_and_every_mode(tmp_path):
+def test_help_is_quick_shows_every_default_the_presets_and_the_modes_a_user_picks(tmp_path):
     """``python -m bench --help`` imports neither torch nor diffusers (it took 6.5 s when it did); it gives every
-    option's default, names presets by what they run and lists every mode, the GPU and the CPU default."""
+    option's default, names presets by what they run and lists the modes a user picks, one line each, the GPU
+    and the CPU default; ``--list-modes`` lists every mode, each once."""
+    from bench.catalog import USER_MODES
     from bench.modes import DEFAULT_MODES, MODES
 
     code = (
@@ -429,8 +431,14 @@ def test_help_is_quick_shows_every_default_the_presets_and_every_mode(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.endswith("IMPORTED []\n"), done.stdout[-500:]
     text = " ".join(done.stdout.split())  # argparse wraps lines
+    section = done.stdout.split("modes (--modes):\n")[1].split("\n\n")[0].splitlines()
+    listed = [line.split()[0] for line in section]
+    assert listed == list(USER_MODES) and len(USER_MODES) <= 12, section  # one line each: no continuation
+    assert "--list-modes lists and describes them all" in text
+    everything = cli.mode_listing()
     for name in MODES:
-        assert f" {name} " in text, name
+        assert everything.count(f"\n  {name} ") + everything.startswith(f"  {name} ") <= 1, name
+        assert f"  {name} " in everything, name
     assert f"default on a GPU: {','.join(DEFAULT_MODES)}; on a CPU: eager,bcg" in text
     assert "two-sizes" in text and "cfg-steps-batch" in text and "issue2" not in text and "issue3" not in text
     for default in ("(default: 5)", "(default: 512x512)", "(default: random-full)", "(default: magcache)"):
@@ -584,3 +592,16 @@ def test_a_catalogued_mode_with_an_unknown_suffix_is_refused(monkeypatch):
     monkeypatch.setattr(modes, "MODES", (*modes.MODES, "fast-fp8-torchao-gelu"))
     with pytest.raises(ValueError, match="not a base mode"):
         modes.parse("fast-fp8-torchao-gelu")
+
+
+def test_the_benchmark_runs_from_any_directory_once_installed(tmp_path):
+    """``python -m bench`` and ``bcg-bench`` work outside the checkout: the installed package holds ``bench``."""
+    env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
+    done = subprocess.run(
+        [sys.executable, "-m", "bench", "--help"], cwd=tmp_path, env=env, capture_output=True, text=True
+    )
+    assert done.returncode == 0 and "modes (--modes)" in done.stdout, done.stderr[-2000:]
+    script = Path(sys.executable).with_name("bcg-bench")
+    if script.exists():  # installed as a console script by `pip install -e .`
+        done = subprocess.run([str(script), "--help"], cwd=tmp_path, env=env, capture_output=True, text=True)
+        assert done.returncode == 0 and "modes (--modes)" in done.stdout, done.stderr[-2000:]

@@ -22,7 +22,9 @@ from _sm90 import compile_kernel_sm90, launches, ptxas
 from bcg_diffusion.kernels import triton_cache, vae_glue
 
 triton = pytest.importorskip("triton")
-pytestmark = pytest.mark.skipif(ptxas() is None, reason="needs Triton with the ptxas its wheel bundles")
+pytestmark = pytest.mark.skipif(
+    ptxas() is None, reason='needs Triton with the ptxas its wheel bundles: pip install "triton==3.6.0"'
+)
 
 
 def _compiled_kernel(cache: str, monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype = torch.bfloat16):
