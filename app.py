@@ -74,6 +74,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--port", type=int, default=7860, help="port (default: 7860)")
     parser.add_argument("--share", action="store_true", help="also open a public Gradio link (needs the internet)")
     parser.add_argument(
+        "--verbose", action="store_true", help="log what the library does (captures, compiles) at INFO"
+    )
+    parser.add_argument(
         "--record",
         metavar="DIR",
         help="no page: generate side by side twice with the one --pipeline's defaults and save the second "
@@ -218,7 +221,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.weights in RANDOM_WEIGHTS:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")  # random weights need no hub: never try to reach it
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # The page's own progress at INFO; the library's captures and compiles only with --verbose (they are many).
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    logging.getLogger("bcg_diffusion.demo").setLevel(logging.INFO)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # Gradio's own start-up probes of the local server
 
     import torch
@@ -273,8 +281,17 @@ def main(argv: list[str] | None = None) -> int:
         warmup_status = demo.WarmupStatus()
     page = build_ui(backend, warmup_status, default_pipeline, default_acceleration=args.mode)
     page.queue(default_concurrency_limit=args.concurrency)
-    page.launch(server_name=args.host, server_port=args.port, share=args.share, show_error=False)
+    _launch(page, args)
     return 0
+
+
+def _launch(page: Any, args: argparse.Namespace) -> None:
+    """Serve the page, saying where in our words (Gradio's own start-up text names launch()'s arguments, not
+    this script's options)."""
+    print(
+        f"app.py: serving on http://{args.host}:{args.port}" + ("" if args.share else " (--share for a public link)")
+    )
+    page.launch(server_name=args.host, server_port=args.port, share=args.share, show_error=False, quiet=not args.share)
 
 
 def serve_replay(args: argparse.Namespace) -> int:
@@ -296,7 +313,7 @@ def serve_replay(args: argparse.Namespace) -> int:
     )
     page = build_ui(backend, demo.WarmupStatus(), backend.pipelines[0], banner, backend.accelerations[0])
     page.queue(default_concurrency_limit=args.concurrency)
-    page.launch(server_name=args.host, server_port=args.port, share=args.share, show_error=False)
+    _launch(page, args)
     return 0
 
 

@@ -92,7 +92,8 @@ class AccelerateConfig:
             signature runs eagerly, with the reason. Needs ``track_external_tensors``.
         cfg_parallel: under ``torchrun`` with two ranks, ``True`` (the default process group) or a
             process group of two: each true-CFG step's cond call runs on rank 0 and its uncond call on
-            rank 1, with one exchange of the predictions per step; byte-identical to one GPU
+            rank 1, with one exchange of the predictions per step; designed to give one GPU's bytes (checked with
+            gloo on CPUs; no GPU run yet)
             (:mod:`bcg_diffusion.features.cfg_parallel`). Every rank makes the same pipeline calls. Under context
             parallelism, the group of two ranks from different context-parallel groups
             (``mesh["cfg"].get_group()``; ``True`` is refused).

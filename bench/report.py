@@ -109,7 +109,12 @@ def markdown(record: dict[str, Any]) -> str:
                 + ", ".join(f"{case['modes'][n]['eager_same_group_s']['median']:.3f} s" for n in separate)
                 + "); peers with CUDA graphs of their own do not share a process with live graphs of ours.",
             ]
-        out += ["", verdict(case), ""]
+        cpu = record["environment"].get("device", "").startswith("cpu")
+        out += [
+            "",
+            "No mode is named fastest: a CPU run's timings say nothing of a GPU's." if cpu else verdict(case),
+            "",
+        ]
         profiles = {n: m["denoise_profile"] for n, m in case["modes"].items() if m.get("denoise_profile")}
         if profiles:
             parts = [

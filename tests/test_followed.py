@@ -199,7 +199,7 @@ def test_a_verdict_is_kept_while_the_functions_stay_and_taken_again_when_one_cha
     processor = transformer_z_image.ZSingleStreamAttnProcessor
     monkeypatch.setattr(processor, "__call__", _planted_call(processor.__call__))
     [line] = followed.changed("zimage attention (RoPE outside autocast)")
-    assert "ZSingleStreamAttnProcessor.__call__ differs" in line and "diffusers 0.42.1 installed" in line
+    assert "ZSingleStreamAttnProcessor.__call__ differs" in line and "diffusers 0.42." in line
     monkeypatch.undo()
     assert followed.changed("zimage attention (RoPE outside autocast)") == []
 

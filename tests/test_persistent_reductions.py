@@ -34,10 +34,23 @@ class _Features:
     def get_reduction_hint(self) -> ReductionHint:
         return self.hint
 
+    def strict_reduction_rblock(self) -> None:  # torch 2.15 (2.14: strict_sum_rblock): no strict block asked for
+        return None
+
+    strict_sum_rblock = strict_reduction_rblock
+
+    def has_strict_multirow_reduction(self) -> bool:
+        return False
+
+    has_strict_sum_multirow_reduction = has_strict_multirow_reduction
+
 
 class _Sizes:
     def statically_known_leq(self, left: sympy.Expr, right: int) -> bool:
         return bool(left <= right)
+
+    def statically_known_geq(self, left: sympy.Expr, right: int) -> bool:
+        return bool(left >= right)
 
     def optimization_hint(self, expr: sympy.Expr) -> int:
         return int(expr)

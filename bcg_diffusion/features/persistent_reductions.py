@@ -54,6 +54,15 @@ def _choices_class(row_limit: int) -> type:
                 return False
             if features.get_reduction_hint() != ReductionHint.INNER:
                 return False
+            # torch 2.14 and later cap a persistent row at a strict-reduction block size (deterministic sums):
+            # keep that cap (2.14 names it strict_sum_*, 2.15 strict_reduction_* / strict_multirow_*)
+            rblock, multirow = _strict_reduction(features)
+            if (
+                rblock is not None
+                and not multirow
+                and not V.graph.sizevars.statically_known_geq(rblock, features.reduction_numel)
+            ):
+                return False
             return V.graph.sizevars.statically_known_leq(features.reduction_numel, row_limit)
 
         def uuid(self) -> str:  # what torch 2.13's compile caches key on (inductor_choices_class)
@@ -69,6 +78,18 @@ def _choices_class(row_limit: int) -> type:
 
 
 _CLASS_PREFIX = "WiderPersistentReductions"
+
+
+def _strict_reduction(features: Any) -> tuple[Any, bool]:
+    """The strict-reduction block size the kernel's features ask for (None: none, or a torch before 2.14) and
+    whether they allow several rows per block, under either name torch has given them."""
+    for rblock, multirow in (
+        ("strict_reduction_rblock", "has_strict_multirow_reduction"),
+        ("strict_sum_rblock", "has_strict_sum_multirow_reduction"),
+    ):
+        if hasattr(features, rblock):
+            return getattr(features, rblock)(), getattr(features, multirow)()
+    return None, False
 
 
 def __getattr__(name: str) -> type:

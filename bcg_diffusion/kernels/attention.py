@@ -58,12 +58,11 @@ def unavailable(device: torch.device) -> str | None:
     """Why the kernels cannot run on ``device`` (None: they can): they need Triton and a CUDA GPU of
     compute capability 8.9 or newer (FP8 tensor cores; measured on 9.0). Checked once, when fast mode
     sets a model up, never inside a compiled region."""
-    from . import triton_available
+    from . import triton_unavailable
 
-    if device.type != "cuda":
-        return f"the model is on {device.type}, not a CUDA GPU"
-    if not triton_available():
-        return "Triton is not installed (it comes with PyTorch's CUDA builds)"
+    reason = triton_unavailable(device)
+    if reason is not None:
+        return reason
     if torch.cuda.get_device_capability(device) < (8, 9):
         return "the kernels need compute capability 8.9 or newer (FP8 tensor cores)"
     return None

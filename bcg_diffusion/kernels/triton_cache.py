@@ -128,7 +128,8 @@ def _launcher_source(driver: types.ModuleType, kernel: object) -> str:
 
 def _module_folders(kernels: list[object], roots: set[Path | None]) -> set[Path]:
     """The cache folders, in any of ``roots``, of the C modules Triton builds to launch ``kernels`` on
-    NVIDIA GPUs: each kernel's launcher and the driver's ``cuda_utils``, named as Triton names them (the
+    NVIDIA GPUs: each kernel's launcher (Triton up to 3.6; 3.8 has one generic launcher) and the driver's
+    ``cuda_utils``, named as Triton names them (the
     SHA-256 of the source and the platform). None where a module was not built, or where this Triton
     writes them otherwise (said at INFO: the kernels are kept, their launchers are built again)."""
     try:
@@ -139,7 +140,8 @@ def _module_folders(kernels: list[object], roots: set[Path | None]) -> set[Path]
     sources = set()
     try:
         sources.add((Path(driver.__file__).parent / "driver.c").read_text())
-        sources |= {_launcher_source(driver, kernel) for kernel in kernels}
+        if hasattr(driver, "make_launcher"):  # Triton 3.8 launches every kernel through cuda_utils: none per kernel
+            sources |= {_launcher_source(driver, kernel) for kernel in kernels}
     except (OSError, AttributeError, KeyError, TypeError, ValueError) as exc:
         logger.info("Triton's launchers are not kept with the kernels (%s: %s)", type(exc).__name__, exc)
     keys = {hashlib.sha256((source + platform_key()).encode("utf-8")).hexdigest() for source in sources}

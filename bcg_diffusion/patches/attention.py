@@ -55,7 +55,7 @@ from diffusers.models.attention_dispatch import AttentionBackendName, _Attention
 from diffusers.models.attention_dispatch import dispatch_attention_fn as _diffusers_dispatch
 
 from ..kernels import attention as kernels
-from ..kernels import cudnn_fp8_attention, qk_prologue, triton_available
+from ..kernels import cudnn_fp8_attention, qk_prologue, triton_available, untested_triton
 from . import fp8_output_projection, stacked_output
 from .fp8_feed_forward import Fp8Rows, linear_on_fp8
 from .rope import rotate_pairs
@@ -270,7 +270,7 @@ FUSED_QKV_PROCESSORS = ("ZSingleStreamAttnProcessor",)
 # Z-Image processor where the module holds the fused FP8 product, and its Qwen-Image processor where it
 # attends per group (:func:`qwen_per_group_lengths`).
 TAKES_FP8_ROWS = "_bcg_takes_fp8_rows"
-_TRITON = triton_available()  # once: compiled code must not trace importlib
+_TRITON = triton_available() and untested_triton() is None  # once: compiled code must not trace importlib
 
 
 def _choice(attn: torch.nn.Module, attribute: str, default: Any, allowed: tuple[Any, ...]) -> Any:

@@ -45,7 +45,7 @@ __all__ = ["FOLLOWED", "TESTED", "changed", "digest", "installable"]
 logger = logging.getLogger(__name__)
 
 # The versions whose code the digests below are of (checked by tests/test_followed.py and on the GPU machine).
-TESTED = {"diffusers": ("0.42.1",), "cache-dit": ("1.5.3",)}
+TESTED = {"diffusers": ("0.42.0", "0.42.1"), "cache-dit": ("1.5.3",)}
 
 _QI = "diffusers.models.transformers.transformer_qwenimage"
 _ZI = "diffusers.models.transformers.transformer_z_image"
