@@ -41,6 +41,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import enum
+import functools
 import itertools
 import operator
 import threading
@@ -199,6 +200,8 @@ class Watched:
                 if self.name in holder:
                     return holder[self.name]
             return ABSENT
+        if self.kind == "binding":
+            return own_forward(self.holder)
         return self.holder.get(self.name, ABSENT)
 
     def changed(self) -> bool:
@@ -244,10 +247,10 @@ class Watched:
             elif kind == "data":
                 self.token, self.shown = plain(self.value), _short(self.value)
             return
-        value = self.holder.get(self.name, ABSENT)
         if kind == "binding":
-            self.value = value
+            self.value = own_forward(self.holder)
             return
+        value = self.holder.get(self.name, ABSENT)
         if value is ABSENT:
             self.token = _VOLATILE
             return
@@ -278,6 +281,28 @@ class Watched:
         if self.kind == "data":
             return f"{self.where}: {before} -> {_short(plain_copy(value))} (changed in place)"
         return f"{self.where}: replaced"
+
+
+def own_forward(instance: dict) -> Any:
+    """The ``forward`` a module's ``__dict__`` sets on the instance (``ABSENT``: none), except the wrappers of
+    diffusers' hook registry (``_diffusers_hook``), and the class's own forward bound to the module, which it
+    leaves when its hooks go: the step caches carry those hooks through the graphs and key the signatures on
+    them, and enabling or disabling a cache must not drop the other hooks' graphs."""
+    value = instance.get("forward", ABSENT)
+    if value is ABSENT:
+        return value
+    if "_diffusers_hook" in instance and isinstance(value, functools.partial):
+        return ABSENT
+    # The class's own forward bound to the module (what diffusers puts back when its last hook goes) is no
+    # forward of the instance's own.
+    owner = getattr(value, "__self__", None)
+    if (
+        isinstance(value, types.MethodType)
+        and getattr(owner, "__dict__", None) is instance
+        and value.__func__ is getattr(type(owner), "forward", None)
+    ):
+        return ABSENT
+    return value
 
 
 def plain_copy(value: Any) -> Any:
@@ -493,7 +518,7 @@ class ReadRecorder:
         instance = _OBJECT_GETATTRIBUTE(module, "__dict__")
         where = _join(entry[0], name)
         if name == "forward":  # read by nn.Module.__call__: a forward set on the instance replaces the class's
-            self.reads[key] = Watched(key, where, "binding", instance, name, instance.get(name, ABSENT), None)
+            self.reads[key] = Watched(key, where, "binding", instance, name, own_forward(instance), None)
             return
         if name in _HOOK_REGISTRIES:
             self.reads[key] = Watched(key, where, "hooks", value, name, value, _hooks_token(value), str(len(value)))
@@ -589,7 +614,14 @@ class StateWatch:
             and self._no_hook_added(empty_hooks)
             and not any(item.changed() for item in by_value)
         )
-        return [] if unchanged else [item for item in self._items.values() if item.changed()]
+        if unchanged:
+            return []
+        changed = [item for item in self._items.values() if item.changed()]
+        if not changed:
+            # Nothing changed by each value's own test (an equal float rebound, a diffusers hook wrapper set on
+            # a block): the state as it is now is the one the fast pass compares with from here on.
+            self._compiled = self._compile(current=True)
+        return changed
 
     def _no_hook_added(self, empty: list[dict]) -> bool:
         """Whether every hook registry holds the hooks it held at capture. Those that held some are compared by
@@ -606,12 +638,13 @@ class StateWatch:
         self._hook_mark = mark
         return True
 
-    def _compile(self) -> tuple[list, ...]:
+    def _compile(self, current: bool = False) -> tuple[list, ...]:
         """The lists :meth:`changes` checks in one pass: (holder, name, object read) for every value bound by
         name (``None`` and an absent instance ``forward`` included), (tensor, data address) for every plain
         tensor, the size of every hook registry, and the items compared by value (registries that held hooks,
         containers, arrays). A wrapper subclass's inner tensors (:func:`storage`) are bound by name in its
-        ``__dict__`` and checked the same way; those it keeps elsewhere are compared by value."""
+        ``__dict__`` and checked the same way; those it keeps elsewhere are compared by value. With ``current``,
+        the names are bound to what they hold now (after a full look found nothing changed)."""
         holders, names, values, tensors, pointers, registries, sizes, by_value = [], [], [], [], [], [], [], []
         empty_hooks: list[dict] = []
         self._hook_mark, self._held_hooks = None, []
@@ -631,7 +664,7 @@ class StateWatch:
             if single:
                 holders.append(item.holder)
                 names.append(item.name)
-                values.append(item.value)
+                values.append(item.holder.get(item.name, ABSENT) if current else item.value)
             if (
                 kind == "tensor"
                 and item.value is not None
