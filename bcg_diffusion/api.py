@@ -19,7 +19,7 @@ from .config import _KNOWN_COMPONENTS, AccelerateConfig, describe_changes
 from .core.hooks import diffusers_hooks, serialise_calls, unserialise_calls
 from .core.runner import BCGWarning
 from .group import GraphGroup, held_by, pipeline_names
-from .pipelines import PipelineAdapter, adapter_for
+from .pipelines import PipelineAdapter, adapter_for, first_transformer
 from .state import (
     RESTORED_ATTR,
     STATE_ATTR,
@@ -39,7 +39,7 @@ P = TypeVar("P")
 
 
 def _execution_device(pipe: Any) -> torch.device:
-    transformer = getattr(pipe, "transformer", None)
+    transformer = first_transformer(pipe)
     if isinstance(transformer, torch.nn.Module):
         for parameter in transformer.parameters():
             return parameter.device
@@ -352,10 +352,15 @@ def stats(pipe: Any) -> dict[str, Any]:
         pool_bytes = group.pool.reserved_bytes() if group is not None and group.pool is not None else 0
         installed = state.all_features()
         reported = features.defaults()
+        experts: dict[str, dict[str, Any]] = {}
         for feature in installed:
-            reported.update(feature.stats())
+            if feature.expert is None:
+                reported.update(feature.stats())
+            else:  # what a further expert's instance did (Wan 2.2's transformer_2), apart from the first's
+                experts.setdefault(feature.expert, {}).update(feature.stats())
+        reported["experts"] = experts
         patches = [patch.name for patch in group.function_patches] if group is not None else []
-        patches += [name for feature in installed for name in feature.patch_names()]
+        patches += list(dict.fromkeys(name for feature in installed for name in feature.patch_names()))
         shared_with = pipeline_names(group.members, but=state) if group is not None else []
     totals = ("captures", "replays", "eager_fallbacks", "misses", "evictions", "invalidations", "hotswaps")
     totals += ("state_checks", "state_changes", "capture_seconds", "state_check_seconds", "mismatches")

@@ -37,7 +37,7 @@ from .core.budget import SignatureBudget
 from .core.graphs import GraphPool
 from .core.hooks import MethodPatches, watch_component
 from .core.runner import GraphRunner
-from .features import Feature, Setup, Target
+from .features import EXPERTS, Feature, Setup, Target, expert_target, expert_view
 from .features import context_parallel as parallel
 from .patches import FunctionPatch
 from .patches.text_encoder import CAUSAL_MASK_PATCH
@@ -159,21 +159,28 @@ class GraphGroup:
         """The install order every feature relies on (see :mod:`bcg_diffusion.features.base`)."""
         for name, record in records.items():
             self.adapter.install_module(name, record.module, record.patches)
+        experts = [name for name in EXPERTS if name in records]
         for feature_class in feature_registry.FEATURES:  # looked up now: the list is the extension point
-            if feature_class.component is not None and feature_class.component not in records:
-                continue  # its module is absent, or held already (installed by the pipeline that took it)
             if feature_class.component is None and not pipeline_features:
                 continue
-            feature = feature_class.create(setup)
-            if feature is not None:
-                features.append(feature)
+            if feature_class.component is None or feature_class.component in records:
+                # else its module is absent, or held already (installed by the pipeline that took it)
+                feature = feature_class.create(setup)
+                if feature is not None:
+                    features.append(feature)
+            if feature_class.component == "transformer" and feature_class.experts:
+                for expert in experts:  # Wan 2.2's second expert gets what the first gets
+                    feature = feature_class.create(expert_view(setup, expert))
+                    if feature is not None:
+                        feature.component = feature.expert = expert
+                        features.append(feature)
         patches_of = {id(f): records[f.component].patches if f.component else state.patches for f in features}
         for feature in features:
-            feature.prepare(setup, patches_of[id(feature)])
+            feature.prepare(_seen_by(feature, setup), patches_of[id(feature)])
         for name in setup.accelerated:
             records[name].runner = setup.runners[name] = self._install_runner(setup, records[name], features)
         for feature in features:
-            feature.finish(setup, patches_of[id(feature)])
+            feature.finish(_seen_by(feature, setup), patches_of[id(feature)])
         for feature in features:
             (records[feature.component].features if feature.component else state.features).append(feature)
 
@@ -185,7 +192,8 @@ class GraphGroup:
         fn = adapter.runner_callable(component, target.original)
         state_key = adapter.state_key(component, module)
         for feature in features:
-            fn, state_key = feature.runner_fn(target, fn, state_key)
+            if (seen := expert_target(feature, target)) is not None:
+                fn, state_key = feature.runner_fn(seen, fn, state_key)
         runner = target.runner = GraphRunner(
             fn,
             name=component,
@@ -205,7 +213,8 @@ class GraphGroup:
         )
         call: Callable[..., Any] = runner
         for feature in features:
-            call = feature.wrap_call(target, call)
+            if (seen := expert_target(feature, target)) is not None:
+                call = feature.wrap_call(seen, call)
         prepare = adapter.prepare_call(component)
 
         def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -251,6 +260,11 @@ class GraphGroup:
                 patch.revert()
             self.function_patches.clear()
             self.pool = None
+
+
+def _seen_by(feature: Feature, setup: Setup) -> Setup:
+    """The setup ``feature`` prepares and finishes with: an expert's view for an expert's instance."""
+    return setup if feature.expert is None else expert_view(setup, feature.expert)
 
 
 def _undo(records: Any, features: list[Feature], state: Any) -> None:

@@ -35,9 +35,12 @@ def cachedit_options(pipe: Any, steps: int, mask: str | None = None) -> dict[str
     models), no Bn blocks, Cache-DiT's defaults otherwise."""
     import cache_dit
 
-    blocks = getattr(pipe.transformer, "transformer_blocks", None) or pipe.transformer.layers
+    transformer = pipe.transformer
+    blocks = next(
+        getattr(transformer, name) for name in ("transformer_blocks", "blocks", "layers") if hasattr(transformer, name)
+    )
     config = cache_dit.DBCacheConfig(
-        Fn_compute_blocks=min(8, len(blocks) - 1),
+        Fn_compute_blocks=max(1, min(8, len(blocks) - 1)),
         Bn_compute_blocks=0,
         num_inference_steps=steps,
         steps_computation_mask=cachedit_mask(steps, mask),

@@ -25,7 +25,7 @@ def prompt_sets() -> dict[str, tuple[str, ...]]:
 
 
 def check_size(width: int, height: int) -> None:
-    """Raise ValueError unless both pipelines can make a ``width`` x ``height`` image (multiples of 16)."""
+    """Raise ValueError unless every pipeline can make a ``width`` x ``height`` image (multiples of 16)."""
     if height % 16 or width % 16 or min(height, width) < 16:
         raise ValueError(f"resolution {width}x{height}: both sides must be multiples of 16")
 
@@ -37,6 +37,10 @@ class Case:
     ``guidance`` is Qwen-Image's ``true_cfg_scale`` (CFG when > 1, with a negative prompt) or
     Z-Image's ``guidance_scale`` (CFG when > 0). ``batch`` prompts are drawn in turn from
     ``prompts`` ("short", "long" or "mixed": prompts of different lengths, Qwen-Image's masked path).
+
+    The pipelines of :mod:`bench.published` (FLUX.1, FLUX.2 klein, Wan, Qwen-Image-Edit) take random prompt
+    embeddings instead of prompts (batch 1; ``weights`` says which, and ``frames`` is a video's length), and
+    ``guidance`` is the pipeline's own argument (:class:`bench.published.PublishedCase`).
     """
 
     pipeline: str
@@ -47,6 +51,8 @@ class Case:
     batch: int = 1
     prompts: str = "short"
     profile: bool = True  # also profile the denoising loop (wall time against GPU kernel time)
+    frames: int | None = None  # a video's frames (bench.published's video pipelines)
+    weights: str = "random-full"  # bench.published's pipelines: which random weights their embeddings fit
 
     def __post_init__(self) -> None:
         if self.prompts not in PROMPT_SET_NAMES:
@@ -54,25 +60,50 @@ class Case:
         check_size(self.width, self.height)
         if self.steps < 2 or self.batch < 1:
             raise ValueError(f"steps must be >= 2 and batch >= 1, got steps {self.steps} and batch {self.batch}")
+        if self.published is not None and self.batch != 1:
+            raise ValueError(f"--pipeline {self.pipeline} runs one video or image per call (batch 1)")
+        if (self.frames is not None) != (self.published is not None and self.published.frames is not None):
+            raise ValueError(f"frames are for the video pipelines only, got {self.frames} for {self.pipeline}")
+
+    @property
+    def published(self) -> Any:
+        """This pipeline's :class:`bench.published.PublishedCase`, or None for Qwen-Image and Z-Image."""
+        from .published import PUBLISHED
+
+        return PUBLISHED.get(self.pipeline)
 
     @property
     def uses_cfg(self) -> bool:
+        if self.published is not None:
+            return self.published.uses_cfg(self.guidance)
         return self.guidance > 1 if self.pipeline == "qwen-image" else self.guidance > 0
 
     @property
     def label(self) -> str:
         cfg = f"cfg {self.guidance:g}" if self.uses_cfg else "no cfg"
         batch = f", batch {self.batch} ({self.prompts})" if self.batch > 1 else ""
-        return f"{self.pipeline} {self.width}x{self.height}, {self.steps} steps, {cfg}{batch}"
+        frames = f"x{self.frames}" if self.frames else ""
+        return f"{self.pipeline} {self.width}x{self.height}{frames}, {self.steps} steps, {cfg}{batch}"
 
     def prompt_list(self) -> list[str]:
         pool = prompt_sets()[self.prompts]
         return [pool[i % len(pool)] for i in range(self.batch)]
 
-    def kwargs(self, output_type: str = "pt", seed: int = 0) -> dict[str, Any]:
-        """Keyword arguments of one call; fresh lists every time (Z-Image edits its prompt list in place)."""
+    def kwargs(self, output_type: str = "pt", seed: int = 0, device: Any = "cpu") -> dict[str, Any]:
+        """Keyword arguments of one call; fresh lists every time (Z-Image edits its prompt list in place).
+        ``device``: where :mod:`bench.published`'s prompt embeddings are made."""
         import torch
 
+        if self.published is not None:
+            from .published import call_inputs
+
+            kwargs = call_inputs(self.pipeline, self.weights, device, self.width, self.height, self.frames)
+            kwargs.update(
+                height=self.height, width=self.width, num_inference_steps=self.steps, output_type=output_type
+            )
+            kwargs.update({self.published.guidance_argument: self.guidance})
+            kwargs["generator"] = torch.Generator("cpu").manual_seed(seed)
+            return kwargs | ({"num_frames": self.frames} if self.frames else {})
         prompts = self.prompt_list()
         kwargs: dict[str, Any] = {
             "prompt": prompts if len(prompts) > 1 else prompts[0],

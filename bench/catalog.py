@@ -91,6 +91,17 @@ ABLATIONS += ("fast-joined-output",)
 DEFAULT_MODES: tuple[str, ...] = tuple(
     m for m in MODES if m not in ABLATIONS and m not in CACHED and m not in FP8_MODES and m not in CACHEDIT
 )
+# What a run of bench.published's pipelines (flux, flux2-klein, wan, qwen-image-edit) without --modes compares on
+# a GPU: each is minutes at its published size, so ours as a user gets them and diffusers' regional compile.
+PUBLISHED_DEFAULT_MODES: tuple[str, ...] = (
+    "eager",
+    "bcg",
+    "fast",
+    "compile",
+    "eager-fp8",
+    "fast-fp8",
+    "fast-fp8-attn",
+)
 # What a run without --modes compares on a CPU, where every mode of ours runs in debug mode (no graphs).
 CPU_DEFAULT_MODES: tuple[str, ...] = ("eager", "bcg")
 # The modes a user picks, each in one line of --help; the others (ablations, kernel and layout variants of the

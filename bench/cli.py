@@ -3,6 +3,7 @@
     python -m bench --pipeline z-image --weights random-full --resolutions 512x512,1024x1024 --steps 8
     python -m bench --preset two-sizes --pipeline qwen-image --weights random-full --out bench/results/qwen
     python -m bench --pipeline z-image --weights tiny   # the CPU smoke run (tiny random models)
+    python -m bench --pipeline flux --modes eager,fast,fast-fp8   # FLUX.1-dev 1024², 28 steps (bench.published)
 
 This module is the command line: it imports neither torch nor diffusers until the arguments are parsed, so
 ``--help`` and a mistake in the arguments answer at once. A mistake, including one found after parsing (a
@@ -42,6 +43,7 @@ from .catalog import (
     FP8_MODES,
     MODES,
     OURS,
+    PUBLISHED_DEFAULT_MODES,
     SEPARATE,
     SUMMARIES,
     USER_MODES,
@@ -161,7 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--pipeline",
-        choices=runs.PIPELINES,
+        choices=runs.PIPELINES + runs.PUBLISHED_PIPELINES,
         action="append",
         help=f"repeatable (default: the preset's pipelines, else {runs.DEFAULT_PIPELINE})",
     )
@@ -185,16 +187,24 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--resolutions",
         type=runs.resolutions,
-        default="512x512",
         metavar="WxH[,WxH...]",
-        help="image sizes, multiples of 16",
+        help="image sizes, multiples of 16 (default: 512x512; flux, flux2-klein, qwen-image-edit 1024x1024; "
+        "wan 832x480)",
     )
-    parser.add_argument("--steps", type=runs.at_least(2), default=8, help="denoising steps")
+    parser.add_argument(
+        "--frames", type=runs.at_least(1), help="wan: frames per video (default: 81, as published at 480p)"
+    )
+    parser.add_argument(
+        "--steps",
+        type=runs.at_least(2),
+        help="denoising steps (default: 8; flux 28, flux2-klein 4, wan 3 of its 40, qwen-image-edit 8)",
+    )
     parser.add_argument(
         "--guidance",
         type=float,
-        default=0.0,
-        help="Qwen-Image's true_cfg_scale (CFG above 1) / Z-Image's guidance_scale (CFG above 0)",
+        help="Qwen-Image's true_cfg_scale (CFG above 1) / Z-Image's guidance_scale (CFG above 0) / the "
+        "pipeline's own guidance for the others (default: 0; flux 3.5, distilled; flux2-klein 1.0; wan 5.0, CFG; "
+        "qwen-image-edit 4.0, true CFG)",
     )
     parser.add_argument("--batch", type=runs.at_least(1), default=1, help="prompts per call")
     parser.add_argument(
@@ -208,7 +218,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=_modes,
         metavar="MODE[,MODE...]",
         help="comma-separated, from the modes below or --list-modes (default on a GPU: "
-        f"{','.join(DEFAULT_MODES)}; on a CPU: {','.join(CPU_DEFAULT_MODES)})",
+        f"{','.join(DEFAULT_MODES)}; for flux, flux2-klein, wan and qwen-image-edit: {','.join(PUBLISHED_DEFAULT_MODES)}; "
+        f"on a CPU: {','.join(CPU_DEFAULT_MODES)})",
     )
     parser.add_argument(
         "--list-modes", nargs=0, action=_ListModes, help="list every mode with what it runs, and exit (default: off)"
@@ -276,7 +287,9 @@ def parse_args(argv: list[str] | None = None, parser: argparse.ArgumentParser | 
 
     args.device = torch.device(args.device)
     if args.modes is None:
-        args.modes = list(DEFAULT_MODES if args.device.type == "cuda" else CPU_DEFAULT_MODES)
+        published = all(case.published is not None for case in args.cases)
+        gpu_modes = PUBLISHED_DEFAULT_MODES if published else DEFAULT_MODES
+        args.modes = list(gpu_modes if args.device.type == "cuda" else CPU_DEFAULT_MODES)
     if args.out is None:
         args.out = runs.default_out("+".join(_pipeline_names(args)))
     return args
@@ -295,10 +308,30 @@ def _cases(args: argparse.Namespace) -> list[Case]:
     if args.preset:
         cases = PRESETS[args.preset]
         return [c for c in cases if not args.pipeline or c.pipeline in args.pipeline]
+    return [case for name in args.pipeline or [runs.DEFAULT_PIPELINE] for case in _pipeline_cases(name, args)]
+
+
+def _pipeline_cases(name: str, args: argparse.Namespace) -> list[Case]:
+    """One case per resolution of pipeline ``name``, with the options given, else its defaults."""
+    if name not in runs.PUBLISHED_PIPELINES:
+        if args.frames is not None:
+            raise ValueError(f"--frames is for wan, not {name}")
+        steps, guidance = args.steps or 8, 0.0 if args.guidance is None else args.guidance
+        return [
+            Case(name, height, width, steps, guidance, args.batch, args.prompts)
+            for width, height in args.resolutions or [(512, 512)]
+        ]
+    from .published import PUBLISHED
+
+    spec = PUBLISHED[name]
+    if args.frames is not None and spec.frames is None:
+        raise ValueError(f"--frames is for the video pipelines (wan), not {name}")
+    frames = args.frames or spec.frames
+    steps, guidance = args.steps or spec.steps, spec.guidance if args.guidance is None else args.guidance
+    weights = "tiny" if args.weights == runs.SMOKE_WEIGHTS else args.weights
     return [
-        Case(name, height, width, args.steps, args.guidance, args.batch, args.prompts)
-        for name in args.pipeline or [runs.DEFAULT_PIPELINE]
-        for width, height in args.resolutions
+        Case(name, height, width, steps, guidance, args.batch, args.prompts, frames=frames, weights=weights)
+        for width, height in args.resolutions or [(spec.width, spec.height)]
     ]
 
 

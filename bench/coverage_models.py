@@ -227,6 +227,30 @@ def _flux2() -> tuple[Any, dict[str, Any]]:
     return pipe, {"prompt_embeds": torch.randn(1, 8, 32), "image": _image(64), "guidance_scale": 4.0}
 
 
+def _flux2_klein() -> tuple[Any, dict[str, Any]]:
+    from diffusers import (
+        AutoencoderKLFlux2,
+        FlowMatchEulerDiscreteScheduler,
+        Flux2KleinPipeline,
+        Flux2Transformer2DModel,
+    )
+
+    # Klein is step- and guidance-distilled: no guidance embedding, one transformer call per step.
+    transformer = Flux2Transformer2DModel(
+        in_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=16, num_attention_heads=2,
+        joint_attention_dim=32, timestep_guidance_channels=32, axes_dims_rope=(4, 4, 4, 4), guidance_embeds=False,
+    )  # fmt: skip
+    vae = AutoencoderKLFlux2(
+        down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
+        block_out_channels=(8, 16), layers_per_block=1, latent_channels=4, norm_num_groups=4,
+    )  # fmt: skip
+    pipe = Flux2KleinPipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(), vae=vae, text_encoder=None, tokenizer=None,
+        transformer=transformer, is_distilled=True,
+    )  # fmt: skip
+    return pipe, {"prompt_embeds": torch.randn(1, 8, 32), "guidance_scale": 1.0}
+
+
 def _wan22() -> tuple[Any, dict[str, Any]]:
     from diffusers import WanPipeline, WanTransformer3DModel
 
@@ -331,6 +355,7 @@ TINY: dict[str, Callable[[], tuple[Any, dict[str, Any]]]] = {
     "Qwen-Image Edit Plus": partial(_qwen_edit, plus=True),
     "FLUX.1 Kontext": _flux_kontext,
     "FLUX.2": _flux2,
+    "FLUX.2 klein": _flux2_klein,
     "Wan 2.2 T2V": _wan22,
     "HunyuanVideo": _hunyuan_video,
     "LTX-Video": _ltx,
@@ -732,6 +757,37 @@ def _full_flux2_inputs(device: torch.device, size: Size) -> dict[str, Any]:
     return embeds | _size(size) | {"image": _image(size.width, size.height), "guidance_scale": 4.0}
 
 
+def _full_flux2_klein(device: torch.device) -> Any:
+    from diffusers import (
+        AutoencoderKLFlux2,
+        FlowMatchEulerDiscreteScheduler,
+        Flux2KleinPipeline,
+        Flux2Transformer2DModel,
+    )
+
+    # black-forest-labs/FLUX.2-klein-4B: 5 double-stream and 20 single-stream blocks of FLUX.2's shape at 24
+    # heads (hidden 3072), fed three hidden layers of Qwen3-4B side by side (3 x 2560); no guidance embedding
+    # (step- and guidance-distilled, 4 steps). Its VAE and scheduler: FLUX.2's.
+    transformer = _random_model(partial(
+        Flux2Transformer2DModel, patch_size=1, in_channels=128, num_layers=5, num_single_layers=20,
+        attention_head_dim=128, num_attention_heads=24, joint_attention_dim=7680, timestep_guidance_channels=256,
+        mlp_ratio=3.0, axes_dims_rope=(32, 32, 32, 32), rope_theta=2000, eps=1e-6, guidance_embeds=False,
+    ), "transformer", device)  # fmt: skip
+    vae = _random_model(AutoencoderKLFlux2, "vae", device)
+    scheduler = FlowMatchEulerDiscreteScheduler(
+        base_image_seq_len=256, base_shift=0.5, max_image_seq_len=4096, max_shift=1.15, num_train_timesteps=1000,
+        shift=3.0, time_shift_type="exponential", use_dynamic_shifting=True,
+    )  # fmt: skip
+    return Flux2KleinPipeline(
+        scheduler=scheduler, vae=vae, text_encoder=None, tokenizer=None, transformer=transformer, is_distilled=True
+    )
+
+
+def _full_flux2_klein_inputs(device: torch.device, size: Size) -> dict[str, Any]:
+    # Qwen3-4B: three layers' hidden states side by side (3 x 2560), 512 tokens; text to image, no CFG.
+    return {"prompt_embeds": _randn(device, 1, 512, 7680)} | _size(size) | {"guidance_scale": 1.0}
+
+
 def _full_hunyuan_video(device: torch.device) -> Any:
     from diffusers import (
         AutoencoderKLHunyuanVideo,
@@ -850,6 +906,7 @@ FULL: dict[str, Published] = {
     ),
     "FLUX.1 Kontext": Published("black-forest-labs/FLUX.1-Kontext-dev", _full_flux_kontext, _full_flux_kontext_inputs),
     "FLUX.2": Published("black-forest-labs/FLUX.2-dev", _full_flux2, _full_flux2_inputs),
+    "FLUX.2 klein": Published("black-forest-labs/FLUX.2-klein-4B", _full_flux2_klein, _full_flux2_klein_inputs),
     "Wan 2.2 T2V": Published("Wan-AI/Wan2.2-T2V-A14B-Diffusers", _full_wan22, _full_wan22_inputs, VIDEO_SIZES),
     "HunyuanVideo": Published(
         "hunyuanvideo-community/HunyuanVideo", _full_hunyuan_video, _full_hunyuan_video_inputs, VIDEO_SIZES

@@ -101,7 +101,8 @@ def timed_call(pipe: Any, case: Case, device: torch.device, seed: int = 0, stage
         synchronize(device)
         start = time.perf_counter()
         first = clock.mark()
-        images = pipe(**case.kwargs(seed=seed), callback_on_step_end=on_step_end).images
+        output = pipe(**case.kwargs(seed=seed, device=device), callback_on_step_end=on_step_end)
+        images = output.frames if case.frames else output.images
         last = clock.mark()
         synchronize(device)
         end = time.perf_counter()
@@ -137,7 +138,9 @@ def summary(values: list[float]) -> dict[str, float]:
 
 def _loop_inputs(pipe: Any, case: Case) -> dict[str, Any]:
     """Call arguments with the prompt embeddings computed once, so a call is the denoising loop."""
-    kwargs = case.kwargs("latent")
+    kwargs = case.kwargs("latent", device=pipe.device)
+    if case.published is not None:  # called with embeddings already
+        return kwargs
     prompts = kwargs.pop("prompt")
     negative = kwargs.pop("negative_prompt", None)
     if case.pipeline == "qwen-image":

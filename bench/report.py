@@ -74,6 +74,9 @@ def markdown(record: dict[str, Any]) -> str:
                 f"{_mib(mode['peak_memory_bytes'])} | {_mib(graphs.get('graph_memory_bytes'))} | "
                 f"{graphs.get('captures', '–')} / {graphs.get('replays', '–')} | {same} |"
             )
+        steps = [f"{n} {m['denoise_per_step_s']:.3f} s" for n, m in case["modes"].items() if "denoise_per_step_s" in m]
+        if steps:
+            out += ["", "Denoising per step (the denoise stage's median over its steps): " + ", ".join(steps) + "."]
         checks = [
             f"{n} {m['state_check_s_per_call'] * 1e3:.3f} ms ({m['state_check_share']:.2%} of a call)"
             for n, m in case["modes"].items()

@@ -22,6 +22,8 @@ SMOKE_WEIGHTS = "tiny"  # the only weights a machine without a GPU is let build
 DEFAULT_WEIGHTS = "random-full"  # python -m bench's
 DEFAULT_PIPELINE = "z-image"
 PIPELINES = ("qwen-image", "z-image")  # bcg_diffusion.models.PIPELINE_NAMES (not imported here: it imports diffusers)
+# Pipelines the benchmark builds from the coverage check's configs (bench.published.PUBLISHED, without torch)
+PUBLISHED_PIPELINES = ("flux", "flux2-klein", "wan", "qwen-image-edit")
 
 
 def default_out(name: str, now: datetime.datetime | None = None) -> Path:

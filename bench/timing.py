@@ -27,6 +27,8 @@ from .caching import cache_config, cachedit_options, describe_cachedit
 from .caching import describe as describe_cache
 from .cases import Case
 from .modes import CACHED, CACHEDIT, DESCRIPTIONS, EXACT, SEPARATE, PreparedMode, baseline, prepare
+from .published import PUBLISHED
+from .published import build as published_build
 
 logger = logging.getLogger("bench")
 
@@ -44,6 +46,14 @@ def build(name: str, args: argparse.Namespace) -> Any:
     kind). Any other failure, and any failure to build random weights, is a crash and keeps its traceback."""
     dtype = torch.bfloat16 if args.device.type == "cuda" else None
     started = time.perf_counter()
+    if name in PUBLISHED:
+        try:
+            base = published_build(name, args.weights, args.device)
+        except ValueError as exc:
+            raise BuildError(str(exc)) from exc
+        base.set_progress_bar_config(disable=True)
+        logger.info("built %s (%s) in %.1f s", name, args.weights, time.perf_counter() - started)
+        return base
     try:
         layers = getattr(args, "layers", None)
         base = build_pipeline(name, args.weights, device=args.device, dtype=dtype, num_layers=layers)
@@ -208,6 +218,7 @@ def _time_group(
             stage: statistics.median(getattr(t, f"{stage}_s") for t, _ in timings)
             for stage in ("encode", "denoise", "decode")
         }
+        entry["denoise_per_step_s"] = entry["stages_s"]["denoise"] / case.steps
         entry["peak_memory_bytes"] = max(peak for _, peak in timings)
         if checked.get(name) is not None:  # the per-call check of the Python state the graphs read
             per_call = (prepared[name].state_check_seconds() - checked[name]) / len(timings)

@@ -419,7 +419,7 @@ def test_help_is_quick_shows_every_default_the_presets_and_the_modes_a_user_pick
     """``python -m bench --help`` imports neither torch nor diffusers (it took 6.5 s when it did); it gives every
     option's default, names presets by what they run and lists the modes a user picks, one line each, the GPU
     and the CPU default; ``--list-modes`` lists every mode, each once."""
-    from bench.catalog import USER_MODES
+    from bench.catalog import PUBLISHED_DEFAULT_MODES, USER_MODES
     from bench.modes import DEFAULT_MODES, MODES
 
     code = (
@@ -439,9 +439,13 @@ def test_help_is_quick_shows_every_default_the_presets_and_the_modes_a_user_pick
     for name in MODES:
         assert everything.count(f"\n  {name} ") + everything.startswith(f"  {name} ") <= 1, name
         assert f"  {name} " in everything, name
-    assert f"default on a GPU: {','.join(DEFAULT_MODES)}; on a CPU: eager,bcg" in text
+    published = ",".join(PUBLISHED_DEFAULT_MODES)
+    expected = (
+        f"default on a GPU: {','.join(DEFAULT_MODES)}; for flux, flux2-klein, wan and qwen-image-edit: {published};"
+    )
+    assert f"{expected} on a CPU: eager,bcg" in text
     assert "two-sizes" in text and "cfg-steps-batch" in text and "issue2" not in text and "issue3" not in text
-    for default in ("(default: 5)", "(default: 512x512)", "(default: random-full)", "(default: magcache)"):
+    for default in ("(default: 5)", "(default: 512x512;", "(default: random-full)", "(default: magcache)"):
         assert default in text, default
     assert "Traceback" not in done.stderr
 

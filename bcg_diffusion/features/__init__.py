@@ -14,7 +14,7 @@ encoder after text buckets pad its results).
 
 from __future__ import annotations
 
-from .base import Feature, Setup, Target
+from .base import EXPERTS, Feature, Setup, Target, expert_target, expert_view
 from .block_glue import FusedBlockGlue
 from .cfg_batching import CfgBatchHints, CfgBatching
 from .cfg_parallel import CfgParallel
@@ -31,7 +31,7 @@ from .text_buckets import TextBuckets
 from .text_trimming import TextTrimming
 from .vae_decoder import FastVaeDecoder
 
-__all__ = ["FEATURES", "Feature", "Setup", "Target", "defaults"]
+__all__ = ["EXPERTS", "FEATURES", "Feature", "Setup", "Target", "defaults", "expert_target", "expert_view"]
 
 FEATURES: list[type[Feature]] = [
     ContextParallel,

@@ -20,7 +20,12 @@ and ``restore`` closes it (:meth:`~Feature.close`) after undoing the patches it 
 (:meth:`~Feature.before_undo` runs just before).
 
 A feature lives on one component's module (``component = "transformer"``...) or on the pipeline
-(``component = None``). A module shared by several pipelines is accelerated once (see
+(``component = None``). A transformer feature that sets ``experts = True`` also serves each further
+denoiser of a two-expert pipeline (Wan 2.2's ``transformer_2``): one more instance per expert, created,
+prepared and finished with :func:`expert_view` of the setup, in which that expert is the
+``"transformer"``; its hooks see only that expert's target, named ``"transformer"`` too, and its
+``stats()`` go under ``stats()["experts"][name]``. The instance's ``component`` and ``expert`` are the
+expert's name. A module shared by several pipelines is accelerated once (see
 :mod:`bcg_diffusion.group`), so a module feature is created when its module is first taken and lives
 as long as any accelerated pipeline holds that module; a pipeline feature is created for every
 pipeline. Every patch a feature makes goes through the :class:`~bcg_diffusion.core.hooks.MethodPatches`
@@ -43,6 +48,7 @@ it is handed (its module's, or its pipeline's), which ``restore`` undoes.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
@@ -59,7 +65,10 @@ if TYPE_CHECKING:
     from ..pipelines import PipelineAdapter
     from .context_parallel import ParallelLayout
 
-__all__ = ["Feature", "Setup", "Target"]
+__all__ = ["EXPERTS", "Feature", "Setup", "Target", "expert_target", "expert_view"]
+
+# The further denoisers of two-expert pipelines, each a component of its own (Wan 2.2's low-noise expert).
+EXPERTS = ("transformer_2",)
 
 
 @dataclass
@@ -118,13 +127,16 @@ class Feature:
         name: short name, for logs.
         component: the component whose module the feature lives on, or None for the pipeline.
         defaults: the ``stats()`` keys the feature reports, with their values when it is not installed.
+        experts: whether a transformer feature also serves each further expert (see the module docstring).
 
     Every hook is optional; the defaults do nothing.
     """
 
     name: ClassVar[str] = ""
-    component: ClassVar[str | None] = None
+    component: str | None = None  # a class attribute; an expert's instance sets its own
     defaults: ClassVar[dict[str, Any]] = {}
+    experts: ClassVar[bool] = False  # also one instance per further expert (see the module docstring)
+    expert: str | None = None  # set on such an instance: the expert it serves
 
     @classmethod
     def create(cls, setup: Setup) -> Feature | None:
@@ -169,3 +181,27 @@ class Feature:
 
     def close(self) -> None:
         """Undo what is not a recorded patch (process-wide patches...); called after the patches are undone."""
+
+
+def expert_view(setup: Setup, expert: str) -> Setup:
+    """``setup`` as a transformer feature sees it when it serves ``expert`` (one of :data:`EXPERTS`): that
+    expert's module and runner are the ``"transformer"``'s, and it is accelerated where the expert is."""
+    modules = {name: module for name, module in setup.modules.items() if name not in ("transformer", expert)}
+    modules["transformer"] = setup.modules[expert]
+    accelerated = tuple(
+        "transformer" if name == expert else name for name in setup.accelerated if name != "transformer"
+    )
+    runners = {name: runner for name, runner in setup.runners.items() if name not in ("transformer", expert)}
+    if expert in setup.runners:
+        runners["transformer"] = setup.runners[expert]
+    return dataclasses.replace(setup, modules=modules, accelerated=accelerated, runners=runners)
+
+
+def expert_target(feature: Feature, target: Target) -> Target | None:
+    """The target ``feature``'s hooks see for ``target``: ``target`` itself, except for an expert's instance,
+    which sees only its own expert's target, named ``"transformer"`` (None: not its own)."""
+    if feature.expert is None:
+        return target
+    if target.component != feature.expert:
+        return None
+    return dataclasses.replace(target, component="transformer")

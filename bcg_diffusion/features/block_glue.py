@@ -27,6 +27,7 @@ _PATCHES = ((ZIMAGE_BLOCK_PATCH, patch_zimage_blocks), (QWENIMAGE_BLOCK_PATCH, p
 class FusedBlockGlue(Feature):
     name = "FP8 block glue"
     component = "transformer"
+    experts = True  # Wan 2.2's second expert too
     defaults = {"fused_blocks": 0}
 
     def __init__(self) -> None:

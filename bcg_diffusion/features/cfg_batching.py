@@ -44,8 +44,8 @@ call that ran alone, so with hints a process's first call would run its first st
 calls would batch it: the same call would round differently depending on what ran before it.
 
 The :class:`CfgBatching` feature decides where it applies: asked for (or left at None), supported by
-the adapter for this very pipeline class (relatives that call the transformer differently, such as the
-Edit variants, do not batch), and not under context parallelism. :class:`CfgBatchHints`, a feature of
+the adapter for this very pipeline class (``PipelineAdapter.batches_cfg``: Qwen-Image's Edit variants
+batch too, their image latents riding along in the shared latents), and not under context parallelism. :class:`CfgBatchHints`, a feature of
 each pipeline, passes the encoded prompts to the batcher of the transformer it calls; a warm-up runs
 without them, so it captures the first step's single calls too, which a call whose hint fails needs.
 """
@@ -507,7 +507,7 @@ class CfgBatching(Feature):
             if config.batch_cfg:
                 warnings.warn("bcg-diffusion: batch_cfg=True is ignored with cfg_parallel", BCGWarning, stacklevel=4)
             return None
-        if setup.adapter.cfg_batch is not None and setup.adapter.is_tested(setup.pipe) and setup.layout is None:
+        if setup.adapter.cfg_batch is not None and setup.adapter.batches_cfg(setup.pipe) and setup.layout is None:
             return cls(setup)
         if config.batch_cfg:
             where = "with context parallelism" if setup.layout is not None else f"for {type(setup.pipe).__name__}"
@@ -573,7 +573,7 @@ class CfgBatchHints(Feature):
             setup.config.mode != "fast"
             or spec is None
             or spec.encoder is None
-            or not setup.adapter.is_tested(setup.pipe)
+            or not setup.adapter.batches_cfg(setup.pipe)
         ):
             return None
         return cls(spec.encoder) if callable(getattr(setup.pipe, spec.encoder, None)) else None

@@ -437,6 +437,7 @@ logger = logging.getLogger(__name__)
 class CompiledBlocks(Feature):
     name = "compiled blocks"
     component = "transformer"
+    experts = True  # Wan 2.2's second expert too
     defaults = {
         "compiled_blocks": 0,
         "compiles": 0,

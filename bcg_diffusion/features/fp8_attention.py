@@ -18,14 +18,20 @@ It changes the image more than FP8 linears do (measured in ``docs/quantization.m
 default, not even under ``quantize="fp8"``; fast mode's promise holds: with graphs, the same bytes as
 its compiled blocks without graphs (``with eager(pipe):``).
 
-How it reaches the kernel: fast mode's attention processors (Qwen-Image's joint attention, Z-Image's)
-call :func:`bcg_diffusion.patches.attention.attend`, which reads the kernel's name from an attribute of
-the attention module (:data:`~bcg_diffusion.patches.attention.KERNEL_ATTRIBUTE`). This feature sets it,
-and ``restore`` removes it. Calls the kernel cannot take (a mask, a head size other than 64 or 128,
+How it reaches the kernel, in any model whose attention goes through diffusers' dispatcher (FLUX.1,
+FLUX.2, Wan, Qwen-Image and its Edit variants, Z-Image, HunyuanImage, LTX...):
+
+* processors that call ``dispatch_attention_fn`` themselves get a copy whose dispatch sends plain
+  calls to the kernel (:mod:`bcg_diffusion.patches.dispatched_attention`): no model patch needed;
+* fast mode's own processors for Qwen-Image and Z-Image (which also fuse attention's prologue) call
+  :func:`bcg_diffusion.patches.attention.attend`, which reads the kernel's name from an attribute of the
+  attention module (:data:`~bcg_diffusion.patches.attention.KERNEL_ATTRIBUTE`).
+
+``restore`` undoes both. Calls the kernel cannot take (a mask, a head size other than 64 or 128,
 context parallelism, an attention backend the user chose in diffusers) keep PyTorch's attention.
 
-Where it cannot apply (no Triton, no GPU of compute capability 8.9 or newer, no attention processor of
-fast mode's in the model), the pipeline keeps bf16 attention with a warning.
+Where it cannot apply (no Triton, no GPU of compute capability 8.9 or newer, no attention processor
+that dispatches in the model), the pipeline keeps bf16 attention with a warning.
 """
 
 from __future__ import annotations
@@ -39,14 +45,23 @@ from ..core.hooks import MethodPatches
 from ..core.runner import BCGWarning
 from ..kernels import cudnn_fp8_attention
 from ..kernels.attention import unavailable
+from ..patches import dispatched_attention
 from ..patches.attention import FP8_PROLOGUE_ATTRIBUTE, KERNEL_ATTRIBUTE
 from .base import Feature, Setup
 
-__all__ = ["FP8_ATTENTION_KERNELS", "FP8_ATTENTION_PROCESSORS", "Fp8Attention", "choose", "choose_prologue"]
+__all__ = [
+    "FP8_ATTENTION_KERNELS",
+    "FP8_ATTENTION_PROCESSORS",
+    "Fp8Attention",
+    "attention_modules",
+    "choose",
+    "choose_prologue",
+]
 
 logger = logging.getLogger(__name__)
 
-# The processors whose fast-mode ``__call__`` routes attention through ``patches.attention.attend``.
+# The processors whose fast-mode ``__call__`` routes attention through ``patches.attention.attend``; every
+# other processor that calls diffusers' dispatcher goes through ``patches.dispatched_attention``.
 FP8_ATTENTION_PROCESSORS = ("QwenDoubleStreamAttnProcessor2_0", "ZSingleStreamAttnProcessor")
 # The attribute on an attention module naming which FP8 kernel it wants: "auto" (cuDNN's where it runs,
 # else ours), "cudnn" (cuDNN's; ours, with the INFO line, where it cannot run) or "triton" (ours).
@@ -81,15 +96,32 @@ def choose_prologue(model: torch.nn.Module, fp8: bool) -> int:
     return _set_on_attention(model, FP8_PROLOGUE_ATTRIBUTE, fp8)
 
 
+def _own_processor(module: torch.nn.Module) -> bool:
+    """Whether ``module``'s processor is one of fast mode's own (:data:`FP8_ATTENTION_PROCESSORS`)."""
+    return type(module.__dict__.get("processor")).__name__ in FP8_ATTENTION_PROCESSORS
+
+
+def _dispatching(module: torch.nn.Module) -> bool:
+    """Whether ``module``'s processor reaches the FP8 kernel through the generic dispatch."""
+    processor = module.__dict__.get("processor")
+    return (
+        processor is not None and not _own_processor(module) and dispatched_attention.dispatches_attention(processor)
+    )
+
+
+def attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The attention modules of ``model`` that ``attention="fp8"`` applies to: those with one of fast mode's
+    own processors, and those whose processor calls diffusers' dispatcher."""
+    return [module for module in model.modules() if _own_processor(module) or _dispatching(module)]
+
+
 def _set_on_attention(model: torch.nn.Module, attribute: str, value: object) -> int:
     """Set ``attribute`` on every attention module of ``model`` that ``attention="fp8"`` applies to;
     returns how many."""
-    chosen = 0
-    for module in model.modules():
-        if type(getattr(module, "processor", None)).__name__ in FP8_ATTENTION_PROCESSORS:
-            setattr(module, attribute, value)
-            chosen += 1
-    return chosen
+    modules = attention_modules(model)
+    for module in modules:
+        setattr(module, attribute, value)
+    return len(modules)
 
 
 def _not_applied(reason: str) -> None:
@@ -101,6 +133,7 @@ def _not_applied(reason: str) -> None:
 class Fp8Attention(Feature):
     name = "FP8 attention"
     component = "transformer"
+    experts = True  # Wan 2.2's second expert too
     defaults = {"attention": None, "fp8_attention_modules": 0, "fp8_attention_kernels": {}}
 
     def __init__(self, cudnn_reason: str | None) -> None:
@@ -139,16 +172,20 @@ class Fp8Attention(Feature):
 
     def prepare(self, setup: Setup, patches: MethodPatches) -> None:
         wanted_cudnn = False
-        for module in setup.modules["transformer"].modules():
-            processor = getattr(module, "processor", None)
-            if type(processor).__name__ in FP8_ATTENTION_PROCESSORS:
-                kernel = self._kernel(module)
-                wanted_cudnn |= getattr(module, FP8_ATTENTION_KERNEL_ATTRIBUTE, "auto") != "triton"
+        dispatching = []
+        for module in attention_modules(setup.modules["transformer"]):
+            kernel = self._kernel(module)
+            wanted_cudnn |= getattr(module, FP8_ATTENTION_KERNEL_ATTRIBUTE, "auto") != "triton"
+            if _own_processor(module):
                 patches.replace(module, KERNEL_ATTRIBUTE, _KERNEL_NAMES[kernel])
-                self.kernels[kernel] = self.kernels.get(kernel, 0) + 1
+            else:
+                dispatching.append(module)
+            self.kernels[kernel] = self.kernels.get(kernel, 0) + 1
+        dispatched_attention.install(dispatching, lambda module: _KERNEL_NAMES[self._kernel(module)], patches)
         if self.modules == 0:
             _not_applied(
-                f"the transformer has none of the attention processors it supports ({FP8_ATTENTION_PROCESSORS})"
+                "the transformer has no attention processor that calls diffusers' dispatch_attention_fn "
+                f"(nor one of {FP8_ATTENTION_PROCESSORS})"
             )
             return
         logger.info("FP8 attention in %d attention modules: %s", self.modules, self.kernels)

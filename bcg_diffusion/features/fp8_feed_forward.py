@@ -18,6 +18,7 @@ __all__ = ["Fp8FeedForward"]
 class Fp8FeedForward(Feature):
     name = "FP8 feed-forward"
     component = "transformer"
+    experts = True  # Wan 2.2's second expert too
 
     def __init__(self) -> None:
         self.patched = 0

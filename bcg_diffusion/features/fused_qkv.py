@@ -193,6 +193,7 @@ def unfuse(fused: _Fused) -> None:
 class FusedQkv(Feature):
     name = "fused query, key and value"
     component = "transformer"
+    experts = True  # Wan 2.2's second expert too
     defaults = {"fused_qkv": 0, "fused_qkv_dropped": 0}
 
     def __init__(self) -> None:

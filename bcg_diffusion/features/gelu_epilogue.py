@@ -17,6 +17,7 @@ __all__ = ["GeluEpilogue"]
 class GeluEpilogue(Feature):
     name = "GELU epilogue"
     component = "transformer"
+    experts = True  # Wan 2.2's second expert too
 
     def __init__(self) -> None:
         self.patched = 0

@@ -8,8 +8,10 @@ peer ships, and it compiles. Only the linears that :func:`default_filter` select
 These are the linears inside the blocks of the model's ``_repeated_blocks`` (:func:`block_linears`),
 both of whose sides are multiples of 16 (cuBLAS's FP8 GEMM needs that), except three kinds:
 
-* **modulation** (``img_mod``, ``txt_mod``, ``adaLN_modulation``): they run on one vector per
-  sample, so FP8 saves nothing there, and cuBLAS refuses FP8 products with so few rows;
+* **modulation** (``img_mod``, ``txt_mod``, ``adaLN_modulation``, and the linear of every diffusers
+  ``AdaLayerNorm*`` norm: FLUX.1's ``norm1.linear``, ``norm1_context.linear``, ``norm.linear``): they
+  run on one vector per sample, so FP8 saves nothing there, and cuBLAS refuses FP8 products with so
+  few rows;
 * **Qwen-Image's text stream** (``add_q_proj``, ``add_k_proj``, ``add_v_proj``, ``to_add_out``,
   ``txt_mlp``): it runs on the prompt's tokens, a few and rarely a multiple of 16 (the reason torchao
   by hand failed on Qwen-Image with ``CUBLAS_STATUS_NOT_SUPPORTED``);
@@ -83,6 +85,9 @@ FP8 = "fp8"
 MIN_FP8_CAPABILITY = (8, 9)  # Ada and Hopper: the first GPUs with FP8 tensor cores
 
 _MODULATION = re.compile(r"(^|\.)(img_mod|txt_mod|adaLN_modulation)(\.|$)")
+# diffusers' adaptive norms (AdaLayerNormZero, AdaLayerNormZeroSingle, AdaLayerNormContinuous...): their
+# linear maps the timestep embedding, one row per sample, to the block's shifts, scales and gates.
+_MODULATION_NORMS = ("AdaLayerNorm",)
 _TEXT_STREAM = re.compile(r"(^|\.)(add_q_proj|add_k_proj|add_v_proj|to_add_out|txt_mlp)(\.|$)")
 _ATTENTION_OUT = re.compile(r"(^|\.)to_out\.0$")
 
@@ -104,8 +109,17 @@ def block_linears(model: torch.nn.Module) -> Filter:
     for block_name, block in model.named_modules():
         if type(block).__name__ not in classes:
             continue
+        modulation = {
+            f"{name}.{child}"
+            for name, module in block.named_modules()
+            if type(module).__name__.startswith(_MODULATION_NORMS)
+            for child, _ in module.named_modules()
+            if child
+        }
         for name, module in block.named_modules():
             if not isinstance(module, torch.nn.Linear) or _MODULATION.search(name) or _TEXT_STREAM.search(name):
+                continue
+            if name in modulation:
                 continue
             if module.in_features % 16 or module.out_features % 16:
                 continue
@@ -383,6 +397,7 @@ def quantized_weights(model: torch.nn.Module) -> dict[str, int]:
 class Quantization(Feature):
     name = "quantization"
     component = "transformer"
+    experts = True  # Wan 2.2's second expert too
     defaults = {"quantized": None, "quantized_linears": 0}
 
     def __init__(self, setup: Setup) -> None:

@@ -95,8 +95,10 @@ class PipelineAdapter:
     patches: tuple[FunctionPatch, ...] = ()
     # Fast mode only: patches that compile better but round differently, scoped to the accelerated model.
     fast_patches: tuple[ProcessorPatch, ...] = ()
-    # Fast mode: how the transformer's cond and uncond calls of a step batch (None: they do not).
+    # Fast mode: how the transformer's cond and uncond calls of a step batch (None: they do not), and the
+    # pipeline classes whose calls were checked to fit it (None: the tested classes).
     cfg_batch: CfgBatchSpec | None = None
+    cfg_batch_classes: tuple[str, ...] | None = None
     # Fast mode: run the pipeline's causal text encoder on a prompt's tokens rounded up to this
     # multiple instead of all the padding the pipeline adds (None: as called; see text_trim).
     text_trim_multiple: int | None = None
@@ -113,6 +115,11 @@ class PipelineAdapter:
 
     def is_tested(self, pipe: Any) -> bool:
         return type(pipe).__name__ in self.tested_classes
+
+    def batches_cfg(self, pipe: Any) -> bool:
+        """Whether fast mode batches ``pipe``'s cond and uncond transformer calls (:attr:`cfg_batch`)."""
+        classes = self.tested_classes if self.cfg_batch_classes is None else self.cfg_batch_classes
+        return self.cfg_batch is not None and type(pipe).__name__ in classes
 
     def runner_callable(self, component: str, method: Callable[..., Any]) -> Callable[..., Any]:
         """What the runner of ``component`` calls: ``method`` itself, except for a text encoder, which is

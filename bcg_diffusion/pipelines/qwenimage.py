@@ -10,7 +10,9 @@ and a CFG batch of two prompts of different lengths attends per prompt, without 
 (:mod:`bcg_diffusion.patches.attention`).
 Edit Plus 2511 builds a tensor from a Python list inside the forward (``zero_cond_t``); the capture
 holds it as a graph constant (:mod:`bcg_diffusion.core.python_data`). The Edit variants are not in
-``tested_classes`` (a warning says so) but are measured in ``docs/coverage.md``.
+``tested_classes`` (an INFO line says so; their text encoder sees the input image, so fast mode's text
+trimming does not apply) but are measured in ``docs/coverage.md``, and fast mode batches their CFG calls:
+the input image's latents ride in the latents both calls share.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ class QwenImageAdapter(PipelineAdapter):
     patches = (TEXT_SEQ_LEN_PATCH,)
     guidance_argument = "true_cfg_scale"  # true CFG: a second transformer call per step when > 1
     fast_patches = (QWEN_REAL_ROPE_PATCH, QWEN_ATTENTION_PATCH)
+    cfg_batch_classes = (*tested_classes, "QwenImageEditPipeline", "QwenImageEditPlusPipeline")
     cfg_batch = CfgBatchSpec(
         latents="hidden_states",
         text="encoder_hidden_states",

@@ -1,0 +1,158 @@
+"""FP8 attention for every model whose attention processors call diffusers' attention dispatcher.
+
+Diffusers' transformers share one way to attend: a processor projects the query, key and value, then
+calls ``dispatch_attention_fn(query, key, value, attn_mask=..., backend=..., parallel_config=...)`` on
+``[B, S, H, D]`` tensors (FLUX.1, FLUX.2, Wan, Qwen-Image, HunyuanImage, LTX...). Fast mode's
+``attention="fp8"`` plugs in there: each such processor of the accelerated transformer gets a
+``__call__`` that is diffusers' own code, except that the name ``dispatch_attention_fn`` resolves to
+:func:`kernel_dispatch`'s function for the kernel chosen for that module. That function sends a plain
+call (no mask, dropout, causality, head grouping, backend or parallel config of the user's, diffusers'
+default backend active) whose tensors the FP8 kernel takes to it, and every other call to diffusers'
+dispatcher unchanged: a masked or parallel call keeps PyTorch's attention.
+
+Why not the processors' own code: nothing model-specific is needed to reach the kernel, so a new model
+gets FP8 attention without a patch of ours. Why not diffusers' backend registry (a backend of our own,
+``set_attention_backend``): that setting is the user's and process-wide, and the registry's backends
+are checked against masks and shapes differently per release; scoping to one model's processors keeps
+every other model (and an exact-mode pipeline in the same process) on diffusers' arithmetic.
+
+bf16 attention needs nothing of this: PyTorch 2.11's SDPA already runs cuDNN's kernel for these calls
+on Hopper (612 TFLOP/s against flash's 352 at Qwen-Image's 1024² shapes, run 83), which is where the
+model-specific processors' own cuDNN call was measured no faster than diffusers' dispatch.
+
+The kernel is a property of the processor's class (one subclass per original class and kernel), so
+the check of the Python state a graph read sees a processor replaced or its kernel changed. The
+processors Qwen-Image's and Z-Image's fast mode rewrites (:mod:`bcg_diffusion.patches.attention`) reach
+the same kernels through ``attend`` and are left to it.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from diffusers.models.attention_dispatch import dispatch_attention_fn as _diffusers_dispatch
+
+from ..core.hooks import MethodPatches
+from ..kernels import attention as triton_kernels
+from ..kernels import cudnn_fp8_attention
+from .scoped import _with_globals
+
+__all__ = ["DISPATCH_NAME", "FP8_KERNELS", "KERNEL_OF_CLASS", "dispatches_attention", "install", "kernel_dispatch"]
+
+DISPATCH_NAME = "dispatch_attention_fn"
+# Our names of the FP8 kernels (as ``patches.attention.KERNELS`` spells them): ours in Triton, cuDNN's.
+FP8_KERNELS = ("fp8", "cudnn-fp8")
+# Set on each scoped processor class: the kernel its dispatch sends plain calls to.
+KERNEL_OF_CLASS = "_bcg_dispatch_kernel"
+
+
+def dispatches_attention(processor: Any) -> bool:
+    """Whether ``processor`` (an attention processor object) attends through diffusers' dispatcher in its
+    own ``__call__``: the name ``dispatch_attention_fn`` appears in its code and resolves there to
+    diffusers' function. Helpers the processor calls that dispatch in turn (Flux2's key-value cache
+    processors) are not seen, and those calls keep PyTorch's attention."""
+    call = inspect.getattr_static(type(processor), "__call__", None)
+    code = getattr(call, "__code__", None)
+    if code is None or DISPATCH_NAME not in code.co_names:
+        return False
+    return call.__globals__.get(DISPATCH_NAME) is _diffusers_dispatch
+
+
+def _dispatch(
+    kernel: str, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, **options: Any
+) -> torch.Tensor:
+    """``dispatch_attention_fn(query, key, value, **options)`` with plain calls through ``kernel`` where it takes
+    the tensors."""
+    if _plain(**options):
+        scale = options.get("scale")
+        if kernel == "fp8" and triton_kernels.unsupported(query, key, value) is None:
+            return triton_kernels.fp8_attention(query, key, value, scale=scale)
+        if kernel == "cudnn-fp8" and cudnn_fp8_attention.unsupported(query, key, value) is None:
+            return cudnn_fp8_attention.attention(query, key, value, scale=scale)
+    return _diffusers_dispatch(query, key, value, **options)
+
+
+def _plain(
+    attn_mask: Any = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    **rest: Any,
+) -> bool:
+    """A call the FP8 kernels compute as diffusers would: no mask, dropout, causality or head grouping, and
+    no attention kwargs, backend, parallel config or other option of the caller's, under diffusers' default
+    backend."""
+    from .attention import _default_backend_active
+
+    return (
+        attn_mask is None
+        and dropout_p == 0.0
+        and not is_causal
+        and not enable_gqa
+        and all(value is None or value == {} for value in rest.values())
+        and _default_backend_active()
+    )
+
+
+# Module-level functions, not closures: dynamo guards a global function the compiled code reads through the
+# function's module, and would look for a closure's cells on diffusers' own dispatch_attention_fn.
+def _dispatch_fp8(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args: Any, **options: Any) -> Any:
+    return _dispatch("fp8", query, key, value, **_named(args), **options)
+
+
+def _dispatch_cudnn_fp8(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args: Any, **options: Any
+) -> Any:
+    return _dispatch("cudnn-fp8", query, key, value, **_named(args), **options)
+
+
+_POSITIONAL = ("attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa", "attention_kwargs")
+
+
+def _named(args: tuple[Any, ...]) -> dict[str, Any]:
+    """``dispatch_attention_fn``'s positional arguments after the value, by name."""
+    if len(args) > len(_POSITIONAL):
+        raise TypeError(f"dispatch_attention_fn takes at most {3 + len(_POSITIONAL)} positional arguments")
+    return dict(zip(_POSITIONAL, args))
+
+
+_DISPATCH = {"fp8": _dispatch_fp8, "cudnn-fp8": _dispatch_cudnn_fp8}
+
+
+def kernel_dispatch(kernel: str) -> Callable[..., torch.Tensor]:
+    """A function with ``dispatch_attention_fn``'s contract that runs plain calls through ``kernel`` (one of
+    :data:`FP8_KERNELS`) where it takes the tensors, and every other call through diffusers' dispatcher.
+
+    Raises ValueError for another kernel name.
+
+    >>> kernel_dispatch("fp8")(q, k, v)  # doctest: +SKIP
+    """
+    if kernel not in _DISPATCH:
+        raise ValueError(f"FP8 attention kernel {kernel!r}: expected one of {FP8_KERNELS}")
+    return _DISPATCH[kernel]
+
+
+@functools.cache
+def _scoped_class(cls: type, kernel: str) -> type:
+    """``cls`` with a ``__call__`` whose ``dispatch_attention_fn`` is :func:`kernel_dispatch` of ``kernel``."""
+    call = _with_globals(cls.__call__, {DISPATCH_NAME: kernel_dispatch(kernel)})
+    return type(cls.__name__, (cls,), {"__call__": call, "__module__": cls.__module__, KERNEL_OF_CLASS: kernel})
+
+
+def install(
+    modules: list[torch.nn.Module], kernel_of: Callable[[torch.nn.Module], str], patches: MethodPatches
+) -> None:
+    """Give each attention module in ``modules`` (each holding a processor that
+    :func:`dispatches_attention`) a copy of its processor whose dispatch runs ``kernel_of(module)``;
+    recorded in ``patches``, so ``restore`` gives the original processors back."""
+    for module in modules:
+        processor = module.__dict__["processor"]
+        scoped = copy.copy(processor)
+        scoped.__class__ = _scoped_class(type(processor), kernel_of(module))
+        patches.replace(module, "processor", scoped)

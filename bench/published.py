@@ -1,0 +1,107 @@
+"""The pipelines people serve besides Qwen-Image and Z-Image, as ``python -m bench --pipeline NAME`` runs them.
+
+Each is one of the coverage check's pipelines (:mod:`bench.coverage_models`): built from the installed
+diffusers' own classes at its published size with random weights (``--weights random-full``) or tiny
+(``--weights tiny``, for the CPU), called with random prompt embeddings of its text encoder's width and
+length instead of a prompt (no text encoder is built: nothing is downloaded). Each has the defaults of
+the case people render: its size, steps and guidance, which ``--resolutions``, ``--frames``, ``--steps``
+and ``--guidance`` override.
+
+Names only at import (``python -m bench --help`` reads them without torch).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["PUBLISHED", "PublishedCase", "build", "call_inputs"]
+
+
+@dataclass(frozen=True)
+class PublishedCase:
+    """A published pipeline's benchmark defaults.
+
+    Attributes:
+        coverage: its name in :data:`bench.coverage_models.FULL` and ``TINY``.
+        width, height, frames: the size people render (``frames`` None: an image pipeline).
+        steps: the denoising steps of that case (Wan: 3 of its 40, enough for a per-step time).
+        guidance: the guidance of that case, passed as ``guidance_argument``.
+        guidance_argument: the pipeline's keyword for it.
+        cfg_above: the guidance above which the pipeline calls the transformer twice a step (None: never, a
+            guidance-distilled model).
+    """
+
+    coverage: str
+    width: int
+    height: int
+    frames: int | None
+    steps: int
+    guidance: float
+    guidance_argument: str = "guidance_scale"
+    cfg_above: float | None = None
+
+    def uses_cfg(self, guidance: float) -> bool:
+        return self.cfg_above is not None and guidance > self.cfg_above
+
+
+PUBLISHED: dict[str, PublishedCase] = {
+    # FLUX.1-dev: guidance is distilled into the model (an embedding), one transformer call per step.
+    "flux": PublishedCase("FLUX.1", 1024, 1024, None, 28, 3.5),
+    # FLUX.2 [klein] 4B: step-distilled, 4 steps, no CFG.
+    "flux2-klein": PublishedCase("FLUX.2 klein", 1024, 1024, None, 4, 1.0),
+    # Wan 2.1 T2V 14B at 480p, 81 frames, CFG 5 (two transformer calls a step).
+    "wan": PublishedCase("Wan 2.1 T2V", 832, 480, 81, 3, 5.0, cfg_above=1.0),
+    # Qwen-Image-Edit-2511 (zero_cond_t), true CFG 4 (two calls a step), the input image at the output's size.
+    "qwen-image-edit": PublishedCase("Qwen-Image Edit Plus", 1024, 1024, None, 8, 4.0, "true_cfg_scale", 1.0),
+}
+
+
+def build(name: str, weights: str, device: Any) -> Any:
+    """Pipeline ``name`` (a key of :data:`PUBLISHED`) with ``weights`` ``"random-full"`` (its published size,
+    random bfloat16 weights made on ``device``) or ``"tiny"`` (the tiny CPU config, moved to ``device``).
+    Raises ValueError for other weights: no checkpoint of these is loaded by the benchmark."""
+    from .coverage_models import FULL, TINY
+
+    spec = PUBLISHED[name]
+    if weights == "random-full":
+        return FULL[spec.coverage].build(device)
+    if weights == "tiny":
+        pipe, _ = TINY[spec.coverage]()
+        return pipe.to(device)
+    raise ValueError(
+        f"--pipeline {name} runs with --weights random-full or tiny (random weights at its published or a tiny "
+        f"size), not {weights!r}: load a checkpoint yourself and call bcg_diffusion.accelerate on it"
+    )
+
+
+def call_inputs(name: str, weights: str, device: Any, width: int, height: int, frames: int | None) -> dict[str, Any]:
+    """The call arguments of pipeline ``name`` besides its size, steps, guidance and generator: prompt
+    embeddings (random, of its text encoders' widths; the same tensors on every call) and, for the edit
+    pipelines, their input image at the output's size. A new dict each time."""
+    return dict(_inputs(name, weights, device, width, height, frames))
+
+
+@functools.lru_cache(maxsize=4)
+def _inputs(name: str, weights: str, device: Any, width: int, height: int, frames: int | None) -> dict[str, Any]:
+    from .coverage_models import FULL, TINY, Size
+
+    spec = PUBLISHED[name]
+    if weights == "tiny":
+        _, inputs = TINY[spec.coverage]()
+        inputs = {key: value.to(device) if hasattr(value, "to") and not _is_image(value) else value
+                  for key, value in inputs.items()}  # fmt: skip
+    else:
+        inputs = FULL[spec.coverage].inputs(device, Size("bench", width, height, frames))
+    if "image" in inputs and _is_image(inputs["image"]):  # the edit pipelines' input: the output's size
+        from .coverage_models import _image
+
+        inputs["image"] = _image(width, height)
+    for key in ("width", "height", "num_frames", "guidance_scale", "guidance_scale_2", "true_cfg_scale"):
+        inputs.pop(key, None)
+    return inputs
+
+
+def _is_image(value: Any) -> bool:
+    return type(value).__module__.startswith("PIL")

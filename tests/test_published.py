@@ -1,0 +1,285 @@
+"""The pipelines people serve besides Qwen-Image and Z-Image (FLUX.1, FLUX.2 klein, Wan, Qwen-Image-Edit), on a CPU:
+what every model made of diffusers' shared building blocks gets without a model patch.
+
+* FP8 attention through diffusers' dispatcher (``patches.dispatched_attention``): which processors it takes,
+  how a call is routed, and on each tiny pipeline in fast mode: the kernel reached (a stand-in for the GPU
+  kernel, which does not run here) and the graphs' bytes equal to the compiled blocks without graphs;
+* ``quantize="fp8"``'s default filter on each family's blocks at their published sizes (meta device);
+* Wan 2.2: fast mode compiles both experts, and one built with ``transformer=None`` is accelerated;
+* fast mode batches Qwen-Image-Edit's CFG calls;
+* diffusers' step caches inside each family's graphs;
+* ``python -m bench --pipeline flux | flux2-klein | wan | qwen-image-edit`` (its defaults, a tiny run).
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+
+import pytest
+import torch
+import torch.nn.functional as F
+from diffusers.models.attention_dispatch import dispatch_attention_fn as diffusers_dispatch
+
+from bcg_diffusion import BCGWarning, accelerate, eager, restore, stats
+from bcg_diffusion.features import fp8_attention
+from bcg_diffusion.features.quantization import default_filter
+from bcg_diffusion.kernels import attention as triton_kernels
+from bcg_diffusion.patches import dispatched_attention
+from bench import cli
+from bench.coverage import _call
+from bench.coverage_models import FULL, TINY
+
+PIPELINES = ("FLUX.1", "FLUX.2 klein", "Wan 2.1 T2V", "Qwen-Image Edit Plus")
+
+
+def _fake_fp8_attention(query, key, value, scale=None):
+    """What the test puts in the GPU kernel's place: attention on the query and key rounded through float8
+    e4m3, so its result differs from bf16 attention's (the kernel was reached) and is deterministic."""
+    query, key = (x.to(torch.float8_e4m3fn).to(x.dtype) for x in (query, key))
+    out = F.scaled_dot_product_attention(
+        query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), scale=scale
+    )
+    return out.transpose(1, 2)
+
+
+@pytest.fixture
+def fp8_kernel_on_cpu(monkeypatch):
+    """FP8 attention made available on the CPU: our Triton kernel's name (cuDNN's said unavailable), with
+    :func:`_fake_fp8_attention` in its place."""
+    monkeypatch.setattr(fp8_attention, "unavailable", lambda device: None)
+    monkeypatch.setattr(fp8_attention.cudnn_fp8_attention, "unavailable", lambda device: "not on a CPU")
+    monkeypatch.setattr(triton_kernels, "unsupported", lambda q, k, v: None)
+    monkeypatch.setattr(triton_kernels, "fp8_attention", _fake_fp8_attention)
+
+
+@functools.cache
+def _meta(name):
+    return FULL[name].build(torch.device("meta"))
+
+
+def test_processors_of_every_family_dispatch_and_fast_modes_own_are_left_to_it():
+    for name in PIPELINES:
+        pipe, _ = TINY[name]()
+        modules = fp8_attention.attention_modules(pipe.transformer)
+        assert modules, name
+        processors = {type(m.processor).__name__ for m in modules}
+        if name.startswith("Qwen"):  # fast mode's own processor (attend), not the generic dispatch
+            assert processors == {"QwenDoubleStreamAttnProcessor2_0"}
+            assert not any(fp8_attention._dispatching(m) for m in modules)
+        else:
+            assert all(dispatched_attention.dispatches_attention(m.processor) for m in modules), processors
+    assert not dispatched_attention.dispatches_attention(object())
+
+
+def test_dispatch_sends_plain_calls_to_the_kernel_and_the_rest_to_diffusers(fp8_kernel_on_cpu):
+    dispatch = dispatched_attention.kernel_dispatch("fp8")
+    assert dispatch is dispatched_attention.kernel_dispatch("fp8")  # one function per kernel
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 16, 2, 64) for _ in range(3))
+    assert torch.equal(dispatch(q, k, v), _fake_fp8_attention(q, k, v))
+    assert torch.equal(dispatch(q, k, v, scale=0.5), _fake_fp8_attention(q, k, v, scale=0.5))
+    mask = torch.ones(1, 1, 16, 16, dtype=torch.bool)
+    for kwargs in ({"attn_mask": mask}, {"is_causal": True}, {"backend": "native"}, {"scale": 0.5, "dropout_p": 0.0}):
+        expected = diffusers_dispatch(q, k, v, **kwargs)
+        if "scale" in kwargs:  # plain: the kernel
+            expected = _fake_fp8_attention(q, k, v, scale=0.5)
+        assert torch.equal(dispatch(q, k, v, **kwargs), expected), kwargs
+    assert torch.equal(dispatch(q, k, v, mask), diffusers_dispatch(q, k, v, mask))  # positional mask
+    with pytest.raises(ValueError, match="expected one of"):
+        dispatched_attention.kernel_dispatch("flash")
+
+
+@pytest.mark.heavy  # compiles the tiny blocks with inductor on the CPU
+@pytest.mark.parametrize("name", PIPELINES)
+def test_fp8_attention_reaches_every_family_and_graphs_equal_its_compiled_blocks(name, fp8_kernel_on_cpu):
+    pipe, inputs = TINY[name]()
+    with torch.no_grad():
+        bf16 = _call(pipe, inputs)
+    processors = {m: m.processor for m in fp8_attention.attention_modules(pipe.transformer)}
+    accelerate(pipe, mode="fast", attention="fp8", debug=True)
+    try:
+        report = stats(pipe)
+        assert report["attention"] == "fp8" and report["fp8_attention_modules"] == len(processors), report
+        assert report["fp8_attention_kernels"] == {"triton": len(processors)}
+        if not name.startswith("Qwen"):  # each processor's copy names its kernel
+            kernels = {getattr(m.processor, dispatched_attention.KERNEL_OF_CLASS) for m in processors}
+            assert kernels == {"fp8"}, kernels
+        fast = _call(pipe, inputs)
+        with eager(pipe):  # the compiled blocks without graphs: what fast mode must equal
+            reference = _call(pipe, inputs)
+        assert torch.equal(fast, reference)
+        assert not torch.equal(fast, bf16)  # the FP8 stand-in ran
+        after = stats(pipe)
+        assert after["compile_failure"] is None and after["compiles"] > 0 and after["eager_fallbacks"] == 0, after
+    finally:
+        restore(pipe)
+    assert all(module.processor is processor for module, processor in processors.items())
+
+
+@pytest.mark.parametrize("name", ["FLUX.1", "FLUX.2", "Wan 2.1 T2V", "Qwen-Image Edit Plus"])
+def test_fp8_default_filter_takes_each_familys_token_products_and_leaves_modulation(name):
+    transformer = _meta(name).transformer
+    chosen = default_filter(transformer)
+    fp8, bf16 = collections.Counter(), collections.Counter()
+    for fqn, module in transformer.named_modules():
+        if isinstance(module, torch.nn.Linear):
+            short = ".".join(part for part in fqn.split(".")[1:] if not part.isdigit())  # block's own name
+            (fp8 if chosen(module, fqn) else bf16)[short] += 1
+    # the query, key and value products of every block are FP8 (FLUX.2's single blocks: one fused product)
+    assert any(key.endswith(("to_q", "to_qkv_mlp_proj")) for key in fp8), fp8
+    # modulation (one row per sample) stays bf16: diffusers' AdaLayerNorm linears, Qwen's img_mod / txt_mod
+    assert not any("norm" in key or key.endswith(("img_mod", "txt_mod")) for key in fp8), fp8
+    # attention output projections stay bf16, as documented
+    assert not any(key.endswith("to_out.0") for key in fp8), fp8
+    if name == "FLUX.1":
+        assert bf16["norm1.linear"] == 19 and bf16["norm1_context.linear"] == 19 and bf16["norm.linear"] == 38
+
+
+def test_wan22_with_only_its_second_expert_is_accelerated(recwarn):
+    pipe, inputs = _wan22_second_expert_only()
+    with torch.no_grad():
+        expected = _call(pipe, inputs)
+    accelerate(pipe, debug=True)
+    try:
+        assert torch.equal(_call(pipe, inputs), expected)
+        report = stats(pipe)
+        assert report["active"] and sorted(report["components"]) == ["transformer_2", "vae"], report["components"]
+        assert report["components"]["transformer_2"]["replays"] > 0
+    finally:
+        restore(pipe)
+    assert not any("has no `transformer`" in str(w.message) for w in recwarn if w.category is BCGWarning)
+
+
+@pytest.mark.heavy  # compiles the tiny blocks with inductor on the CPU
+@pytest.mark.parametrize("name", ["Qwen-Image Edit", "Qwen-Image Edit Plus"])
+def test_fast_mode_batches_the_cfg_calls_of_qwen_image_edit(name):
+    pipe, inputs = TINY[name]()
+    accelerate(pipe, mode="fast", debug=True, batch_cfg=False)
+    try:
+        unbatched = _call(pipe, inputs)
+    finally:
+        restore(pipe)
+    accelerate(pipe, mode="fast", debug=True)
+    try:
+        batched = [_call(pipe, inputs) for _ in range(2)]
+        with eager(pipe):  # batched too: the compiled blocks without graphs
+            reference = _call(pipe, inputs)
+        report = stats(pipe)
+        assert report["cfg_batched"] >= 4 and report["cfg_batch_dropped"] == 0, report  # both steps, both calls
+        assert all(torch.equal(images, reference) for images in batched)
+        # another GEMM shape rounds differently, nothing more; zero_cond_t's per-sample modulation holds
+        torch.testing.assert_close(batched[0], unbatched, rtol=0, atol=1e-5)
+    finally:
+        restore(pipe)
+
+
+# Two blocks (of each kind): with one, diffusers' MagCache puts its head and tail hooks on the same block and
+# steps differently, which bcg-diffusion's mirror of it refuses with an error (no real model has one block).
+TWO_BLOCKS = {
+    "FLUX.1": {"num_layers": 2, "num_single_layers": 2},
+    "FLUX.2 klein": {"num_layers": 2, "num_single_layers": 2},
+    "Wan 2.1 T2V": {"num_layers": 2},
+    "Qwen-Image Edit Plus": {"num_layers": 2},
+}
+
+
+@pytest.mark.parametrize("cache", ["magcache", "first-block", "taylorseer"])
+@pytest.mark.parametrize("name", PIPELINES)
+def test_step_caches_run_inside_the_graphs_of_every_family(name, cache):
+    from bcg_diffusion.features.step_caching import enable_cache
+    from bench.caching import cache_config
+
+    if (name, cache) == ("FLUX.2 klein", "first-block"):
+        pytest.skip("diffusers 0.42's FirstBlockCache fails on FLUX.2's blocks eagerly (a list where it subtracts)")
+    pipe, inputs = TINY[name]()
+    torch.manual_seed(0)
+    pipe.transformer = type(pipe.transformer).from_config({**pipe.transformer.config, **TWO_BLOCKS[name]})
+    enable_cache(pipe, cache_config(cache, 6))
+    with torch.no_grad():
+        expected = _call(pipe, inputs, steps=6)
+    accelerate(pipe, debug=True)
+    try:
+        assert all(torch.equal(_call(pipe, inputs, steps=6), expected) for _ in range(2))
+        assert stats(pipe)["eager_fallbacks"] == 0
+    finally:
+        restore(pipe)
+
+
+def _wan22_second_expert_only():
+    """Wan 2.2 as diffusers' own test builds it without its first expert: boundary_ratio 1.0, so every step
+    runs transformer_2."""
+    from diffusers import UniPCMultistepScheduler
+
+    base, inputs = TINY["Wan 2.2 T2V"]()
+    scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0)
+    return type(base)(**{**base.components, "transformer": None, "scheduler": scheduler}, boundary_ratio=1.0), inputs
+
+
+@pytest.mark.heavy  # compiles the tiny blocks with inductor on the CPU
+@pytest.mark.parametrize("first_expert", [True, False], ids=["both experts", "transformer_2 only"])
+def test_fast_mode_compiles_every_expert_of_wan22(first_expert, recwarn):
+    pipe, inputs = TINY["Wan 2.2 T2V"]() if first_expert else _wan22_second_expert_only()
+    with torch.no_grad():
+        plain = _call(pipe, inputs)
+    accelerate(pipe, mode="fast", debug=True)
+    try:
+        fast = _call(pipe, inputs)
+        with eager(pipe):
+            reference = _call(pipe, inputs)
+        assert torch.equal(fast, reference) and not torch.equal(fast, plain)  # compiled blocks in both experts
+        report = stats(pipe)
+        second = report["experts"]["transformer_2"]
+        assert second["compiled_blocks"] == len(pipe.transformer_2.blocks) and second["compile_failure"] is None
+        assert report["compiled_blocks"] == (len(pipe.transformer.blocks) if first_expert else 0), report
+    finally:
+        restore(pipe)
+    assert not any("mode='fast' falls back" in str(w.message) for w in recwarn), [str(w.message) for w in recwarn]
+    assert all(type(block.forward).__name__ == "method" for block in pipe.transformer_2.blocks)  # given back
+
+
+def test_a_pipeline_without_any_transformer_is_refused():
+    from bcg_diffusion.pipelines import adapter_for
+
+    class NoDenoiser:
+        transformer = transformer_2 = None
+
+    with pytest.raises(TypeError, match="no `transformer`"):
+        adapter_for(NoDenoiser())
+
+
+def test_bench_knows_the_published_pipelines_at_the_sizes_people_render():
+    flux = cli.parse_args(["--pipeline", "flux", "--weights", "tiny"]).cases
+    assert [(c.width, c.height, c.steps, c.guidance, c.uses_cfg, c.frames) for c in flux] == [
+        (1024, 1024, 28, 3.5, False, None)
+    ]
+    [wan] = cli.parse_args(["--pipeline", "wan", "--weights", "tiny"]).cases
+    assert (wan.width, wan.height, wan.frames, wan.steps, wan.uses_cfg) == (832, 480, 81, 3, True)
+    assert "832x480x81, 3 steps, cfg 5" in wan.label
+    [klein] = cli.parse_args(["--pipeline", "flux2-klein", "--weights", "tiny", "--steps", "2"]).cases
+    assert (klein.steps, klein.uses_cfg) == (2, False)
+    [edit] = cli.parse_args(["--pipeline", "qwen-image-edit", "--weights", "tiny"]).cases
+    assert edit.uses_cfg and edit.kwargs()["true_cfg_scale"] == 4.0 and "image" in edit.kwargs()
+    [zimage] = cli.parse_args(["--pipeline", "z-image", "--weights", "tiny"]).cases
+    assert (zimage.width, zimage.steps, zimage.guidance) == (512, 8, 0.0)  # unchanged defaults
+    args = cli.parse_args(["--pipeline", "flux", "--pipeline", "wan"])
+    assert args.modes[:3] == ["eager", "bcg", "fast"] or args.device.type == "cpu"
+
+
+@pytest.mark.parametrize("argv", [["--pipeline", "z-image", "--frames", "9"], ["--pipeline", "flux", "--frames", "9"]])
+def test_bench_refuses_frames_for_an_image_pipeline(argv, capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.parse_args([*argv, "--weights", "tiny"])
+    assert exc.value.code == 2
+    assert "--frames is for" in capsys.readouterr().err
+
+
+def test_bench_times_a_published_pipeline_on_the_cpu(tmp_path, capsys):
+    code = cli.main(
+        ["--pipeline", "flux2-klein", "--weights", "tiny", "--resolutions", "64x64", "--runs", "1", "--warmup", "0"]
+        + ["--no-progress", "--out", str(tmp_path)]
+    )
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "flux2-klein 64x64, 4 steps, no cfg" in out and "Denoising per step" in out
+    assert "| bcg |" in out and "yes (md5)" in out

@@ -1,0 +1,95 @@
+"""FP8 attention through diffusers' dispatcher on a GPU (marker: cuda), for the families that get it without a
+model patch: FLUX.1, FLUX.2 klein, Wan 2.1 and Qwen-Image-Edit (whose processor is fast mode's own).
+
+Each pipeline is the tiny coverage config with 128-wide attention heads (what the FP8 kernels take), in
+bfloat16 on the GPU. In fast mode with ``attention="fp8"``, the graphs give the bytes of the same compiled
+blocks without graphs (``eager(pipe)``), the images differ from bf16 fast mode's (the FP8 kernel ran) but
+stay near them, and the kernel in ``stats()`` is cuDNN's where ``nvidia-cudnn-frontend`` is installed.
+Wan 2.2 with only its second expert runs through real graphs, equal to eager.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_published import PIPELINES
+
+from bcg_diffusion import accelerate, eager, restore, stats
+from bcg_diffusion.kernels import cudnn_fp8_attention
+from bench.coverage import _call
+from bench.coverage_models import TINY
+from bench.measure import psnr
+
+pytestmark = pytest.mark.cuda
+
+# Per family: the transformer config changes that give it 128-wide heads (RoPE axes summing to 128).
+HEAD_128 = {
+    "FLUX.1": {"attention_head_dim": 128, "axes_dims_rope": [16, 56, 56]},
+    "FLUX.2 klein": {"attention_head_dim": 128, "axes_dims_rope": [32, 32, 32, 32]},
+    "Wan 2.1 T2V": {"attention_head_dim": 128},
+    "Qwen-Image Edit Plus": {"attention_head_dim": 128, "axes_dims_rope": [16, 56, 56]},
+}
+
+
+def _on_gpu(value):
+    """A tensor argument on the GPU, floating ones in bfloat16 as the pipeline's own embeddings would be."""
+    if not torch.is_tensor(value):
+        return value
+    return value.to("cuda", torch.bfloat16) if value.is_floating_point() else value.to("cuda")
+
+
+def _pipeline(name):
+    pipe, inputs = TINY[name]()
+    torch.manual_seed(0)
+    config = {**pipe.transformer.config, **HEAD_128[name]}
+    pipe.transformer = type(pipe.transformer).from_config(config)
+    pipe.to("cuda", torch.bfloat16)
+    inputs = {k: _on_gpu(v) for k, v in inputs.items()}
+    return pipe, {**inputs, "height": 64, "width": 64}
+
+
+@pytest.mark.parametrize("name", PIPELINES)
+def test_fp8_attention_graphs_equal_their_compiled_blocks(name):
+    pipe, inputs = _pipeline(name)
+    accelerate(pipe, mode="fast")
+    try:
+        bf16 = _call(pipe, inputs, device="cuda")
+    finally:
+        restore(pipe)
+    torch._dynamo.reset()
+    accelerate(pipe, mode="fast", attention="fp8")
+    try:
+        report = stats(pipe)
+        kernel = "cudnn" if cudnn_fp8_attention.unavailable(torch.device("cuda")) is None else "triton"
+        assert report["fp8_attention_kernels"] == {kernel: report["fp8_attention_modules"]} and report["attention"]
+        first = _call(pipe, inputs, device="cuda")
+        second = _call(pipe, inputs, device="cuda")
+        with eager(pipe):
+            reference = _call(pipe, inputs, device="cuda")
+        after = stats(pipe)
+        assert after["captures"] > 0 and after["replays"] > 0 and after["compile_failure"] is None, after
+        assert torch.equal(first, reference) and torch.equal(second, reference)
+        assert not torch.equal(first, bf16)
+        assert psnr(first.float().cpu(), bf16.float().cpu()) > 25, psnr(first.float().cpu(), bf16.float().cpu())
+    finally:
+        restore(pipe)
+        torch._dynamo.reset()
+
+
+def test_wan22_with_only_its_second_expert_replays_eagers_bytes():
+    from diffusers import UniPCMultistepScheduler
+
+    base, inputs = TINY["Wan 2.2 T2V"]()
+    scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0)
+    pipe = type(base)(**{**base.components, "transformer": None, "scheduler": scheduler}, boundary_ratio=1.0)
+    pipe.to("cuda")
+    inputs = {k: v.to("cuda") if torch.is_tensor(v) else v for k, v in inputs.items()}
+    expected = _call(pipe, inputs, device="cuda")
+    accelerate(pipe)
+    try:
+        assert torch.equal(_call(pipe, inputs, device="cuda"), expected)
+        assert torch.equal(_call(pipe, inputs, device="cuda"), expected)
+        report = stats(pipe)
+        assert report["components"]["transformer_2"]["replays"] > 0 and report["eager_fallbacks"] == 0, report
+    finally:
+        restore(pipe)
