@@ -5,7 +5,8 @@
 #   echo /.whl/ >> .git/info/exclude
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #     --platform manylinux_2_28_x86_64 -d .whl diffusers==0.42.1 importlib_metadata torchao==0.17.0 gguf \
-#     cache-dit==1.5.3   (without cache-dit, the Cache-DiT tests skip and the +cachedit modes fail)
+#     cache-dit==1.5.3 nvidia-cudnn-frontend==1.23.0   (without cache-dit, the Cache-DiT tests skip and the
+#     +cachedit modes fail; without the cuDNN frontend, attention="fp8" runs our Triton kernel instead of cuDNN's)
 # Then, with the device tool (carry [".whl"]):  bash scripts/gpu_session.sh PHASE [PHASE ...]
 #
 # Phases:

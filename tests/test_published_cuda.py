@@ -5,7 +5,8 @@ Each pipeline is the tiny coverage config with 128-wide attention heads (what th
 bfloat16 on the GPU. In fast mode with ``attention="fp8"``, the graphs give the bytes of the same compiled
 blocks without graphs (``eager(pipe)``), the images differ from bf16 fast mode's (the FP8 kernel ran) but
 stay near them, and the kernel in ``stats()`` is cuDNN's where ``nvidia-cudnn-frontend`` is installed.
-Wan 2.2 with only its second expert runs through real graphs, equal to eager.
+Wan 2.2 with only its second expert runs through real graphs, equal to eager; with both, fast mode compiles
+both and replays their compiled bytes.
 """
 
 from __future__ import annotations
@@ -93,3 +94,21 @@ def test_wan22_with_only_its_second_expert_replays_eagers_bytes():
         assert report["components"]["transformer_2"]["replays"] > 0 and report["eager_fallbacks"] == 0, report
     finally:
         restore(pipe)
+
+
+def test_wan22_fast_mode_compiles_both_experts_and_replays_their_compiled_bytes():
+    base, inputs = TINY["Wan 2.2 T2V"]()
+    pipe = base.to("cuda", torch.bfloat16)
+    inputs = {k: _on_gpu(v) for k, v in inputs.items()}
+    accelerate(pipe, mode="fast")
+    try:
+        first, second = (_call(pipe, inputs, device="cuda") for _ in range(2))
+        with eager(pipe):
+            reference = _call(pipe, inputs, device="cuda")
+        report = stats(pipe)
+        assert torch.equal(first, reference) and torch.equal(second, reference)
+        assert report["compiled_blocks"] > 0 and report["experts"]["transformer_2"]["compiled_blocks"] > 0, report
+        assert report["components"]["transformer_2"]["replays"] > 0 and report["eager_fallbacks"] == 0
+    finally:
+        restore(pipe)
+        torch._dynamo.reset()
