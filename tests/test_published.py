@@ -152,9 +152,9 @@ def test_wan22_with_only_its_second_expert_is_accelerated(recwarn):
 
 
 @pytest.mark.heavy  # compiles the tiny blocks with inductor on the CPU
-@pytest.mark.parametrize("name", ["Qwen-Image Edit", "Qwen-Image Edit Plus"])
-def test_fast_mode_batches_the_cfg_calls_of_qwen_image_edit(name):
-    pipe, inputs = TINY[name]()
+def test_fast_mode_batches_the_cfg_calls_of_qwen_image_edit():
+    # Edit Plus (2511): with zero_cond_t its forward modulates per sample from img_shapes, which the batch doubles.
+    pipe, inputs = TINY["Qwen-Image Edit Plus"]()
     accelerate(pipe, mode="fast", debug=True, batch_cfg=False)
     try:
         unbatched = _call(pipe, inputs)
