@@ -249,6 +249,10 @@ def test_a_pipeline_without_any_transformer_is_refused():
 
 
 def test_bench_knows_the_published_pipelines_at_the_sizes_people_render():
+    from bench import runs
+    from bench.published import PUBLISHED
+
+    assert tuple(PUBLISHED) == runs.PUBLISHED_PIPELINES  # what --help offers without importing torch
     flux = cli.parse_args(["--pipeline", "flux", "--weights", "tiny"]).cases
     assert [(c.width, c.height, c.steps, c.guidance, c.uses_cfg, c.frames) for c in flux] == [
         (1024, 1024, 28, 3.5, False, None)

@@ -45,9 +45,10 @@ calls would batch it: the same call would round differently depending on what ra
 
 The :class:`CfgBatching` feature decides where it applies: asked for (or left at None), supported by
 the adapter for this very pipeline class (``PipelineAdapter.batches_cfg``: Qwen-Image's Edit variants
-batch too, their image latents riding along in the shared latents), and not under context parallelism. :class:`CfgBatchHints`, a feature of
-each pipeline, passes the encoded prompts to the batcher of the transformer it calls; a warm-up runs
-without them, so it captures the first step's single calls too, which a call whose hint fails needs.
+batch too, their image latents riding along in the shared latents), and not under context
+parallelism. :class:`CfgBatchHints`, a feature of each pipeline, passes the encoded prompts to the
+batcher of the transformer it calls; a warm-up runs without them, so it captures the first step's
+single calls too, which a call whose hint fails needs.
 """
 
 from __future__ import annotations
