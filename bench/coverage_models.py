@@ -208,17 +208,23 @@ def _flux_kontext() -> tuple[Any, dict[str, Any]]:
     return pipe, {**embeds, "image": _image(), "max_area": 32 * 32, "_auto_resize": False}
 
 
+def _tiny_flux2_vae() -> Any:
+    from diffusers import AutoencoderKLFlux2
+
+    return AutoencoderKLFlux2(
+        down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
+        block_out_channels=(8, 16), layers_per_block=1, latent_channels=4, norm_num_groups=4,
+    )  # fmt: skip
+
+
 def _flux2() -> tuple[Any, dict[str, Any]]:
-    from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler, Flux2Pipeline, Flux2Transformer2DModel
+    from diffusers import FlowMatchEulerDiscreteScheduler, Flux2Pipeline, Flux2Transformer2DModel
 
     transformer = Flux2Transformer2DModel(
         in_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=16, num_attention_heads=2,
         joint_attention_dim=32, timestep_guidance_channels=32, axes_dims_rope=(4, 4, 4, 4),
     )  # fmt: skip
-    vae = AutoencoderKLFlux2(
-        down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
-        block_out_channels=(8, 16), layers_per_block=1, latent_channels=4, norm_num_groups=4,
-    )  # fmt: skip
+    vae = _tiny_flux2_vae()
     pipe = Flux2Pipeline(
         scheduler=FlowMatchEulerDiscreteScheduler(), vae=vae, text_encoder=None, tokenizer=None,
         transformer=transformer,
@@ -228,22 +234,14 @@ def _flux2() -> tuple[Any, dict[str, Any]]:
 
 
 def _flux2_klein() -> tuple[Any, dict[str, Any]]:
-    from diffusers import (
-        AutoencoderKLFlux2,
-        FlowMatchEulerDiscreteScheduler,
-        Flux2KleinPipeline,
-        Flux2Transformer2DModel,
-    )
+    from diffusers import FlowMatchEulerDiscreteScheduler, Flux2KleinPipeline, Flux2Transformer2DModel
 
     # Klein is step- and guidance-distilled: no guidance embedding, one transformer call per step.
     transformer = Flux2Transformer2DModel(
         in_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=16, num_attention_heads=2,
         joint_attention_dim=32, timestep_guidance_channels=32, axes_dims_rope=(4, 4, 4, 4), guidance_embeds=False,
     )  # fmt: skip
-    vae = AutoencoderKLFlux2(
-        down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
-        block_out_channels=(8, 16), layers_per_block=1, latent_channels=4, norm_num_groups=4,
-    )  # fmt: skip
+    vae = _tiny_flux2_vae()
     pipe = Flux2KleinPipeline(
         scheduler=FlowMatchEulerDiscreteScheduler(), vae=vae, text_encoder=None, tokenizer=None,
         transformer=transformer, is_distilled=True,
@@ -731,6 +729,13 @@ def _full_qwen_edit_inputs(device: torch.device, size: Size, plus: bool) -> dict
     return embeds | _size(size) | {"image": _image(size.width, size.height), "true_cfg_scale": 4.0}
 
 
+# black-forest-labs/FLUX.2-dev scheduler/scheduler_config.json (the klein models use it too).
+_FLUX2_SCHEDULER = {
+    "base_image_seq_len": 256, "base_shift": 0.5, "max_image_seq_len": 4096, "max_shift": 1.15,
+    "num_train_timesteps": 1000, "shift": 3.0, "time_shift_type": "exponential", "use_dynamic_shifting": True,
+}  # fmt: skip
+
+
 def _full_flux2(device: torch.device) -> Any:
     from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler, Flux2Pipeline, Flux2Transformer2DModel
 
@@ -742,11 +747,7 @@ def _full_flux2(device: torch.device) -> Any:
     ), "transformer", device)  # fmt: skip
     # Its vae/config.json: the class defaults (32 latent channels, 2x2 patches).
     vae = _random_model(AutoencoderKLFlux2, "vae", device)
-    # Its scheduler/scheduler_config.json.
-    scheduler = FlowMatchEulerDiscreteScheduler(
-        base_image_seq_len=256, base_shift=0.5, max_image_seq_len=4096, max_shift=1.15, num_train_timesteps=1000,
-        shift=3.0, time_shift_type="exponential", use_dynamic_shifting=True,
-    )  # fmt: skip
+    scheduler = FlowMatchEulerDiscreteScheduler(**_FLUX2_SCHEDULER)
     return Flux2Pipeline(scheduler=scheduler, vae=vae, text_encoder=None, tokenizer=None, transformer=transformer)
 
 
@@ -774,10 +775,7 @@ def _full_flux2_klein(device: torch.device) -> Any:
         mlp_ratio=3.0, axes_dims_rope=(32, 32, 32, 32), rope_theta=2000, eps=1e-6, guidance_embeds=False,
     ), "transformer", device)  # fmt: skip
     vae = _random_model(AutoencoderKLFlux2, "vae", device)
-    scheduler = FlowMatchEulerDiscreteScheduler(
-        base_image_seq_len=256, base_shift=0.5, max_image_seq_len=4096, max_shift=1.15, num_train_timesteps=1000,
-        shift=3.0, time_shift_type="exponential", use_dynamic_shifting=True,
-    )  # fmt: skip
+    scheduler = FlowMatchEulerDiscreteScheduler(**_FLUX2_SCHEDULER)
     return Flux2KleinPipeline(
         scheduler=scheduler, vae=vae, text_encoder=None, tokenizer=None, transformer=transformer, is_distilled=True
     )

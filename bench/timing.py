@@ -46,17 +46,12 @@ def build(name: str, args: argparse.Namespace) -> Any:
     kind). Any other failure, and any failure to build random weights, is a crash and keeps its traceback."""
     dtype = torch.bfloat16 if args.device.type == "cuda" else None
     started = time.perf_counter()
-    if name in PUBLISHED:
-        try:
-            base = published_build(name, args.weights, args.device)
-        except ValueError as exc:
-            raise BuildError(str(exc)) from exc
-        base.set_progress_bar_config(disable=True)
-        logger.info("built %s (%s) in %.1f s", name, args.weights, time.perf_counter() - started)
-        return base
     try:
-        layers = getattr(args, "layers", None)
-        base = build_pipeline(name, args.weights, device=args.device, dtype=dtype, num_layers=layers)
+        if name in PUBLISHED:
+            base = published_build(name, args.weights, args.device)
+        else:
+            layers = getattr(args, "layers", None)
+            base = build_pipeline(name, args.weights, device=args.device, dtype=dtype, num_layers=layers)
     except (OSError, ValueError) as exc:
         if isinstance(exc, ValueError) and args.weights in RANDOM_WEIGHTS:
             raise

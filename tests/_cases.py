@@ -98,30 +98,15 @@ def flux2_klein_kv_case() -> tuple[Any, dict[str, Any]]:
     first step extracts the reference tokens' K/V into a ``Flux2KVCache`` that the transformer returns, and
     the later steps pass that cache object back to it."""
     import numpy as np
-    from diffusers import (
-        AutoencoderKLFlux2,
-        FlowMatchEulerDiscreteScheduler,
-        Flux2KleinKVPipeline,
-        Flux2Transformer2DModel,
-    )
+    from diffusers import Flux2KleinKVPipeline
     from PIL import Image
 
+    from bench.coverage_models import TINY
+
     torch.manual_seed(0)
-    transformer = Flux2Transformer2DModel(
-        in_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=16, num_attention_heads=2,
-        joint_attention_dim=32, timestep_guidance_channels=32, axes_dims_rope=(4, 4, 4, 4), guidance_embeds=False,
-    )  # fmt: skip
-    vae = AutoencoderKLFlux2(
-        down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
-        block_out_channels=(8, 16), layers_per_block=1, latent_channels=4, norm_num_groups=4,
-    )  # fmt: skip
-    pipe = Flux2KleinKVPipeline(
-        scheduler=FlowMatchEulerDiscreteScheduler(),
-        vae=vae,
-        text_encoder=None,
-        tokenizer=None,
-        transformer=transformer,
-    )
+    klein, _ = TINY["FLUX.2 klein"]()  # the tiny klein's transformer, VAE and scheduler
+    components = {name: getattr(klein, name) for name in ("scheduler", "vae", "transformer")}
+    pipe = Flux2KleinKVPipeline(**components, text_encoder=None, tokenizer=None)
     pipe.set_progress_bar_config(disable=True)
     image = Image.fromarray((np.random.RandomState(0).rand(64, 64, 3) * 255).astype("uint8"))
     return pipe, {"image": image, "prompt_embeds": torch.randn(1, 8, 32), "height": 32, "width": 32}

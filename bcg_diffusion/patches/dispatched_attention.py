@@ -40,6 +40,7 @@ from diffusers.models.attention_dispatch import dispatch_attention_fn as _diffus
 from ..core.hooks import MethodPatches
 from ..kernels import attention as triton_kernels
 from ..kernels import cudnn_fp8_attention
+from .attention import _default_backend_active
 from .scoped import _with_globals
 
 __all__ = ["DISPATCH_NAME", "FP8_KERNELS", "KERNEL_OF_CLASS", "dispatches_attention", "install", "kernel_dispatch"]
@@ -88,8 +89,6 @@ def _plain(
     """A call the FP8 kernels compute as diffusers would: no mask, dropout, causality or head grouping, and
     no attention kwargs, backend, parallel config or other option of the caller's, under diffusers' default
     backend."""
-    from .attention import _default_backend_active
-
     return (
         attn_mask is None
         and dropout_p == 0.0
