@@ -74,7 +74,8 @@
 #   bench-klein      FLUX.2 klein 4B 1024², 4 steps: eager, bcg, fast, fast-fp8, fast-fp8-attn
 #   bench-wan        Wan 2.1 T2V 14B 832x480x81, 3 steps, CFG 5: eager, fast-fp8-attn, one timed run (per-step time)
 #   bench-qwen-edit  Qwen-Image-Edit-2511 1024², 8 steps, true CFG 4: eager, fast, fast-fp8, fast-fp8-attn
-#   probe-wan-vae    Wan's VAE decode of 81 frames at 832x480: eager, cuDNN benchmark, channels-last (bench/probes)
+#   probe-wan-vae    Wan's VAE decode of 81 frames at 832x480: eager, channels-last, fast mode's fused decoder (with and
+#                    without cuDNN's benchmark), bf16 and fp32, the longest kernels of each (bench/probes/probe_wan_vae.py)
 #   tests-state Python state read by captures and object arguments, exact and fast (tiny)
 #   bench-state the per-call check of the Python state: Z-Image-Turbo 512² and Qwen-Image 512² 10 steps CFG 4
 #   tests       core + reliability + tiny-pipeline GPU tests (incl. LoRA re-capture, warm-up, buckets, eviction)
@@ -174,7 +175,9 @@ case "$phase" in
       --out "$out/$phase" 2>&1 | grep -v "Warning\|warnings.warn" | tee "$out/$phase.log" | tail -25
     ;;
   probe-wan-vae)
-    timeout "${WAN_VAE_TIMEOUT:-300}" python3 -m bench.probes.probe_wan_vae 2>&1 | tee "$out/probe-wan-vae.log" | tail -20
+    # WAN_VAE_ARGS: the probe's arguments (e.g. --variants eager,fused --dtypes bf16)
+    timeout "${WAN_VAE_TIMEOUT:-300}" python3 -m bench.probes.probe_wan_vae ${WAN_VAE_ARGS:-} 2>&1 \
+      | grep -v "Warning\|warnings.warn\|_warn_once" | tee "$out/probe-wan-vae.log" | tail -32
     ;;
   tests-state)
     # Python state read by captures (module attributes, globals, in-place constants; processors, non-plain

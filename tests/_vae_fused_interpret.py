@@ -108,8 +108,50 @@ def decoder_case() -> None:
     check(f"tiny decoder fused {counts}", got, expected, torch.float32)
 
 
+def channel_norm_cases() -> None:
+    """Wan's per-pixel RMS norm: 5-D and 4-D channels-last, with and without bias and SiLU, channels that
+    are and are not a power of two."""
+    torch.manual_seed(2)
+    for shape, dtype in (
+        ((1, 12, 3, 5, 7), torch.float32),
+        ((2, 16, 2, 3, 4), torch.float16),
+        ((3, 20, 5, 6), torch.float32),
+    ):
+        memory_format = torch.channels_last_3d if len(shape) == 5 else torch.channels_last
+        x = (torch.randn(*shape) * 3 + 1).to(dtype).contiguous(memory_format=memory_format)
+        weight, bias, pre_bias = (torch.randn(shape[1]).to(dtype) for _ in range(3))
+        for with_bias, silu in ((False, True), (True, False)):
+            b, pre = (bias, None) if with_bias else (None, pre_bias)
+            out = torch.empty_like(x)
+            vae_glue._launch_rms(x, weight, b, pre, 1.7, 1e-12, silu, out)
+            expected = vae_glue.reference_channel_rms_norm(x, weight, b, 1.7, 1e-12, silu, pre)
+            label = f"channel rms norm {shape} {dtype} bias={with_bias} pre_bias={not with_bias} silu={silu}"
+            check(label, out, expected, dtype)
+
+
+def wan_decoder_case() -> None:
+    """A tiny Wan VAE's decoder fused, the kernels forced on, against diffusers' own."""
+    from diffusers import AutoencoderKLWan
+
+    from bcg_diffusion.core.hooks import MethodPatches
+    from bcg_diffusion.patches.wan_vae_decoder import fuse_decoder
+
+    vae_glue.triton_unavailable = lambda device: None
+    torch.manual_seed(3)
+    vae = AutoencoderKLWan(base_dim=8, z_dim=4, dim_mult=[1, 2, 2, 2], num_res_blocks=1).eval()
+    latents = torch.randn(1, 4, 3, 4, 6)
+    with torch.no_grad():
+        expected = vae.decode(latents).sample
+        patches = MethodPatches()
+        counts = fuse_decoder(vae.decoder, patches)
+        got = vae.decode(latents).sample
+    check(f"tiny Wan decoder fused {counts}", got, expected, torch.float32)
+
+
 if __name__ == "__main__":
     group_norm_cases()
     glue_cases()
+    channel_norm_cases()
     decoder_case()
+    wan_decoder_case()
     print("all cases within tolerance")

@@ -22,8 +22,10 @@ What fast mode does to the decoder is a choice (:func:`choose`, before ``acceler
   and the convolutions' biases, and each resnet block's residual, in kernels of our own
   (:mod:`bcg_diffusion.patches.vae_decoder`). Nothing is compiled by inductor; its first use builds
   about two dozen small Triton kernels, which Triton's cache keeps. Where the decoder is diffusers'
-  2-D ``Decoder`` on a CUDA device with Triton; elsewhere (Qwen-Image's 3-D decoder, a CPU) fast mode
-  takes ``"patched"``.
+  2-D ``Decoder`` on a CUDA device with Triton. Wan's causal 3-D ``WanDecoder3d`` (Wan 2.1 and 2.2) gets
+  its own: channels-last, each RMS norm with its SiLU one kernel, convolutions padding for themselves
+  (:mod:`bcg_diffusion.patches.wan_vae_decoder`). Elsewhere (Qwen-Image's 3-D decoder, a CPU) fast
+  mode takes ``"patched"``.
 * ``"patched"``: the group norms of :mod:`bcg_diffusion.patches.group_norm` (moments from one parallel
   reduction), everything else eager.
 * ``"compiled"``: the whole ``forward`` compiled by inductor with static shapes, where the decoder is
@@ -52,6 +54,9 @@ from ..kernels import triton_unavailable
 from ..patches.followed import installable
 from ..patches.group_norm import VAE_GROUP_NORM_PATCH, patch_group_norms
 from ..patches.vae_decoder import VAE_FUSED_PATCH, fusable, fuse_decoder
+from ..patches.wan_vae_decoder import WAN_VAE_FUSED_PATCH
+from ..patches.wan_vae_decoder import fusable as wan_fusable
+from ..patches.wan_vae_decoder import fuse_decoder as fuse_wan_decoder
 from .base import Feature, Setup
 from .compiled_blocks import BlockCompiles, compile_forward, private_copy
 
@@ -116,6 +121,7 @@ class FastVaeDecoder(Feature):
     def __init__(self) -> None:
         self.compiled: BlockCompiles | None = None
         self.fused: dict[str, int] | None = None
+        self.fused_patch = VAE_FUSED_PATCH
         self.patched = False
 
     @classmethod
@@ -137,6 +143,14 @@ class FastVaeDecoder(Feature):
             and installable("vae decoder (fused)", stacklevel=4)
         ):
             self.fused = fuse_decoder(decoder, patches)
+        elif (
+            choice == "fused"
+            and triton_unavailable(device) is None
+            and wan_fusable(decoder)
+            and installable("wan vae decoder (fused)", stacklevel=4)
+        ):
+            self.fused = fuse_wan_decoder(decoder, patches)
+            self.fused_patch = WAN_VAE_FUSED_PATCH
         else:
             self.patched = bool(patch_group_norms(decoder, patches))
 
@@ -149,5 +163,5 @@ class FastVaeDecoder(Feature):
         if self.compiled is not None:
             return [VAE_DECODER_COMPILED]
         if self.fused is not None:
-            return [VAE_FUSED_PATCH]
+            return [self.fused_patch]
         return [VAE_GROUP_NORM_PATCH] if self.patched else []

@@ -57,6 +57,7 @@ _GELU = ("diffusers.models.activations.GELU.forward", "diffusers.models.activati
 _FLUX_FEED_FORWARD = "diffusers.models.attention.FeedForward.forward"
 _Z_FEED_FORWARD = (f"{_ZI}.FeedForward.forward", f"{_ZI}.FeedForward._forward_silu_gating")
 _HOOKS = "diffusers.hooks"
+_WAN_VAE = "diffusers.models.autoencoders.autoencoder_kl_wan"
 _CACHE_DIT = "cache_dit.caching"
 
 # patch name -> {dotted path of a function it depends on: its digest in the tested versions}
@@ -107,6 +108,14 @@ FOLLOWED: dict[str, dict[str, str]] = {
         "diffusers.models.resnet.ResnetBlock2D.forward": "e3f38e1722955caf",
         "diffusers.models.upsampling.Upsample2D.forward": "3c0e13df5e4ac796",
         "diffusers.models.autoencoders.vae.Decoder.forward": "be96bf1aec1d895a",
+    },
+    "wan vae decoder (fused)": {
+        f"{_WAN_VAE}.WanCausalConv3d.forward": "afffb99acd515ba2",
+        f"{_WAN_VAE}.WanRMS_norm.forward": "fc44101b65138738",
+        f"{_WAN_VAE}.WanUpsample.forward": "8623452f43a3b2cf",
+        f"{_WAN_VAE}.WanResample.forward": "3c0b8933703e5d76",
+        f"{_WAN_VAE}.WanResidualBlock.forward": "82e9104df2acf11a",
+        f"{_WAN_VAE}.WanDecoder3d.forward": "927efe06256e3b6d",
     },
     # both modes: Z-Image's captions padded to buckets of 32 tokens, the pad masks passed through patchify
     "zimage caption buckets": {

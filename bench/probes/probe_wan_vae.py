@@ -11,6 +11,8 @@ load it) eagerly, and variants that change the kernels but not the weights:
 * ``channels-last``: the decoder's convolution weights and the latents channels-last (``channels_last_3d``),
   so cuDNN runs its NDHWC kernels;
 * both together;
+* ``fused``: fast mode's decoder (:mod:`bcg_diffusion.patches.wan_vae_decoder`: channels-last, each RMS norm
+  with its SiLU one kernel, the convolutions padding for themselves), and with ``+cudnn-benchmark``;
 
 each with its largest difference from eager and the kernel time by kind (convolution, elementwise...).
 
@@ -26,17 +28,22 @@ from collections.abc import Iterator
 
 import torch
 
+from bcg_diffusion.core.hooks import MethodPatches
+from bcg_diffusion.patches.wan_vae_decoder import fuse_decoder
 from bench.coverage_models import _wan_vae
 from bench.measure import kernel_kind
 
-VARIANTS = ("eager", "cudnn-benchmark", "channels-last", "channels-last+cudnn-benchmark")
+VARIANTS = ("eager", "channels-last", "fused", "fused+cudnn-benchmark")
 
 
 @contextlib.contextmanager
 def _variant(vae: torch.nn.Module, name: str) -> Iterator[None]:
     benchmark = torch.backends.cudnn.benchmark
     formats = {}
+    patches = MethodPatches()
     try:
+        if name.startswith("fused"):
+            fuse_decoder(vae.decoder, patches)
         torch.backends.cudnn.benchmark = "cudnn-benchmark" in name
         if "channels-last" in name:
             for module in vae.decoder.modules():
@@ -45,6 +52,7 @@ def _variant(vae: torch.nn.Module, name: str) -> Iterator[None]:
                     module.weight.data = module.weight.data.contiguous(memory_format=torch.channels_last_3d)
         yield
     finally:
+        patches.undo()
         torch.backends.cudnn.benchmark = benchmark
         for module, weight in formats.items():
             module.weight.data = weight
@@ -63,17 +71,20 @@ def _decode_ms(vae: torch.nn.Module, latents: torch.Tensor, runs: int) -> tuple[
     return sorted(times)[len(times) // 2], out
 
 
-def _kernel_ms(vae: torch.nn.Module, latents: torch.Tensor) -> dict[str, float]:
+def _kernel_ms(vae: torch.nn.Module, latents: torch.Tensor, top: list[str]) -> dict[str, float]:
     from torch.profiler import ProfilerActivity, profile
 
     with torch.no_grad(), profile(activities=[ProfilerActivity.CUDA]) as prof:
         vae.decode(latents, return_dict=False)
         torch.cuda.synchronize()
     kinds: dict[str, float] = {}
+    kernels: list[tuple[float, str]] = []
     for event in prof.key_averages():
         total = getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0.0)
         if total:
             kinds[kernel_kind(event.key)] = kinds.get(kernel_kind(event.key), 0.0) + total / 1e3
+            kernels.append((total / 1e3, f"{event.key[:90]} ({event.count}x)"))
+    top.extend(f"{ms:.0f} ms {name}" for ms, name in sorted(kernels, reverse=True)[:8])
     return kinds
 
 
@@ -93,6 +104,7 @@ def main(argv: list[str] | None = None) -> None:
         generator = torch.Generator(device).manual_seed(0)
         latents = torch.randn(1, 16, args.frames, 60, 104, generator=generator, device=device, dtype=dtype)
         reference = None
+        tops: list[str] = []
         print(f"## Wan VAE decode, {args.frames} latent frames at 60x104 (832x480), {dtype_name}")
         print("| variant | median ms | max abs diff vs eager | kernel ms by kind |")
         print("|---|---|---|---|")
@@ -102,11 +114,14 @@ def main(argv: list[str] | None = None) -> None:
                     latents.contiguous(memory_format=torch.channels_last_3d) if "channels-last" in name else latents
                 )
                 ms, out = _decode_ms(vae, inputs, args.runs)
-                kinds = {} if args.no_profile else _kernel_ms(vae, inputs)
+                top: list[str] = []
+                kinds = {} if args.no_profile else _kernel_ms(vae, inputs, top)
             reference = out if reference is None else reference
             diff = (out.float() - reference.float()).abs().max().item()
             by_kind = ", ".join(f"{kind} {value:.0f}" for kind, value in sorted(kinds.items(), key=lambda kv: -kv[1]))
             print(f"| {name} | {ms:.1f} | {diff:.3g} | {by_kind} |", flush=True)
+            tops.append(f"{name}: " + "; ".join(top))
+        print("\nLongest kernels:\n" + "\n".join(tops))
         del reference, out
         torch.cuda.empty_cache()
 

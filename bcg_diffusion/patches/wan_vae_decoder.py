@@ -1,0 +1,316 @@
+"""Fast mode's Wan VAE decoder: channels-last activations, each norm with its SiLU one pass.
+
+Wan's causal 3-D VAE (``AutoencoderKLWan``: Wan 2.1, Wan 2.2 and the pipelines built on them) decodes a video one
+latent frame at a time, each convolution taking the last frames of the previous one from a cache. At 832×480,
+81 frames, on an H100 (run 163, ``bench.probes.probe_wan_vae``) eager bf16 decoding took 2.07 s, of which
+0.71 s were convolutions and 1.35 s the work between them: each ``WanRMS_norm`` is about eight passes over
+the activation, half of them in float32 (``x.float()``, the norm, the division, the rounding, ``* scale``,
+``* gamma``, ``+ bias``), SiLU one more, each causal convolution copies its input twice (the cache joined
+to it, then zero padding all round), cuDNN transposes channels-first activations to channels-last and
+back around every convolution, and each upsampling goes through float32 at four times the size.
+
+:func:`fuse_decoder` keeps the decoder's modules and weights and changes the forwards of its parts:
+
+* the decoder's input is made channels-last (``channels_last_3d``) and every activation stays so; its
+  output is made contiguous again for what follows it;
+* each ``WanResidualBlock`` runs each norm with its SiLU as one pass
+  (:func:`~bcg_diffusion.kernels.vae_glue.channel_rms_norm`), the first convolution's bias folded into
+  the second norm, and the second convolution's and the shortcut's biases into one pass with the
+  residual (:func:`~bcg_diffusion.kernels.vae_glue.residual_sum`): PyTorch adds a 3-D convolution's
+  bias in a pass of its own. Every other ``WanRMS_norm`` (the mid block's attention's) is the norm
+  without the SiLU, and the head's norm and SiLU are one pass;
+* each ``WanCausalConv3d`` joins the cached frames (or the causal zeros) before its input in one
+  channels-last copy and leaves the spatial zero padding to the convolution itself;
+* each ``WanResample`` upsampling interleaves the time convolution's two halves in one channels-last
+  copy and upsamples by two in bf16 (nearest: the same bytes as eager's round trip through float32).
+
+The cache bookkeeping (which convolution reads which cache entry, what each keeps for the next chunk)
+is diffusers' own, copied; :mod:`~bcg_diffusion.patches.followed` checks that code before installing.
+Each patched forward runs the original where it cannot serve a call (autograd on, training mode). The
+norms round once instead of after every operator and the convolutions may pick other algorithms, so the
+result differs from eager by rounding only: fast mode's kind of change, tested against diffusers' own
+decoder in ``tests/test_wan_vae_fused.py``.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from ..core.hooks import MethodPatches
+from ..kernels.vae_glue import channel_rms_norm, residual_sum, upsample_nearest2x
+
+__all__ = ["WAN_VAE_FUSED_PATCH", "fusable", "fuse_decoder"]
+
+WAN_VAE_FUSED_PATCH = "wan vae decoder fused (channels-last)"  # its name in stats()["patches"]
+_CL = torch.channels_last_3d
+
+
+def _wan() -> Any:
+    from diffusers.models.autoencoders import autoencoder_kl_wan
+
+    return autoencoder_kl_wan
+
+
+def _own_forward(module: Any) -> bool:
+    return "forward" not in module.__dict__
+
+
+def fusable(decoder: Any) -> bool:
+    """Whether ``decoder`` is diffusers' ``WanDecoder3d`` with its own forwards, SiLU as its activation and
+    upsampling by nearest-exact ×2 then a convolution (every released Wan VAE)."""
+    wan = _wan()
+    if type(decoder) is not wan.WanDecoder3d or type(decoder.nonlinearity) is not torch.nn.SiLU:
+        return False
+    for module in decoder.modules():
+        if not _own_forward(module):
+            return False
+        if isinstance(module, wan.WanResidualBlock) and type(module.nonlinearity) is not torch.nn.SiLU:
+            return False
+        if isinstance(module, wan.WanRMS_norm) and not module.channel_first:
+            return False
+        if isinstance(module, wan.WanResample) and not _plain_resample(module):
+            return False
+        if isinstance(module, wan.WanCausalConv3d) and not _plain_conv(module):
+            return False
+    return True
+
+
+def _plain_resample(block: Any) -> bool:
+    if block.mode not in ("upsample2d", "upsample3d"):
+        return False
+    upsample, conv = block.resample
+    return (
+        type(upsample) is _wan().WanUpsample
+        and upsample.mode == "nearest-exact"
+        and upsample.size is None
+        and tuple(upsample.scale_factor) == (2.0, 2.0)
+        and type(conv) is torch.nn.Conv2d
+    )
+
+
+def _grad_or_training(module: Any) -> bool:
+    return torch.is_grad_enabled() or module.training
+
+
+def _norm(norm: Any, x: torch.Tensor, silu: bool, pre_bias: torch.Tensor | None = None) -> torch.Tensor:
+    bias = norm.bias if isinstance(norm.bias, torch.Tensor) else None
+    if bias is None and norm.bias != 0.0:
+        raise ValueError(f"WanRMS_norm with a bias of {norm.bias!r}, neither a tensor nor 0")
+    return channel_rms_norm(_channels_last(x), norm.gamma, bias, norm.scale, silu=silu, pre_bias=pre_bias)
+
+
+def _channels_last(x: torch.Tensor) -> torch.Tensor:
+    """``x`` channels-last (a copy only where an eager operator gave it another layout)."""
+    return x.contiguous(memory_format=torch.channels_last_3d if x.dim() == 5 else torch.channels_last)
+
+
+def _join_frames(parts: list[torch.Tensor], zeros: int) -> torch.Tensor:
+    """``torch.cat([zeros frames of 0, *parts], dim=2)``, channels-last whatever the parts' layouts."""
+    first = parts[0]
+    batch, channels, _, height, width = first.shape
+    frames = zeros + sum(part.shape[2] for part in parts)
+    out = torch.empty((batch, channels, frames, height, width), dtype=first.dtype, device=first.device,
+                      memory_format=_CL)  # fmt: skip
+    if zeros:
+        out[:, :, :zeros].zero_()
+    start = zeros
+    for part in parts:
+        out[:, :, start : start + part.shape[2]].copy_(part)
+        start += part.shape[2]
+    return out
+
+
+def _last_frames(x: torch.Tensor, cached: Any) -> torch.Tensor:
+    """What a causal convolution keeps for the next chunk: ``x``'s last two frames, with the cached last
+    frame before a single one (diffusers' ``cache_x``)."""
+    cache_x = x[:, :, -_wan().CACHE_T :]
+    if cache_x.shape[2] < 2 and isinstance(cached, torch.Tensor):
+        return _join_frames([cached[:, :, -1:], cache_x], 0)
+    return cache_x.clone()
+
+
+def _plain_conv(conv: Any) -> bool:
+    """Whether ``conv`` pads as every released Wan causal convolution: zeros, the same on both sides of
+    each spatial dimension, twice the time padding before the frames and none after."""
+    width, height, time = conv._padding[0], conv._padding[2], conv._padding[4]
+    return conv.padding_mode == "zeros" and tuple(conv._padding) == (width, width, height, height, time, 0)
+
+
+def _causal_conv(conv: Any, x: torch.Tensor, cache_x: torch.Tensor | None, bias: bool = True) -> torch.Tensor:
+    """``conv(x, cache_x)`` (diffusers' ``WanCausalConv3d``, :func:`_plain_conv`) channels-last: the cached
+    frames, or the causal zeros, joined before ``x`` in one copy; the spatial padding left to the
+    convolution. ``bias=False`` leaves the bias out, for the next pass to add."""
+    width_pad, height_pad, time_pad = conv._padding[0], conv._padding[2], conv._padding[4]
+    parts = [x]
+    if cache_x is not None and time_pad > 0:
+        parts.insert(0, cache_x.to(x.device))
+        time_pad = max(time_pad - cache_x.shape[2], 0)
+    x = _join_frames(parts, time_pad) if len(parts) > 1 or time_pad > 0 else _channels_last(x)
+    return F.conv3d(x, conv.weight, conv.bias if bias else None, conv.stride, (0, height_pad, width_pad),
+                    conv.dilation, conv.groups)  # fmt: skip
+
+
+def _causal_conv_forward(conv: Any) -> Callable[..., torch.Tensor]:
+    original = type(conv).forward
+
+    @functools.wraps(original)
+    def forward(x: torch.Tensor, cache_x: torch.Tensor | None = None) -> torch.Tensor:
+        if _grad_or_training(conv) or x.dim() != 5 or not _plain_conv(conv):
+            return original(conv, x, cache_x)
+        return _causal_conv(conv, x, cache_x)
+
+    return forward
+
+
+def _cached_conv(
+    conv: Any, x: torch.Tensor, feat_cache: list | None, feat_idx: list[int], bias: bool = True
+) -> torch.Tensor:
+    """A causal convolution as diffusers' blocks call it: with the cache entry at ``feat_idx[0]``, which it
+    replaces by what the next chunk needs (no cache: plain). ``bias=False``: without its bias."""
+    if feat_cache is None:
+        return _causal_conv(conv, x, None, bias)
+    idx = feat_idx[0]
+    cache_x = _last_frames(x, feat_cache[idx])
+    x = _causal_conv(conv, x, feat_cache[idx], bias)
+    feat_cache[idx] = cache_x
+    feat_idx[0] += 1
+    return x
+
+
+def _residual_forward(block: Any) -> Callable[..., torch.Tensor]:
+    original = type(block).forward
+    wan = _wan()
+
+    @functools.wraps(original)
+    def forward(x: torch.Tensor, feat_cache: list | None = None, feat_idx: list[int] = [0]) -> torch.Tensor:  # noqa: B006 - diffusers' signature
+        convs = (block.conv1, block.conv2, block.conv_shortcut)
+        plain = all(_plain_conv(c) for c in convs if isinstance(c, wan.WanCausalConv3d))
+        if _grad_or_training(block) or not plain:
+            return original(block, x, feat_cache, feat_idx)
+        # The convolutions' biases go into the next pass: conv1's into norm2, conv2's and the shortcut's into
+        # the residual sum (each eagerly a pass of its own over the activation).
+        bias = block.conv2.bias
+        h = _channels_last(x)
+        if isinstance(block.conv_shortcut, wan.WanCausalConv3d):
+            h = _causal_conv(block.conv_shortcut, x, None, bias=False)
+            if block.conv_shortcut.bias is not None:  # summed per call: the weights may change in place
+                bias = block.conv_shortcut.bias if bias is None else bias + block.conv_shortcut.bias
+        x = _cached_conv(block.conv1, _norm(block.norm1, x, silu=True), feat_cache, feat_idx, bias=False)
+        x = _norm(block.norm2, x, silu=True, pre_bias=block.conv1.bias)
+        x = _cached_conv(block.conv2, x, feat_cache, feat_idx, bias=False)
+        return residual_sum(x, h, bias)
+
+    return forward
+
+
+def _interleave_time(x: torch.Tensor) -> torch.Tensor:
+    """``[B, 2C, T, H, W]`` to ``[B, C, 2T, H, W]`` with frame ``2t + j`` from channels ``j*C ...`` of frame
+    ``t`` (diffusers' reshape and ``torch.stack``), in one channels-last copy."""
+    batch, channels, frames, height, width = x.shape
+    rows = x.permute(0, 2, 3, 4, 1).reshape(batch, frames, height, width, 2, channels // 2)
+    rows = rows.permute(0, 1, 4, 2, 3, 5).reshape(batch, 2 * frames, height, width, channels // 2)
+    return rows.permute(0, 4, 1, 2, 3)
+
+
+def _resample_forward(block: Any) -> Callable[..., torch.Tensor]:
+    original = type(block).forward
+
+    @functools.wraps(original)
+    def forward(x: torch.Tensor, feat_cache: list | None = None, feat_idx: list[int] = [0]) -> torch.Tensor:  # noqa: B006 - diffusers' signature
+        if _grad_or_training(block) or not _plain_resample(block):
+            return original(block, x, feat_cache, feat_idx)
+        batch, channels, _, height, width = x.shape
+        if block.mode == "upsample3d" and feat_cache is not None:
+            idx = feat_idx[0]
+            cached = feat_cache[idx]
+            if cached is None:
+                feat_cache[idx] = "Rep"  # the first chunk: no time upsampling (diffusers' marker)
+                feat_idx[0] += 1
+            else:
+                cache_x = x[:, :, -_wan().CACHE_T :]
+                if cache_x.shape[2] < 2:  # after the first chunk, whose frame the cache replaces by zeros
+                    cache_x = _join_frames([cached[:, :, -1:], cache_x], 0) if isinstance(cached, torch.Tensor) \
+                        else _join_frames([cache_x], 1)  # fmt: skip
+                else:
+                    cache_x = cache_x.clone()
+                x = block.time_conv(x, None if isinstance(cached, str) else cached)
+                feat_cache[idx] = cache_x
+                feat_idx[0] += 1
+                x = _interleave_time(x)
+        frames = x.shape[2]
+        images = x.permute(0, 2, 1, 3, 4).reshape(batch * frames, channels, height, width)
+        images = block.resample[1](upsample_nearest2x(images.contiguous(memory_format=torch.channels_last)))
+        return images.view(batch, frames, *images.shape[1:]).permute(0, 2, 1, 3, 4)
+
+    return forward
+
+
+def _norm_forward(norm: Any) -> Callable[[torch.Tensor], torch.Tensor]:
+    original = type(norm).forward
+
+    @functools.wraps(original)
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        if _grad_or_training(norm):
+            return original(norm, x)
+        return _norm(norm, x, silu=False)
+
+    return forward
+
+
+def _decoder_forward(decoder: Any) -> Callable[..., torch.Tensor]:
+    original = type(decoder).forward
+
+    @functools.wraps(original)
+    def forward(
+        x: torch.Tensor,
+        feat_cache: list | None = None,
+        feat_idx: list[int] = [0],  # noqa: B006 - diffusers' signature
+        first_chunk: bool = False,
+    ) -> torch.Tensor:
+        if _grad_or_training(decoder):
+            return original(decoder, x, feat_cache, feat_idx, first_chunk)
+        x = _cached_conv(decoder.conv_in, _channels_last(x), feat_cache, feat_idx)
+        x = decoder.mid_block(x, feat_cache=feat_cache, feat_idx=feat_idx)
+        for up_block in decoder.up_blocks:
+            x = up_block(x, feat_cache=feat_cache, feat_idx=feat_idx, first_chunk=first_chunk)
+        x = _cached_conv(decoder.conv_out, _norm(decoder.norm_out, x, silu=True), feat_cache, feat_idx)
+        return x.contiguous()
+
+    return forward
+
+
+def fuse_decoder(decoder: torch.nn.Module, patches: MethodPatches) -> dict[str, int]:
+    """Patch the forwards of ``decoder``'s parts as the module docstring says (each recorded in
+    ``patches``); returns how many of each were patched (``resnets``, ``upsamplers``, ``norms``,
+    ``convs``). Needs :func:`fusable` ``(decoder)``; raises ValueError otherwise.
+
+    >>> fuse_decoder(pipe.vae.decoder, patches)  # doctest: +SKIP
+    {'resnets': 15, 'upsamplers': 3, 'norms': 1, 'convs': 36}
+    """
+    if not fusable(decoder):
+        raise ValueError(f"not diffusers' WanDecoder3d with its own forwards: {type(decoder).__name__}")
+    wan = _wan()
+    counts = {"resnets": 0, "upsamplers": 0, "norms": 0, "convs": 0}
+    in_blocks = {id(decoder.norm_out)}
+    for module in decoder.modules():
+        if isinstance(module, wan.WanResidualBlock):
+            patches.replace(module, "forward", _residual_forward(module))
+            in_blocks.update((id(module.norm1), id(module.norm2)))
+            counts["resnets"] += 1
+        elif isinstance(module, wan.WanResample):
+            patches.replace(module, "forward", _resample_forward(module))
+            counts["upsamplers"] += 1
+        elif isinstance(module, wan.WanCausalConv3d):
+            patches.replace(module, "forward", _causal_conv_forward(module))
+            counts["convs"] += 1
+    for module in decoder.modules():
+        if isinstance(module, wan.WanRMS_norm) and id(module) not in in_blocks:
+            patches.replace(module, "forward", _norm_forward(module))
+            counts["norms"] += 1
+    patches.replace(decoder, "forward", _decoder_forward(decoder))
+    return counts

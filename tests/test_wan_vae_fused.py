@@ -1,0 +1,137 @@
+"""Fast mode's Wan VAE decoder (``patches/wan_vae_decoder.py``) and its norm kernel's reference, on the CPU.
+
+* The reference of the per-pixel RMS norm against diffusers' ``WanRMS_norm`` and SiLU, in float64.
+* The fused decoder against diffusers' own on tiny Wan 2.1 and Wan 2.2 (residual, patchified) VAEs,
+  several chunks so that every cache path runs; its fallbacks; ``undo``.
+* The feature: fast mode's default for a Wan pipeline's VAE where the kernels can run (forced here).
+
+The kernels in Triton's interpreter: ``_vae_fused_interpret.py`` (``test_vae_fused.py`` runs it); on a GPU:
+``test_vae_fused_cuda.py``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from diffusers import AutoencoderKLWan
+from diffusers.models.autoencoders.autoencoder_kl_wan import WanRMS_norm
+
+from bcg_diffusion import accelerate, eager, restore, stats
+from bcg_diffusion.core.hooks import MethodPatches
+from bcg_diffusion.features import vae_decoder
+from bcg_diffusion.kernels import vae_glue
+from bcg_diffusion.patches.wan_vae_decoder import WAN_VAE_FUSED_PATCH, fusable, fuse_decoder
+
+WAN21 = {"base_dim": 8, "z_dim": 4, "dim_mult": [1, 2, 2, 2], "num_res_blocks": 1}
+# Wan 2.2 TI2V's VAE: residual up blocks (DupUp3D shortcuts), patch size 2, its own decoder width
+WAN22 = {**WAN21, "z_dim": 8, "is_residual": True, "patch_size": 2, "in_channels": 12, "out_channels": 12,
+         "decoder_base_dim": 12}  # fmt: skip
+
+
+def _vae(config: dict) -> AutoencoderKLWan:
+    torch.manual_seed(0)
+    vae = AutoencoderKLWan(**config).eval()
+    with torch.no_grad():
+        for parameter in vae.parameters():  # away from the initialisation's ones and zeros
+            parameter.normal_(0.0, 0.3)
+    return vae
+
+
+def _latents(vae: AutoencoderKLWan, frames: int = 4) -> torch.Tensor:
+    return torch.randn(1, vae.config.z_dim, frames, 4, 6, generator=torch.Generator().manual_seed(1))
+
+
+@pytest.mark.parametrize("images", [False, True])
+def test_reference_channel_norm_is_diffusers_rms_norm_with_silu(images):
+    torch.manual_seed(0)
+    norm = WanRMS_norm(12, images=images, bias=True).double()
+    with torch.no_grad():
+        norm.gamma.normal_()
+        norm.bias.normal_()
+    shape = (2, 12, 5, 4) if images else (2, 12, 3, 5, 4)
+    x = torch.randn(*shape, dtype=torch.float64) * 3
+    channels_last = x.contiguous(memory_format=torch.channels_last if images else torch.channels_last_3d)
+    with torch.no_grad():
+        got = vae_glue.channel_rms_norm(x, norm.gamma, norm.bias, norm.scale, silu=True)
+        torch.testing.assert_close(got, F.silu(norm(x)), atol=1e-5, rtol=1e-5)  # float32 inside, as on the GPU
+        plain = vae_glue.channel_rms_norm(channels_last, norm.gamma, None, norm.scale)
+    assert plain.stride() == channels_last.stride()
+
+
+def test_channel_norm_refuses_a_wrong_weight_and_autograd():
+    with pytest.raises(ValueError, match="weight of 3 values for an input of 4 channels"):
+        vae_glue.channel_rms_norm(torch.randn(1, 4, 2, 2), torch.ones(3))
+    with pytest.raises(ValueError, match="no backward"):
+        vae_glue.channel_rms_norm(torch.randn(1, 4, 2, 2, requires_grad=True), torch.ones(4))
+
+
+@pytest.mark.parametrize("config", [WAN21, WAN22], ids=["Wan 2.1", "Wan 2.2 TI2V"])
+def test_fused_decoder_decodes_as_diffusers_and_undo_gives_everything_back(config):
+    vae = _vae(config)
+    latents = _latents(vae)
+    with torch.no_grad():
+        expected = vae.decode(latents).sample
+        patches = MethodPatches()
+        counts = fuse_decoder(vae.decoder, patches)
+        got = vae.decode(latents).sample
+        assert got.is_contiguous()
+        torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-4)  # float32, rounded elsewhere
+        patches.undo()
+        assert torch.equal(vae.decode(latents).sample, expected)
+    # every upsampler, residual block and causal convolution of the decoder; the mid block's attention norm
+    assert counts["upsamplers"] == 3 and counts["norms"] == 1 and counts["resnets"] == 10
+    assert not any("forward" in module.__dict__ for module in vae.decoder.modules())
+
+
+def test_fused_decoder_in_bfloat16_is_as_near_float32_as_diffusers():
+    vae = _vae(WAN21)
+    latents = _latents(vae)
+    with torch.no_grad():
+        exact = vae.decode(latents).sample
+        vae.to(torch.bfloat16)
+        eager = vae.decode(latents.bfloat16()).sample.float()
+        fuse_decoder(vae.decoder, MethodPatches())
+        fused = vae.decode(latents.bfloat16()).sample.float()
+    # rounded once per norm instead of after every operator: no farther from float32 than eager bf16
+    assert (fused - exact).abs().mean() <= (eager - exact).abs().mean()
+
+
+def test_fused_forwards_run_the_original_under_autograd():
+    vae = _vae(WAN21)
+    latents = _latents(vae, frames=2)
+    expected = vae.decode(latents).sample
+    fuse_decoder(vae.decoder, MethodPatches())
+    with torch.enable_grad():
+        assert torch.equal(vae.decode(latents).sample, expected)
+
+
+def test_fuse_decoder_refuses_another_decoder_or_a_changed_one():
+    with pytest.raises(ValueError, match="not diffusers' WanDecoder3d"):
+        fuse_decoder(torch.nn.Linear(2, 2), MethodPatches())
+    vae = _vae(WAN21)
+    assert fusable(vae.decoder)
+    vae.decoder.up_blocks[0].resnets[0].forward = lambda *args, **kwargs: None
+    assert not fusable(vae.decoder)
+
+
+@pytest.mark.filterwarnings("ignore:.*falls back to graphs of the eager blocks")  # the VAE alone, on purpose
+@pytest.mark.filterwarnings("ignore:.*no adapter for WanPipeline")
+def test_fast_mode_fuses_a_wan_pipelines_decoder_and_replays_its_bytes(monkeypatch):
+    from bench.coverage import _call
+    from bench.coverage_models import TINY
+
+    monkeypatch.setattr(vae_decoder, "triton_unavailable", lambda device: None)  # the references run
+    pipe, inputs = TINY["Wan 2.1 T2V"]()
+    with torch.no_grad():
+        plain = _call(pipe, inputs)
+    accelerate(pipe, mode="fast", components=("vae",), debug=True)
+    try:
+        assert WAN_VAE_FUSED_PATCH in stats(pipe)["patches"]
+        fast = _call(pipe, inputs)
+        with eager(pipe):  # the fused decoder without graphs: what fast mode must equal
+            assert torch.equal(fast, _call(pipe, inputs))
+        torch.testing.assert_close(fast, plain, atol=1e-4, rtol=1e-4)
+    finally:
+        restore(pipe)
+    assert not any("forward" in module.__dict__ for module in pipe.vae.decoder.modules())
