@@ -103,14 +103,31 @@ def test_quantize_leaves_the_process_settings_as_they_were():
     # captured before another pipeline was quantized no longer matched the same code run after.
     import torch._inductor.config as inductor
 
+    from bcg_diffusion.core import settings
+
     precision, tuning = torch.get_float32_matmul_precision(), inductor.coordinate_descent_tuning
+    keyed = settings.current()
     pipe = _pipe("z-image")
     accelerate(pipe, debug=True, quantize=Int8WeightOnlyConfig())
     try:
         assert torch.get_float32_matmul_precision() == precision
         assert inductor.coordinate_descent_tuning == tuning
+        # The settings every runner keys its graphs on, per-backend precisions included: setting the old
+        # API's "highest" again moved them from "none" to "ieee", so every pipeline captured before
+        # captured again on its next call (FLUX.1 and klein in bcg and fast mode, H100 runs 161 and 162).
+        assert settings.differences(keyed, settings.current()) == []
     finally:
         restore(pipe)
+
+
+def test_keeping_global_settings_undoes_a_precision_change_exactly():
+    from bcg_diffusion.core import settings
+    from bcg_diffusion.features.quantization import keeping_global_settings
+
+    keyed = settings.current()
+    with keeping_global_settings():
+        torch.set_float32_matmul_precision("high")  # what torchao's set_inductor_config=True does
+    assert settings.differences(keyed, settings.current()) == []
 
 
 # ------------------------------------------------------------------------------ a quantize that fails midway

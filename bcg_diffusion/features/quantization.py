@@ -168,13 +168,35 @@ def keeping_global_settings() -> Iterator[None]:
     import torch._inductor.config as inductor
 
     precision = torch.get_float32_matmul_precision()
+    per_backend = {owner: owner.fp32_precision for owner in _fp32_precision_owners()}
     current = inductor.get_config_copy()
     settings = {name: current[name] for name in _INDUCTOR_SETTINGS}
     try:
         yield
     finally:
-        torch.set_float32_matmul_precision(precision)
+        # Only where something changed them: setting the old API's value again moves the per-backend values
+        # from "none" to "ieee", a change in the settings every runner keys its graphs on
+        # (core/settings.py), so each pipeline captured before would capture again.
+        if torch.get_float32_matmul_precision() != precision or any(
+            owner.fp32_precision != value for owner, value in per_backend.items()
+        ):
+            torch.set_float32_matmul_precision(precision)
+            for owner, value in per_backend.items():
+                owner.fp32_precision = value
         inductor.load_config(settings)
+
+
+def _fp32_precision_owners() -> list[Any]:
+    """The ``torch.backends`` objects with a ``fp32_precision`` setting in the installed torch (2.9 on)."""
+    owners = (torch.backends.cuda.matmul, torch.backends.cudnn.conv, torch.backends.mkldnn.matmul)
+    found = []
+    for owner in owners:
+        try:
+            owner.fp32_precision  # noqa: B018 - a read that raises where the setting does not exist
+        except (AttributeError, RuntimeError):
+            continue
+        found.append(owner)
+    return found
 
 
 def check_fp8_device(device: torch.device) -> None:
