@@ -63,7 +63,7 @@
 #   bench-fp8-prologue-z Z-Image-Turbo 512² and 1024², 8 steps: eager, fast-fp8, fast-fp8-attn-bf16-prologue, fast-fp8-attn
 #   bench-block-glue-qwen Qwen-Image 1024², 50 steps, true CFG 4: eager, fast-fp8, fast-fp8-inductor-glue,
 #                    fast-fp8-attn, fast-fp8-attn+cache (QWEN_GLUE_MODES picks the modes)
-#   tests-vae-fused  the fused channels-last VAE decoder's kernels and the full-size FLUX.1 decoder (tests/test_vae_fused_cuda.py)
+#   tests-vae-fused  the fused channels-last VAE decoders' kernels, the full-size FLUX.1 and Wan 2.1 decoders (tests/test_vae_fused_cuda.py)
 #   probe-fp8-ff     the FP8 feed-forward kernels (kernels/activation_fp8.py) against their references on the GPU, then
 #                    one Qwen-Image and one Z-Image FP8 block with inductor's kernel and with ours, each kernel alone
 #                    with its launch settings; then the bf16 blocks (probe section prologue-blocks)

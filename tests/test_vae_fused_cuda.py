@@ -5,6 +5,8 @@
 * The full-size FLUX.1 decoder (Z-Image's VAE, random weights) fused against diffusers' own: near it
   (PSNR printed), the same bytes replayed from a CUDA graph as called eagerly, and diffusers' bytes
   again once undone.
+* Wan's per-pixel RMS norm kernel against its reference, and the full-size Wan 2.1 decoder fused
+  (``patches/wan_vae_decoder.py``) the same way, over five latent frames.
 """
 
 from __future__ import annotations
@@ -112,4 +114,50 @@ def test_full_size_decoder_fused_is_near_eager_and_replays_its_bytes(flux_vae, s
         f"\nFLUX.1 decoder {size}² fused {counts}: PSNR {psnr:.1f} dB against eager, max difference {difference:.4f}"
     )
     assert fused.is_contiguous() and counts["resnets"] == 14 and counts["upsamplers"] == 3
+    assert psnr > 35.0, psnr
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_channel_rms_norm_kernel_matches_its_reference_and_repeats_its_bytes(dtype):
+    # Wan's decoder widths: 96, 192 and 384 channels, a 5-D activation of 4 frames and a 4-D one
+    torch.manual_seed(2)
+    for shape in ((1, 96, 4, 60, 104), (1, 384, 2, 30, 52), (3, 192, 17, 23)):
+        memory_format = torch.channels_last_3d if len(shape) == 5 else torch.channels_last
+        x = (torch.randn(*shape, device="cuda") * 2 + 0.5).to(dtype).contiguous(memory_format=memory_format)
+        weight, bias, pre_bias = (torch.randn(shape[1], device="cuda").to(dtype) for _ in range(3))
+        for b, pre, silu in ((None, pre_bias, True), (bias, None, False)):
+            got = vae_glue.channel_rms_norm(x, weight, b, 9.8, silu=silu, pre_bias=pre)
+            expected = vae_glue.reference_channel_rms_norm(x, weight, b, 9.8, silu=silu, pre_bias=pre)
+            assert got.stride() == x.stride()
+            atol, rtol = (1e-4, 1e-4) if dtype == torch.float32 else (2e-2, 2**-7)
+            torch.testing.assert_close(got, expected, atol=atol, rtol=rtol)
+            assert torch.equal(got, vae_glue.channel_rms_norm(x, weight, b, 9.8, silu=silu, pre_bias=pre))
+
+
+def test_full_size_wan_decoder_fused_is_near_eager_and_replays_its_bytes():
+    from bcg_diffusion.patches.wan_vae_decoder import fuse_decoder as fuse_wan_decoder
+    from bench.coverage_models import _wan_vae
+
+    vae = _wan_vae(torch.device("cuda")).to(torch.bfloat16)
+    # 5 latent frames: the first chunk, the second (whose caches start from one frame) and steady ones
+    latents = torch.randn(1, 16, 5, 30, 52, device="cuda", dtype=torch.bfloat16)
+    patches = MethodPatches()
+    with torch.no_grad():
+        eager_video = vae.decode(latents).sample
+        try:
+            counts = fuse_wan_decoder(vae.decoder, patches)
+            fused = vae.decode(latents).sample
+            assert torch.equal(fused, vae.decode(latents).sample)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                replayed = vae.decode(latents).sample
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(replayed, fused)
+        finally:
+            patches.undo()
+        assert torch.equal(vae.decode(latents).sample, eager_video)
+    psnr = _psnr(fused, eager_video)
+    print(f"\nWan decoder fused {counts}: PSNR {psnr:.1f} dB against eager")
+    assert fused.is_contiguous() and fused.shape == eager_video.shape
     assert psnr > 35.0, psnr
