@@ -13,7 +13,7 @@
   here one, on a channels-last activation whose pixels are rows of contiguous channels, in float32,
   rounded once.
 
-Both run the Triton kernels on a CUDA tensor they take and PyTorch's operators elsewhere
+Each runs its Triton kernel on a CUDA tensor it takes and PyTorch's operators elsewhere
 (:func:`reference_residual_sum`, ``F.interpolate``); fixed launch configurations, no atomics. Plain
 functions, not custom operators: fast mode calls them in its eager-captured VAE decoder.
 """

@@ -71,7 +71,9 @@ def fusable(decoder: Any) -> bool:
             return False
         if isinstance(module, wan.WanResidualBlock) and type(module.nonlinearity) is not torch.nn.SiLU:
             return False
-        if isinstance(module, wan.WanRMS_norm) and not module.channel_first:
+        if isinstance(module, wan.WanRMS_norm) and not (
+            module.channel_first and (isinstance(module.bias, torch.Tensor) or module.bias == 0.0)
+        ):
             return False
         if isinstance(module, wan.WanResample) and not _plain_resample(module):
             return False
@@ -195,11 +197,12 @@ def _residual_forward(block: Any) -> Callable[..., torch.Tensor]:
         # The convolutions' biases go into the next pass: conv1's into norm2, conv2's and the shortcut's into
         # the residual sum (each eagerly a pass of its own over the activation).
         bias = block.conv2.bias
-        h = _channels_last(x)
         if isinstance(block.conv_shortcut, wan.WanCausalConv3d):
             h = _causal_conv(block.conv_shortcut, x, None, bias=False)
             if block.conv_shortcut.bias is not None:  # summed per call: the weights may change in place
                 bias = block.conv_shortcut.bias if bias is None else bias + block.conv_shortcut.bias
+        else:  # diffusers' Identity where the widths match
+            h = _channels_last(block.conv_shortcut(x))
         x = _cached_conv(block.conv1, _norm(block.norm1, x, silu=True), feat_cache, feat_idx, bias=False)
         x = _norm(block.norm2, x, silu=True, pre_bias=block.conv1.bias)
         x = _cached_conv(block.conv2, x, feat_cache, feat_idx, bias=False)
@@ -289,8 +292,8 @@ def fuse_decoder(decoder: torch.nn.Module, patches: MethodPatches) -> dict[str, 
     ``patches``); returns how many of each were patched (``resnets``, ``upsamplers``, ``norms``,
     ``convs``). Needs :func:`fusable` ``(decoder)``; raises ValueError otherwise.
 
-    >>> fuse_decoder(pipe.vae.decoder, patches)  # doctest: +SKIP
-    {'resnets': 15, 'upsamplers': 3, 'norms': 1, 'convs': 36}
+    >>> fuse_decoder(pipe.vae.decoder, patches)  # Wan 2.1's VAE  # doctest: +SKIP
+    {'resnets': 14, 'upsamplers': 3, 'norms': 1, 'convs': 33}
     """
     if not fusable(decoder):
         raise ValueError(f"not diffusers' WanDecoder3d with its own forwards: {type(decoder).__name__}")
