@@ -287,3 +287,26 @@ def test_bench_times_a_published_pipeline_on_the_cpu(tmp_path, capsys):
     assert code == 0, out
     assert "flux2-klein 64x64, 4 steps, no cfg" in out and "Denoising per step" in out
     assert "| bcg |" in out and "yes (md5)" in out
+
+
+@pytest.mark.parametrize("cache", ["magcache", "first-block"])
+def test_step_caches_on_both_experts_of_wan22_run_inside_their_graphs(cache):
+    from bcg_diffusion.features.step_caching import enable_cache
+    from bench.caching import cache_config
+
+    pipe, inputs = TINY["Wan 2.2 T2V"]()
+    torch.manual_seed(0)
+    for name in ("transformer", "transformer_2"):
+        setattr(pipe, name, type(pipe.transformer).from_config({**pipe.transformer.config, "num_layers": 2}))
+        enable_cache(getattr(pipe, name), cache_config(cache, 6))
+    with torch.no_grad():
+        expected = _call(pipe, inputs, steps=6)
+    accelerate(pipe, debug=True)
+    try:
+        assert all(torch.equal(_call(pipe, inputs, steps=6), expected) for _ in range(2))
+        report = stats(pipe)
+        assert report["eager_fallbacks"] == 0, report
+        # each expert's cache decisions are part of its own graphs' keys
+        assert report["cache_states"] > 0 and report["experts"]["transformer_2"]["cache_states"] > 0, report
+    finally:
+        restore(pipe)

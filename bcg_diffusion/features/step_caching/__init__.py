@@ -50,6 +50,9 @@ register_graph_safe_hooks(*SUPPORTED_HOOKS)
 class StepCaching(Feature):
     name = "step caching"
     component = "transformer"
+    # Wan 2.2's second expert carries its own cache hooks (enable_cache(pipe.transformer_2, config)); without
+    # this its graphs froze the cache's first decisions and the images parted from eager's with that cache.
+    experts = True
     defaults = {"cache_hooks": [], "cache_states": 0, "cache_branches": 0, "cache_branch_switches": 0}
 
     def __init__(self, setup: Setup) -> None:
