@@ -114,7 +114,7 @@ class PreparedMode:
             return {}
         report = stats(self.pipe)
         keys = ("active", "captures", "replays", "eager_fallbacks", "misses", "graph_memory_bytes", "capture_seconds")
-        keys += ("state_checks", "state_changes", "state_check_seconds")
+        keys += ("state_checks", "state_changes", "state_check_seconds", "invalidations", "evictions")
         keys += (
             ("compiles", "compile_seconds", "compiled_blocks", "cfg_batched", "cfg_batch_dropped")
             + ("vae_compiles", "vae_compile_seconds", "text_encoder_compiles", "text_encoder_compile_seconds")
