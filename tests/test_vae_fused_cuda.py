@@ -88,32 +88,40 @@ def _psnr(image: torch.Tensor, reference: torch.Tensor) -> float:
     return 10 * math.log10(4.0 / mse) if mse else math.inf  # images in [-1, 1]
 
 
-@pytest.mark.parametrize("size", [512, 1024])
-def test_full_size_decoder_fused_is_near_eager_and_replays_its_bytes(flux_vae, size):
-    latents = torch.randn(1, 16, size // 8, size // 8, device="cuda", dtype=torch.bfloat16)
+def _fused_near_eager_and_replayed(vae, latents, fuse):
+    """Decode ``latents`` eagerly, then with ``fuse(vae.decoder, patches)``: the fused bytes equal on a second
+    call and replayed from a CUDA graph, diffusers' bytes again once undone. Returns (fused, eager, counts)."""
     patches = MethodPatches()
     with torch.no_grad():
-        eager_image = flux_vae.decode(latents).sample
+        eager_output = vae.decode(latents).sample
         try:
-            counts = fuse_decoder(flux_vae.decoder, patches)
-            fused = flux_vae.decode(latents).sample
-            assert torch.equal(fused, flux_vae.decode(latents).sample)
+            counts = fuse(vae.decoder, patches)
+            fused = vae.decode(latents).sample
+            assert torch.equal(fused, vae.decode(latents).sample)
             graph = torch.cuda.CUDAGraph()
-            flux_vae.decode(latents)  # warm the allocator's pool on a side stream, as capture expects
+            vae.decode(latents)  # warm the allocator's pool on a side stream, as capture expects
             with torch.cuda.graph(graph):
-                replayed = flux_vae.decode(latents).sample
+                replayed = vae.decode(latents).sample
             graph.replay()
             torch.cuda.synchronize()
             assert torch.equal(replayed, fused)
         finally:
             patches.undo()
-        assert torch.equal(flux_vae.decode(latents).sample, eager_image)
+        assert torch.equal(vae.decode(latents).sample, eager_output)
+    assert fused.is_contiguous() and fused.shape == eager_output.shape
+    return fused, eager_output, counts
+
+
+@pytest.mark.parametrize("size", [512, 1024])
+def test_full_size_decoder_fused_is_near_eager_and_replays_its_bytes(flux_vae, size):
+    latents = torch.randn(1, 16, size // 8, size // 8, device="cuda", dtype=torch.bfloat16)
+    fused, eager_image, counts = _fused_near_eager_and_replayed(flux_vae, latents, fuse_decoder)
     psnr = _psnr(fused, eager_image)
     difference = (fused.float() - eager_image.float()).abs().max().item()
     print(
         f"\nFLUX.1 decoder {size}² fused {counts}: PSNR {psnr:.1f} dB against eager, max difference {difference:.4f}"
     )
-    assert fused.is_contiguous() and counts["resnets"] == 14 and counts["upsamplers"] == 3
+    assert counts["resnets"] == 14 and counts["upsamplers"] == 3
     assert psnr > 35.0, psnr
 
 
@@ -141,23 +149,8 @@ def test_full_size_wan_decoder_fused_is_near_eager_and_replays_its_bytes():
     vae = _wan_vae(torch.device("cuda")).to(torch.bfloat16)
     # 5 latent frames: the first chunk, the second (whose caches start from one frame) and steady ones
     latents = torch.randn(1, 16, 5, 30, 52, device="cuda", dtype=torch.bfloat16)
-    patches = MethodPatches()
-    with torch.no_grad():
-        eager_video = vae.decode(latents).sample
-        try:
-            counts = fuse_wan_decoder(vae.decoder, patches)
-            fused = vae.decode(latents).sample
-            assert torch.equal(fused, vae.decode(latents).sample)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                replayed = vae.decode(latents).sample
-            graph.replay()
-            torch.cuda.synchronize()
-            assert torch.equal(replayed, fused)
-        finally:
-            patches.undo()
-        assert torch.equal(vae.decode(latents).sample, eager_video)
+    fused, eager_video, counts = _fused_near_eager_and_replayed(vae, latents, fuse_wan_decoder)
     psnr = _psnr(fused, eager_video)
     print(f"\nWan decoder fused {counts}: PSNR {psnr:.1f} dB against eager")
-    assert fused.is_contiguous() and fused.shape == eager_video.shape
+    assert counts["resnets"] == 14 and counts["upsamplers"] == 3
     assert psnr > 35.0, psnr

@@ -90,6 +90,23 @@ def _compilable(decoder: Any) -> bool:
     return type(decoder) is Decoder and "forward" not in decoder.__dict__
 
 
+# The fused decoders: (whether one serves a decoder, its name in patches.followed, how it fuses, its name in
+# stats()["patches"]).
+_FUSED_DECODERS: tuple[tuple[Callable[[Any], bool], str, Callable[..., dict[str, int]], str], ...] = (
+    (fusable, "vae decoder (fused)", fuse_decoder, VAE_FUSED_PATCH),
+    (wan_fusable, "wan vae decoder (fused)", fuse_wan_decoder, WAN_VAE_FUSED_PATCH),
+)
+
+
+def _fused_kind(decoder: Any) -> tuple[Callable[..., dict[str, int]], str] | None:
+    """The fused decoder that serves ``decoder`` and its patch name, where the diffusers code under it is
+    the code it was written against (None: none serves it, or that code changed, with a warning)."""
+    for serves, followed, fuse, patch_name in _FUSED_DECODERS:
+        if serves(decoder):
+            return (fuse, patch_name) if installable(followed, stacklevel=5) else None
+    return None
+
+
 def compile_decoder(decoder: torch.nn.Module, patches: MethodPatches) -> BlockCompiles:
     """Replace ``decoder.forward`` by an inductor-compiled one (whole graph, static shapes; recorded in
     ``patches``). Returns the record of its compiles; a call that fails to compile runs the eager
@@ -136,21 +153,9 @@ class FastVaeDecoder(Feature):
         device = weight.device if weight is not None else torch.device("cpu")
         if choice == "compiled" and device.type == "cuda" and _compilable(decoder):
             self.compiled = compile_decoder(decoder, patches)
-        elif (
-            choice == "fused"
-            and triton_unavailable(device) is None
-            and fusable(decoder)
-            and installable("vae decoder (fused)", stacklevel=4)
-        ):
-            self.fused = fuse_decoder(decoder, patches)
-        elif (
-            choice == "fused"
-            and triton_unavailable(device) is None
-            and wan_fusable(decoder)
-            and installable("wan vae decoder (fused)", stacklevel=4)
-        ):
-            self.fused = fuse_wan_decoder(decoder, patches)
-            self.fused_patch = WAN_VAE_FUSED_PATCH
+        elif choice == "fused" and triton_unavailable(device) is None and (fused := _fused_kind(decoder)):
+            fuse, self.fused_patch = fused
+            self.fused = fuse(decoder, patches)
         else:
             self.patched = bool(patch_group_norms(decoder, patches))
 
