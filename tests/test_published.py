@@ -315,28 +315,29 @@ def test_step_caches_on_both_experts_of_wan22_run_inside_their_graphs(cache):
 
 def _with_text_encoder(name: str) -> tuple[Any, dict[str, Any]]:
     """The tiny pipeline ``name`` with a tiny text encoder of its family and the offline tokenizer (a stand-in
-    for its own: the pipelines only tokenize, pad and call): FLUX.2 klein's Qwen3 (three layers, all three
-    read, as klein reads three of Qwen3-4B's), Wan's UMT5 encoder."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM, UMT5Config, UMT5EncoderModel
+    for its own: the pipelines only tokenize, pad and call): FLUX.2 klein's Qwen3 (tiny Z-Image's, both its
+    layers read, as klein reads three of Qwen3-4B's), Wan's UMT5 encoder."""
+    from transformers import UMT5Config, UMT5EncoderModel
 
-    from bcg_diffusion.models.tokenizer import build_offline_tokenizer
+    from bcg_diffusion.models import build_pipeline
+    from bcg_diffusion.models.builders import _tiny_vocab_size
 
     pipe, inputs = TINY[name]()
-    tokenizer = build_offline_tokenizer()
-    vocab = -(-len(tokenizer) // 64) * 64
+    z_image = build_pipeline("z-image", "tiny")  # its Qwen3 and the offline tokenizer
+    tokenizer = z_image.tokenizer
     torch.manual_seed(0)
     calls = {"prompt": "a red fox in the snow", "max_sequence_length": 24}
     if name == "FLUX.2 klein":
-        config = Qwen3Config(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
-                             num_attention_heads=2, num_key_value_heads=1, head_dim=16, tie_word_embeddings=True,
-                             bos_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)  # fmt: skip
-        transformer = type(pipe.transformer).from_config({**pipe.transformer.config, "joint_attention_dim": 96})
-        pipe = type(pipe)(scheduler=pipe.scheduler, vae=pipe.vae, text_encoder=Qwen3ForCausalLM(config).eval(),
-                          tokenizer=tokenizer, transformer=transformer, is_distilled=True)  # fmt: skip
-        calls["text_encoder_out_layers"] = (1, 2, 3)
+        encoder = z_image.text_encoder
+        layers = encoder.config.num_hidden_layers
+        width = layers * encoder.config.hidden_size  # the layers read, side by side
+        transformer = type(pipe.transformer).from_config({**pipe.transformer.config, "joint_attention_dim": width})
+        pipe = type(pipe)(scheduler=pipe.scheduler, vae=pipe.vae, text_encoder=encoder, tokenizer=tokenizer,
+                          transformer=transformer, is_distilled=True)  # fmt: skip
+        calls["text_encoder_out_layers"] = tuple(range(1, layers + 1))
     else:
-        config = UMT5Config(vocab_size=vocab, d_model=pipe.transformer.config.text_dim, d_kv=8, d_ff=32,
-                            num_layers=2, num_heads=2, relative_attention_num_buckets=8)  # fmt: skip
+        config = UMT5Config(vocab_size=_tiny_vocab_size(tokenizer), d_model=pipe.transformer.config.text_dim, d_kv=8,
+                            d_ff=32, num_layers=2, num_heads=2, relative_attention_num_buckets=8)  # fmt: skip
         pipe = type(pipe)(tokenizer=tokenizer, text_encoder=UMT5EncoderModel(config).eval(), vae=pipe.vae,
                           scheduler=pipe.scheduler, transformer=pipe.transformer)  # fmt: skip
         calls["negative_prompt"] = "blurry"
