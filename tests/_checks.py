@@ -99,7 +99,11 @@ def assert_report_ran(
     _check(delta["eager_fallbacks"] == 0, f"calls fell back to eager: {delta}")
     _check(delta["misses"] == 0, f"calls missed their graphs: {delta}")
     if captures is not None:
-        _check((delta["captures"] > 0) == captures, f"captures {'expected' if captures else 'not expected'}: {delta}")
+        _check(
+            (delta["captures"] > 0) == captures,
+            f"captures {'expected' if captures else 'not expected'}: {delta}; per component: "
+            f"{_component_deltas(report, before)}",
+        )
     for name in components:
         counters = report["components"].get(name)
         _check(counters is not None, f"no runner for {name!r}; runners: {sorted(report['components'])}")
@@ -160,3 +164,19 @@ def compiled_and_replayed(fn: Any, args: tuple[Any, ...], change_inputs: Any) ->
     finally:
         torch._dynamo.reset()
     return compiled, replayed, list(captured), changed
+
+
+def _component_deltas(report: dict[str, Any], before: dict[str, Any] | None) -> dict[str, dict[str, int]]:
+    """Each runner's counters that moved since ``before`` (what a failed capture check says about who
+    captured, and why: a state change, an invalidation, an eviction)."""
+    deltas = {}
+    for name, counters in report["components"].items():
+        previous = (before or {}).get("components", {}).get(name, {})
+        moved = {
+            key: value - previous.get(key, 0)
+            for key, value in counters.items()
+            if isinstance(value, int) and not isinstance(value, bool) and value != previous.get(key, 0)
+        }
+        if moved:
+            deltas[name] = moved
+    return deltas

@@ -107,10 +107,14 @@ def cudnn_attention_unsupported(model: torch.nn.Module) -> str | None:
 
 def _cudnn_fits(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
     """Tensors ``[B, S, H, D]`` that cuDNN's kernel takes as measured: CUDA, half precision, one head
-    count, head size a multiple of 8 up to 128."""
+    count, head size a multiple of 8 up to 128; and deterministic algorithms off, as PyTorch refuses
+    cuDNN attention under them ("No available kernel"), where SDPA's own choice serves."""
     head_dim = query.shape[-1]
     return (
-        query.is_cuda
+        # Read at trace time; dynamo's guards on the global state recompile when it changes. Warn-only
+        # mode is not told apart: dynamo cannot trace its getter, and SDPA's choice is right either way.
+        not torch.are_deterministic_algorithms_enabled()
+        and query.is_cuda
         and query.dim() == 4
         and query.dtype in _CUDNN_DTYPES
         and query.dtype == key.dtype == value.dtype
