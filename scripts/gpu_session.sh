@@ -74,6 +74,8 @@
 #   bench-klein      FLUX.2 klein 4B 1024², 4 steps: eager, bcg, fast, fast-fp8, fast-fp8-attn
 #   bench-wan        Wan 2.1 T2V 14B 832x480x81, 3 steps, CFG 5: eager, fast-fp8-attn, one timed run (per-step time)
 #   bench-qwen-edit  Qwen-Image-Edit-2511 1024², 8 steps, true CFG 4: eager, fast, fast-fp8, fast-fp8-attn
+#   probe-flux       FLUX.1-dev 1024²: each product of a step (bf16, FP8, fused), and a fast / fast-fp8 / fast-fp8-attn
+#                    call's kernels per step (bench/probes/probe_flux.py; FLUX_SECTIONS=gemms or call)
 #   probe-wan-vae    Wan's VAE decode of 81 frames at 832x480: eager, channels-last, fast mode's fused decoder (with and
 #                    without cuDNN's benchmark), bf16 and fp32, the longest kernels of each (bench/probes/probe_wan_vae.py)
 #   tests-state Python state read by captures and object arguments, exact and fast (tiny)
@@ -144,7 +146,7 @@
 #                    for `python scripts/screenshot_replay.py DIR OUT.png` here (the GPU machine has no browser)
 # Everything it writes is under $OUT (logs, results.json/.md/.png); copy it to bench/results/<date>-h200/.
 set -uo pipefail
-[ $# -gt 0 ] || { echo "usage: scripts/gpu_session.sh tests-published|bench-flux|bench-klein|bench-wan|bench-qwen-edit|probe-wan-vae|bench-stacked-qwen-512|tests-fp8-output|bench-fp8-output-qwen|bench-fp8-output-z|fp8-prologue|probe-stacked|bench-fp8-prologue-qwen|bench-stacked-qwen|bench-fp8-prologue-z|qwen-block-glue|bench-block-glue-qwen|probe-attention|probe-cudnn-fp8|tests-vae-fused|bench-fused-qkv-z|tests-fused-qkv|tests-cudnn-fp8|bench-cudnn-fp8-z|bench-cudnn-fp8-qwen|tests-kernels|probe-fp8-ff|bench-fp8-ff-qwen|bench-kernels-qwen|bench-kernels-z|bench-cachedit-qwen|tests-state|bench-state|tests|tests-full|tests-fast|tests-coexist|tests-shared|tests-cache|bench-cache-qwen-1024|bench-cache-qwen-512|bench-cache-z|bench-cfg-cache-qwen|bench-cfg-cache-qwen-1024|bench-cfg-cache-qwen-512|tests-quant|tests-auto|probe-hand-patches|bench-auto|coverage|bench-fp8-z|bench-fp8-qwen|warm-start-fp8-z|probe-fp8-groups|probe-fp8-block|hotswap-z|tests-z|te-z|fast-check|profile-qwen|profile-z|fast-qwen-50|ab-attention|probe-floor|probe-outside|probe-norms|probe-blocks|compile-max-qwen|memory-z|bench-z|warm-start-z|first-call-qwen-none|first-call-qwen-magcache|first-call-qwen-cachedit|first-call-qwen-fp8|bench-qwen|bench-qwen-512|bench-qwen-1024|issue2|parallel|parallel-cfg|serving|demo ..." >&2; exit 2; }
+[ $# -gt 0 ] || { echo "usage: scripts/gpu_session.sh tests-published|probe-flux|bench-flux|bench-klein|bench-wan|bench-qwen-edit|probe-wan-vae|bench-stacked-qwen-512|tests-fp8-output|bench-fp8-output-qwen|bench-fp8-output-z|fp8-prologue|probe-stacked|bench-fp8-prologue-qwen|bench-stacked-qwen|bench-fp8-prologue-z|qwen-block-glue|bench-block-glue-qwen|probe-attention|probe-cudnn-fp8|tests-vae-fused|bench-fused-qkv-z|tests-fused-qkv|tests-cudnn-fp8|bench-cudnn-fp8-z|bench-cudnn-fp8-qwen|tests-kernels|probe-fp8-ff|bench-fp8-ff-qwen|bench-kernels-qwen|bench-kernels-z|bench-cachedit-qwen|tests-state|bench-state|tests|tests-full|tests-fast|tests-coexist|tests-shared|tests-cache|bench-cache-qwen-1024|bench-cache-qwen-512|bench-cache-z|bench-cfg-cache-qwen|bench-cfg-cache-qwen-1024|bench-cfg-cache-qwen-512|tests-quant|tests-auto|probe-hand-patches|bench-auto|coverage|bench-fp8-z|bench-fp8-qwen|warm-start-fp8-z|probe-fp8-groups|probe-fp8-block|hotswap-z|tests-z|te-z|fast-check|profile-qwen|profile-z|fast-qwen-50|ab-attention|probe-floor|probe-outside|probe-norms|probe-blocks|compile-max-qwen|memory-z|bench-z|warm-start-z|first-call-qwen-none|first-call-qwen-magcache|first-call-qwen-cachedit|first-call-qwen-fp8|bench-qwen|bench-qwen-512|bench-qwen-1024|issue2|parallel|parallel-cfg|serving|demo ..." >&2; exit 2; }
 out=${OUT:-/tmp/bcg-out}
 mkdir -p "$out"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -173,6 +175,11 @@ case "$phase" in
     timeout "${PUBLISHED_TIMEOUT:-560}" python3 -m bench --pipeline "$pipeline" --weights random-full \
       --modes "${PUBLISHED_MODES:-$modes}" --runs "${PUBLISHED_RUNS:-$runs}" --warmup 0 --no-progress \
       --out "$out/$phase" 2>&1 | grep -v "Warning\|warnings.warn" | tee "$out/$phase.log" | tail -25
+    ;;
+  probe-flux)
+    # FLUX_SECTIONS: gemms, call (bench/probes/probe_flux.py)
+    timeout "${FLUX_PROBE_TIMEOUT:-420}" python3 -m bench.probes.probe_flux --sections "${FLUX_SECTIONS:-gemms,call}" 2>&1 \
+      | grep -v "Warning\|warnings.warn\|_warn_once\|^DEBUG" | tee "$out/probe-flux.log" | tail -120
     ;;
   probe-wan-vae)
     # WAN_VAE_ARGS: the probe's arguments (e.g. --variants eager,fused --dtypes bf16)
