@@ -34,25 +34,32 @@ _activation_fp8_triton.libdevice = types.SimpleNamespace(tanh=_numpy(np.tanh), e
 
 
 def case(
-    dtype: torch.dtype, shape: tuple[int, ...], config: tuple[int, int, bool], strided: bool, swiglu: bool = False
+    dtype: torch.dtype,
+    shape: tuple[int, ...],
+    config: tuple[int, int, bool],
+    strided: bool,
+    swiglu: bool = False,
+    head_width: int = 0,
+    head_scale: float = 3.0,
 ) -> None:
     fp8 = torch.float8_e4m3fn
     torch.manual_seed(len(shape) + shape[-1])
     wide = (torch.randn(2, *shape[:-1], shape[-1] + (8 if strided else 0)) * 3).to(dtype)
     # rows with a stride wider than the row (a slice of a wider output)
     hidden, up = wide[0, ..., : shape[-1]], wide[1, ..., : shape[-1]]
-    data, scale = activation_fp8._empty(hidden, fp8)
-    activation_fp8._launch(hidden, data, scale, config, up=up if swiglu else None)
+    head = (torch.randn(*shape[:-1], head_width + 4) * head_scale).to(dtype)[..., 4:] if head_width else None
+    data, scale = activation_fp8._empty(hidden, fp8, head)
+    activation_fp8._launch(hidden, data, scale, config, up=up if swiglu else None, head=head)
     if swiglu:
         expected_data, expected_scale = activation_fp8.reference_swiglu_fp8(hidden, up, fp8)
     else:
-        expected_data, expected_scale = activation_fp8.reference_gelu_fp8(hidden, fp8)
+        expected_data, expected_scale = activation_fp8.reference_gelu_fp8(hidden, fp8, head)
     # The activation's transcendental comes from numpy here and from PyTorch in the reference: where the
     # two differ by an ulp of float32, the rounded activation may differ by one step of the input's dtype.
     torch.testing.assert_close(scale, expected_scale, rtol=2e-3, atol=0, equal_nan=True)
     exact = close_fp8(data, expected_data)
     assert exact > 0.9, exact
-    name = "swiglu" if swiglu else "gelu"
+    name = "swiglu" if swiglu else f"gelu, head {head_width} x{head_scale}" if head_width else "gelu"
     print(f"{name} {dtype} -> {fp8}, {tuple(shape)}, config {config}, strided {strided}: {exact:.4%} of bytes equal")
 
 
@@ -65,6 +72,10 @@ def main() -> None:
             case(dtype, (5, 300), (16384, 8, True), strided=True, swiglu=swiglu)  # the library's setting
         case(dtype, (2, 3, 64), (2048, 8, False), strided=False)  # one chunk of the row's size
         case(dtype, (4, 200), (64, 2, False), strided=False)
+        # a head joined before the GELU (FLUX's single blocks): one pass and two, the largest in either part
+        for config in ((512, 4, False), (128, 4, True), (16384, 8, True)):
+            case(dtype, (5, 300), config, strided=True, head_width=40, head_scale=9.0)
+            case(dtype, (5, 300), config, strided=True, head_width=40, head_scale=0.1)
     # A row of zeros (scale 0, NaN data) is checked on the reference only: the interpreter casts NaN to -384.
     print("all cases within tolerance")
 

@@ -46,6 +46,18 @@ def test_references_are_torchaos_quantization_of_the_models_activations(shape, a
     assert torch.equal(scale, expected_scale)
 
 
+def test_a_head_joins_the_row_as_flux_single_blocks_join_attention_and_gelu():
+    pytest.importorskip("torchao")
+    torch.manual_seed(0)
+    hidden, head = (torch.randn(3, 5, 96) * 3).to(torch.bfloat16), (torch.randn(3, 5, 32) * 9).to(torch.bfloat16)
+    head[0, 0], hidden[0, 0] = 0, 0  # a row of zeros in both: scale 0 and NaN data
+    expected_data, expected_scale = _torchao_rows(torch.cat([head, F.gelu(hidden, approximate="tanh")], dim=2))
+    data, scale = activation_fp8.gelu_fp8(hidden, head=head)
+    assert data.shape == (3, 5, 128) and scale.shape == (3, 5, 1)
+    assert torch.equal(data.view(torch.uint8), expected_data.view(torch.uint8))
+    assert torch.equal(scale, expected_scale)
+
+
 def test_unsupported_tensors_are_refused_with_the_reason():
     with pytest.raises(ValueError, match="fewer than two dimensions"):
         activation_fp8.gelu_fp8(torch.randn(8))
@@ -59,20 +71,28 @@ def test_unsupported_tensors_are_refused_with_the_reason():
         activation_fp8.swiglu_fp8(torch.randn(2, 8), torch.randn(8, 2).t())
     with pytest.raises(ValueError, match="differ in shape, dtype or device"):
         activation_fp8.swiglu_fp8(torch.randn(2, 8), torch.randn(2, 8, dtype=torch.float64))
+    with pytest.raises(ValueError, match="differ in rows, dtype or device"):
+        activation_fp8.gelu_fp8(torch.randn(2, 8), head=torch.randn(3, 8))
+    with pytest.raises(ValueError, match="head's last dimension is not contiguous"):
+        activation_fp8.gelu_fp8(torch.randn(2, 8), head=torch.randn(8, 2).t())
+    with pytest.raises(ValueError, match="a head 16385 wide"):
+        activation_fp8.gelu_fp8(torch.randn(1, 8), head=torch.randn(1, 16385))
 
 
-@pytest.mark.parametrize("activation", ["gelu", "swiglu"])
+@pytest.mark.parametrize("activation", ["gelu", "gelu-head", "swiglu"])
 def test_operators_pass_torchs_checks_and_compile(activation):
     hidden, up = torch.randn(3, 64, dtype=torch.bfloat16), torch.randn(3, 64, dtype=torch.bfloat16)
-    if activation == "gelu":
-        operator, args = torch.ops.bcg_diffusion.gelu_fp8.default, (hidden, torch.float8_e4m3fn)
-        function, reference = activation_fp8.gelu_fp8, activation_fp8.reference_gelu_fp8
-    else:
-        operator, args = torch.ops.bcg_diffusion.swiglu_fp8.default, (hidden, up, torch.float8_e4m3fn)
+    fp8 = torch.float8_e4m3fn
+    if activation == "swiglu":
+        operator, args = torch.ops.bcg_diffusion.swiglu_fp8.default, (hidden, up, fp8)
         function, reference = activation_fp8.swiglu_fp8, activation_fp8.reference_swiglu_fp8
+    else:
+        head = up[:, :16] if activation == "gelu-head" else None
+        operator, args = torch.ops.bcg_diffusion.gelu_fp8.default, (hidden, fp8, head)
+        function, reference = activation_fp8.gelu_fp8, activation_fp8.reference_gelu_fp8
     torch.library.opcheck(operator, args)
-    compiled = torch.compile(lambda *tensors: function(*tensors), backend="aot_eager", fullgraph=True)
-    (data, scale), (expected_data, expected_scale) = compiled(*args[:-1]), reference(*args[:-1])
+    compiled = torch.compile(lambda: function(*args), backend="aot_eager", fullgraph=True)
+    (data, scale), (expected_data, expected_scale) = compiled(), reference(*args)
     assert torch.equal(data.view(torch.uint8), expected_data.view(torch.uint8)) and torch.equal(scale, expected_scale)
 
 

@@ -376,14 +376,24 @@ def test_qwen_processor_compiled_with_the_fused_prologue_stays_near_the_compiled
 
 
 @needs_fp8
-@pytest.mark.parametrize("activation", ["gelu", "swiglu"])
+@pytest.mark.parametrize("activation", ["gelu", "gelu-head", "swiglu"])
 @pytest.mark.parametrize("rows", [1, 333, 8192])
 def test_activation_fp8_kernels_match_their_references_and_are_deterministic(rows, activation):
     torch.manual_seed(0)
-    columns = 12288 if activation == "gelu" else 10240  # Qwen-Image's feed-forward width, Z-Image's
+    columns = 10240 if activation == "swiglu" else 12288  # Z-Image's feed-forward width, Qwen-Image's and FLUX's
     wide = torch.randn(2, rows, columns + 64, device="cuda", dtype=torch.bfloat16) * 3
     tensors = [wide[0, :, :columns], wide[1, :, :columns]]  # rows strided like a slice of a wider output
-    if activation == "gelu":
+    if activation == "gelu-head":  # FLUX.1's single block: its attention output (3,072 wide) joined first
+        head = torch.randn(rows, 3072, device="cuda", dtype=torch.bfloat16) * 6
+
+        def kernel(hidden):
+            return activation_fp8.gelu_fp8(hidden, head=head)
+
+        def reference(hidden):
+            return activation_fp8.reference_gelu_fp8(hidden, head=head)
+
+        tensors = tensors[:1]
+    elif activation == "gelu":
         tensors = tensors[:1]
         kernel, reference = activation_fp8.gelu_fp8, activation_fp8.reference_gelu_fp8
     else:

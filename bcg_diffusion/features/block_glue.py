@@ -1,5 +1,6 @@
 """Fast mode under FP8: a Z-Image or Qwen-Image block's glue in three kernels of ours
-(:mod:`bcg_diffusion.patches.zimage_block`, :mod:`bcg_diffusion.patches.qwenimage_block`).
+(:mod:`bcg_diffusion.patches.zimage_block`, :mod:`bcg_diffusion.patches.qwenimage_block`), and a FLUX single
+block's joined FP8 input in one (:mod:`bcg_diffusion.patches.flux_block`).
 
 Applied to the accelerated transformer after quantization, the fused query, key and value product and the FP8
 feed-forward's choice (the patches need them), and before the blocks compile. Exact mode never applies
@@ -12,6 +13,7 @@ from __future__ import annotations
 import logging
 
 from ..core.hooks import MethodPatches
+from ..patches.flux_block import FLUX_SINGLE_BLOCK_PATCH, patch_flux_single_blocks
 from ..patches.qwenimage_block import QWENIMAGE_BLOCK_PATCH, patch_qwenimage_blocks
 from ..patches.zimage_block import ZIMAGE_BLOCK_PATCH, patch_zimage_blocks
 from .base import Feature, Setup
@@ -21,7 +23,11 @@ __all__ = ["FusedBlockGlue"]
 
 logger = logging.getLogger(__name__)
 
-_PATCHES = ((ZIMAGE_BLOCK_PATCH, patch_zimage_blocks), (QWENIMAGE_BLOCK_PATCH, patch_qwenimage_blocks))
+_PATCHES = (
+    (ZIMAGE_BLOCK_PATCH, patch_zimage_blocks),
+    (QWENIMAGE_BLOCK_PATCH, patch_qwenimage_blocks),
+    (FLUX_SINGLE_BLOCK_PATCH, patch_flux_single_blocks),
+)
 
 
 class FusedBlockGlue(Feature):
@@ -45,7 +51,7 @@ class FusedBlockGlue(Feature):
             patched = patch(setup.modules["transformer"], patches)
             if patched:
                 self.patched[name] = patched
-                logger.info("fast mode: %d blocks run their glue in three kernels (%s)", patched, name)
+                logger.info("fast mode: %d blocks run their glue in our kernels (%s)", patched, name)
 
     def patch_names(self) -> list[str]:
         return list(self.patched)

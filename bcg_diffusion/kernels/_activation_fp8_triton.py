@@ -8,7 +8,10 @@ magnitude, the second computes it again and stores it divided by the row's scale
 mostly comes from L2). Either way the float8 row is written once, the scale once. The row length is a
 compile-time constant: a model has one or two feed-forward widths.
 
-The activation is the tanh GELU of ``X`` or, with ``SWIGLU``, ``silu(X) * G``. ``APPROXIMATE`` trades the
+The activation is the tanh GELU of ``X`` or, with ``SWIGLU``, ``silu(X) * G``. With ``HEAD_COLUMNS``, the row
+quantized is ``[H | activation]``: ``H``'s row (no activation) comes first in the output and shares the
+scale, as FLUX's single blocks join their attention output and their MLP's GELU before one product. ``H``'s
+row is read in one block of ``HEAD_BLOCK`` elements, twice (its second read from L2). ``APPROXIMATE`` trades the
 last float32 bits for speed: the GPU's fast exp2 and division instead of libdevice's tanh or exp and a
 rounded division, and a product with the row scale's reciprocal instead of a rounded division, each a
 few float32 ulps from exact (a bf16 step is 2^16 of them). At Qwen-Image's width the exact kernel spends
@@ -74,11 +77,24 @@ def _store_scaled(out_row, offsets, mask, value, scale, inverse, fp8_max,
 
 
 @triton.jit
-def activation_fp8_rows(X, G, OUT, SCALE, stride_x, stride_g, stride_out, fp8_max, COLUMNS: tl.constexpr,
-                        BLOCK: tl.constexpr, HP_TY: tl.constexpr, FP8_TY: tl.constexpr, SWIGLU: tl.constexpr,
-                        APPROXIMATE: tl.constexpr):  # fmt: skip
+def _head_largest(h_row, HEAD_COLUMNS: tl.constexpr, HEAD_BLOCK: tl.constexpr):
+    """The largest magnitude of the head's row (0 without a head)."""
+    if HEAD_COLUMNS > 0:
+        offsets = tl.arange(0, HEAD_BLOCK)
+        head = tl.load(h_row + offsets, mask=offsets < HEAD_COLUMNS, other=0.0).to(tl.float32)
+        return tl.reduce(tl.abs(head), 0, _max_keeping_nan)
+    else:
+        return 0.0
+
+
+@triton.jit
+def activation_fp8_rows(X, G, H, OUT, SCALE, stride_x, stride_g, stride_h, stride_out, fp8_max,
+                        COLUMNS: tl.constexpr, BLOCK: tl.constexpr, HEAD_COLUMNS: tl.constexpr,
+                        HEAD_BLOCK: tl.constexpr, HP_TY: tl.constexpr, FP8_TY: tl.constexpr,
+                        SWIGLU: tl.constexpr, APPROXIMATE: tl.constexpr):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
-    x_row, g_row, out_row = X + row * stride_x, G + row * stride_g, OUT + row * stride_out
+    x_row, g_row, h_row = X + row * stride_x, G + row * stride_g, H + row * stride_h
+    head_out, out_row = OUT + row * stride_out, OUT + row * stride_out + HEAD_COLUMNS
     if BLOCK >= COLUMNS:
         offsets = tl.arange(0, BLOCK)
         mask = offsets < COLUMNS
@@ -91,11 +107,18 @@ def activation_fp8_rows(X, G, OUT, SCALE, stride_x, stride_g, stride_out, fp8_ma
             value = _activation(x_row, g_row, offsets, offsets < COLUMNS, HP_TY, SWIGLU, APPROXIMATE)
             partial = tl.maximum(partial, tl.abs(value), propagate_nan=tl.PropagateNan.ALL)
         largest = tl.reduce(partial, 0, _max_keeping_nan)
+    if HEAD_COLUMNS > 0:
+        largest = _max_keeping_nan(largest, _head_largest(h_row, HEAD_COLUMNS, HEAD_BLOCK))
     # torchao's row scale: the largest magnitude over the format's largest value, rounded to the
     # activation's dtype (its division runs in that dtype), then float32
     scale = tl.math.div_rn(largest, fp8_max).to(HP_TY).to(tl.float32)
     inverse = tl.math.div_rn(1.0, scale)
     tl.store(SCALE + row, scale)
+    if HEAD_COLUMNS > 0:
+        head_offsets = tl.arange(0, HEAD_BLOCK)
+        head_mask = head_offsets < HEAD_COLUMNS
+        head = tl.load(h_row + head_offsets, mask=head_mask, other=0.0).to(tl.float32)
+        _store_scaled(head_out, head_offsets, head_mask, head, scale, inverse, fp8_max, FP8_TY, APPROXIMATE)
     if BLOCK >= COLUMNS:
         _store_scaled(out_row, offsets, mask, value, scale, inverse, fp8_max, FP8_TY, APPROXIMATE)
     else:

@@ -1,6 +1,6 @@
 """Which blocks may run their glue in :mod:`bcg_diffusion.kernels.block_glue`'s kernels: one switch per block,
 read when ``accelerate`` prepares the model (:mod:`bcg_diffusion.patches.zimage_block`,
-:mod:`bcg_diffusion.patches.qwenimage_block`)."""
+:mod:`bcg_diffusion.patches.qwenimage_block`, :mod:`bcg_diffusion.patches.flux_block`)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,8 @@ __all__ = ["BLOCK_CLASSES", "FUSED_BLOCK_CHOICE", "choose", "chosen_off", "patch
 
 # Set False on a block (:func:`choose`) to keep inductor's glue for it.
 FUSED_BLOCK_CHOICE = "_bcg_fused_block"
-BLOCK_CLASSES = ("ZImageTransformerBlock", "QwenImageTransformerBlock")  # the blocks the kernels know
+# the blocks the kernels know
+BLOCK_CLASSES = ("ZImageTransformerBlock", "QwenImageTransformerBlock", "FluxSingleTransformerBlock")
 
 
 def chosen_off(block: torch.nn.Module) -> bool:
@@ -26,7 +27,7 @@ def chosen_off(block: torch.nn.Module) -> bool:
 
 
 def choose(model: torch.nn.Module, fused: bool) -> int:
-    """Let (``fused=True``, the default) or keep (False) the Z-Image and Qwen-Image blocks of ``model`` from
+    """Let (``fused=True``, the default) or keep (False) the Z-Image, Qwen-Image and FLUX single blocks of ``model`` from
     running their glue in the kernels, before ``accelerate``. Returns how many blocks it set; raises
     TypeError when ``fused`` is not a bool.
 

@@ -103,6 +103,9 @@ FOLLOWED: dict[str, dict[str, str]] = {
         _Z_FEED_FORWARD[0]: "1e3484a026a24699",
         _Z_FEED_FORWARD[1]: "4af06261e665f60e",
     },
+    "flux fp8 single block": {
+        "diffusers.models.transformers.transformer_flux.FluxSingleTransformerBlock.forward": "57350a6dab842b40"
+    },
     "gelu epilogue": {_GELU[0]: "538b05d6963a325c", _GELU[1]: "d203f2720ee05f35"},
     "vae decoder (fused)": {
         "diffusers.models.resnet.ResnetBlock2D.forward": "e3f38e1722955caf",
