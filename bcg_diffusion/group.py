@@ -33,6 +33,7 @@ import torch
 
 from . import features as feature_registry
 from .config import AccelerateConfig, describe_changes
+from .core import settings
 from .core.budget import SignatureBudget
 from .core.graphs import GraphPool
 from .core.hooks import MethodPatches, watch_component
@@ -91,6 +92,7 @@ class GraphGroup:
         self.config = config
         self.adapter = adapter
         self.pool = GraphPool(device) if not config.debug else None
+        settings.settle(device)  # before any call reads the settings into a signature
         self.lock = threading.RLock()
         self.budget = SignatureBudget(config.max_signatures) if config.max_signatures is not None else None
         self.consensus: Any = None  # set by context parallelism: keeps the ranks' captures in step

@@ -312,3 +312,17 @@ def test_changes_are_logged_once_each_old_to_new_as_they_were(pipe, caplog):
     lines = [r.getMessage() for r in caplog.records if "since" in r.getMessage()]
     assert len(lines) == 1 and "training: False -> True" in lines[0], lines
     assert "dropping 0" not in caplog.text
+
+
+def test_accelerate_settles_torchs_lazy_settings_before_a_first_call_reads_them(pipe, monkeypatch):
+    # On a Hopper GPU, PyTorch's first attention call reorders SDPA's priorities, a key of every graph: a
+    # component called before any attention (Z-Image's text encoder) captured again at the next call (run 167).
+    from bcg_diffusion.core import settings
+
+    settled, real = [], settings.settle
+    monkeypatch.setattr(settings, "settle", settled.append)
+    accelerate(pipe, **DEBUG)
+    assert settled == [pipe.transformer.device]
+    before = settings.current()
+    real(torch.device("cpu"))  # nothing to settle off a CUDA device
+    assert settings.differences(before, settings.current()) == []

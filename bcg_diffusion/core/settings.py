@@ -20,13 +20,17 @@ left out (they moved between releases).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 import torch.nn.modules.module as _module
 
-__all__ = ["DEFAULTS", "NAMES", "current", "describe", "differences"]
+__all__ = ["DEFAULTS", "NAMES", "current", "describe", "differences", "settle"]
+
+logger = logging.getLogger(__name__)
 
 
 def _autocast(device: str) -> Callable[[], Any]:
@@ -134,3 +138,25 @@ def differences(old: tuple[Any, ...], new: tuple[Any, ...]) -> list[str]:
 def describe(key: tuple[Any, ...]) -> str:
     """The settings of ``key`` that differ from what the process started with ("" when none do)."""
     return ", ".join(f"{name} {_shown(b)}" for name, a, b in zip(NAMES, DEFAULTS, key) if a != b)
+
+
+def settle(device: torch.device) -> None:
+    """Make now the changes to these settings that PyTorch makes lazily at its first kernels on ``device``, so
+    that the key a pipeline's first call reads is the key its later calls read.
+
+    PyTorch's first scaled-dot-product attention on a Hopper GPU puts cuDNN's kernel first in SDPA's priority
+    order (H100, torch 2.11: ``(1, 2, 0, 3, 4)`` -> ``(3, 1, 2, 0, 4)``, run 169). A component called before
+    any attention ran (Z-Image's text encoder, in a fresh process) was keyed under the old order, and captured
+    again at the pipeline's next call. One small attention call here makes the change first. Nothing on other
+    devices; a failure is logged and only costs that one capture.
+    """
+    if device.type != "cuda":
+        return
+    try:
+        with torch.no_grad():
+            query = torch.zeros(1, 1, 128, 64, dtype=torch.bfloat16, device=device)
+            F.scaled_dot_product_attention(query, query, query)
+    except RuntimeError as error:  # the user's settings may allow no kernel for it (deterministic algorithms)
+        logger.info(
+            "settling torch's lazy SDPA settings on %s failed (%s); a first call may capture twice", device, error
+        )
