@@ -15,7 +15,7 @@ import torch
 
 from . import features
 from .components import follow_components, module_eager_reason
-from .config import _KNOWN_COMPONENTS, AccelerateConfig, describe_changes
+from .config import _KNOWN_COMPONENTS, TEXT_ENCODERS, AccelerateConfig, describe_changes
 from .core.hooks import diffusers_hooks, serialise_calls, unserialise_calls
 from .core.runner import BCGWarning
 from .group import GraphGroup, held_by, pipeline_names
@@ -56,8 +56,10 @@ def _with_components(pipe: Any, config: AccelerateConfig, adapter: PipelineAdapt
     """
     chosen = config.components is not None
     components = config.components if chosen else adapter.default_components
-    encoder = getattr(pipe, "text_encoder", None)
-    if "text_encoder" in components and isinstance(encoder, torch.nn.Module):
+    for name in TEXT_ENCODERS:
+        encoder = getattr(pipe, name, None)
+        if name not in components or not isinstance(encoder, torch.nn.Module):
+            continue
         device = _execution_device(pipe)
         elsewhere = sorted({str(p.device) for p in encoder.parameters() if p.device != device})
         reason = f"it is on {elsewhere}, not on the transformer's {device}" if elsewhere else None
@@ -65,10 +67,10 @@ def _with_components(pipe: Any, config: AccelerateConfig, adapter: PipelineAdapt
             reason = "it has offload or diffusers hooks"
         if reason is not None:
             if chosen:
-                warnings.warn(f"bcg-diffusion: the text encoder stays eager: {reason}", BCGWarning, stacklevel=3)
+                warnings.warn(f"bcg-diffusion: {name} stays eager: {reason}", BCGWarning, stacklevel=3)
             else:
-                logger.info("the text encoder stays eager: %s", reason)
-            components = tuple(c for c in components if c != "text_encoder")
+                logger.info("%s stays eager: %s", name, reason)
+            components = tuple(c for c in components if c != name)
     return dataclasses.replace(config, components=components) if components != config.components else config
 
 

@@ -6,12 +6,14 @@ import os
 from dataclasses import dataclass, fields
 from typing import Any
 
-__all__ = ["AccelerateConfig", "describe_changes", "validate_buckets"]
+__all__ = ["TEXT_ENCODERS", "AccelerateConfig", "describe_changes", "validate_buckets"]
 
 _MODES = ("exact", "fast")
 _CAPTURE_ERROR_MODES = ("global", "thread_local", "relaxed")
 _ATTENTION_KERNELS = ("fp8",)
-_KNOWN_COMPONENTS = ("transformer", "transformer_2", "vae", "text_encoder")
+# A pipeline's text encoders by the names diffusers gives them (FLUX.1: CLIP, then T5; SD3: two CLIPs, then T5)
+TEXT_ENCODERS = ("text_encoder", "text_encoder_2", "text_encoder_3")
+_KNOWN_COMPONENTS = ("transformer", "transformer_2", "vae", *TEXT_ENCODERS)
 RESOLUTION_MULTIPLE = 16  # Qwen-Image and Z-Image: the VAE's 8x down-sampling, then the transformer's 2x2 patches
 _MAX_VALUE_CHARS = 60  # of one value's repr in describe_changes: a torchao config or a function stays short
 
@@ -34,11 +36,12 @@ class AccelerateConfig:
             warns (:class:`BCGWarning`), naming the first operation that differs and its source line,
             and is counted in ``stats()["mismatches"]``. The tool to ask "is my model safe to graph?".
         components: which pipeline components to run as graphs: ``"transformer"`` (its forward),
-            ``"transformer_2"`` (the second expert of two-expert pipelines such as Wan 2.2), ``"vae"`` (its ``decode``) and ``"text_encoder"`` (its forward; built for Z-Image's Qwen3
-            encoder, whose prompts are always padded to 512 tokens: one capture serves every prompt;
-            byte-equal to eager on an H200). None (default): what the pipeline's adapter was measured
-            faster with, byte-equal to eager: transformer (and a second expert), VAE and (Z-Image) text
-            encoder.
+            ``"transformer_2"`` (the second expert of two-expert pipelines such as Wan 2.2), ``"vae"`` (its
+            ``decode``), ``"text_encoder"`` (its forward; built for Z-Image's Qwen3 encoder, whose prompts
+            are always padded to 512 tokens: one capture serves every prompt; byte-equal to eager on an
+            H200), and ``"text_encoder_2"``, ``"text_encoder_3"`` (the pipeline's other text encoders:
+            FLUX.1's T5, SD3's). None (default): what the pipeline's adapter was measured faster with,
+            byte-equal to eager: transformer (and a second expert), VAE and (Z-Image) text encoder.
         warmup_runs: eager runs on the capture stream before each capture (cuBLAS workspaces,
             lazily built caches such as RoPE tables). At least 1.
         capture_error_mode: ``cudaStreamCaptureMode`` for captures: ``"thread_local"`` (default)

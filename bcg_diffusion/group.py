@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from . import features as feature_registry
-from .config import AccelerateConfig, describe_changes
+from .config import TEXT_ENCODERS, AccelerateConfig, describe_changes
 from .core import settings
 from .core.budget import SignatureBudget
 from .core.graphs import GraphPool
@@ -98,7 +98,8 @@ class GraphGroup:
         self.consensus: Any = None  # set by context parallelism: keeps the ranks' captures in step
         self.members: list[Any] = []  # pipeline states
         self.function_patches: list[FunctionPatch] = []
-        needed = adapter.patches + ((CAUSAL_MASK_PATCH,) if "text_encoder" in config.components else ())
+        encoders = any(name in TEXT_ENCODERS for name in config.components)
+        needed = adapter.patches + ((CAUSAL_MASK_PATCH,) if encoders else ())
         for patch in needed:
             if patch.apply():
                 self.function_patches.append(patch)

@@ -177,8 +177,8 @@ case "$phase" in
       --out "$out/$phase" 2>&1 | grep -v "Warning\|warnings.warn" | tee "$out/$phase.log" | tail -25
     ;;
   probe-flux)
-    # FLUX_SECTIONS: gemms, call (bench/probes/probe_flux.py)
-    timeout "${FLUX_PROBE_TIMEOUT:-420}" python3 -m bench.probes.probe_flux --sections "${FLUX_SECTIONS:-gemms,call}" 2>&1 \
+    # FLUX_SECTIONS: gemms, call; FLUX_ARGS: e.g. "--pipeline qwen-image-edit --modes eager,fast-fp8" (bench/probes/probe_flux.py)
+    timeout "${FLUX_PROBE_TIMEOUT:-420}" python3 -m bench.probes.probe_flux --sections "${FLUX_SECTIONS:-gemms,call}" ${FLUX_ARGS:-} 2>&1 \
       | grep -v "Warning\|warnings.warn\|_warn_once\|^DEBUG" | tee "$out/probe-flux.log" | tail -120
     ;;
   probe-wan-vae)

@@ -149,8 +149,8 @@ def test_a_text_encoder_on_another_device_stays_eager(pipe, monkeypatch, caplog)
     with caplog.at_level("INFO", logger="bcg_diffusion.api"):
         config = api._with_components(pipe, AccelerateConfig(debug=True), adapter)
     assert config.components == ("transformer", "vae")  # defaulted: dropped with a log line, no warning
-    assert "text encoder stays eager" in caplog.text
-    with pytest.warns(BCGWarning, match="text encoder stays eager: it is on"):
+    assert "text_encoder stays eager" in caplog.text
+    with pytest.warns(BCGWarning, match="text_encoder stays eager: it is on"):
         config = api._with_components(pipe, AccelerateConfig(debug=True, components=("text_encoder", "vae")), adapter)
     assert config.components == ("vae",)
 

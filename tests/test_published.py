@@ -316,8 +316,9 @@ def test_step_caches_on_both_experts_of_wan22_run_inside_their_graphs(cache):
 def _with_text_encoder(name: str) -> tuple[Any, dict[str, Any]]:
     """The tiny pipeline ``name`` with a tiny text encoder of its family and the offline tokenizer (a stand-in
     for its own: the pipelines only tokenize, pad and call): FLUX.2 klein's Qwen3 (tiny Z-Image's, both its
-    layers read, as klein reads three of Qwen3-4B's), Wan's UMT5 encoder."""
-    from transformers import UMT5Config, UMT5EncoderModel
+    layers read, as klein reads three of Qwen3-4B's), Wan's UMT5 encoder, FLUX.1's CLIP and T5 (its
+    ``text_encoder_2``)."""
+    from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel, UMT5Config, UMT5EncoderModel
 
     from bcg_diffusion.models import build_pipeline
     from bcg_diffusion.models.builders import _tiny_vocab_size
@@ -335,6 +336,24 @@ def _with_text_encoder(name: str) -> tuple[Any, dict[str, Any]]:
         pipe = type(pipe)(scheduler=pipe.scheduler, vae=pipe.vae, text_encoder=encoder, tokenizer=tokenizer,
                           transformer=transformer, is_distilled=True)  # fmt: skip
         calls["text_encoder_out_layers"] = tuple(range(1, layers + 1))
+    elif name == "FLUX.1":
+        vocab, config = _tiny_vocab_size(tokenizer), pipe.transformer.config
+        clip = CLIPTextModel(
+            CLIPTextConfig(
+                vocab_size=vocab,
+                hidden_size=config.pooled_projection_dim,
+                num_hidden_layers=2,
+                num_attention_heads=2,
+                intermediate_size=32,
+                max_position_embeddings=16,
+            )
+        )
+        t5 = T5EncoderModel(T5Config(vocab_size=vocab, d_model=config.joint_attention_dim, d_kv=8, d_ff=32, num_layers=2,
+                                     num_heads=2, relative_attention_num_buckets=8))  # fmt: skip
+        pipe = type(pipe)(scheduler=pipe.scheduler, vae=pipe.vae, text_encoder=clip.eval(), tokenizer=tokenizer,
+                          text_encoder_2=t5.eval(), tokenizer_2=tokenizer, transformer=pipe.transformer)  # fmt: skip
+        pipe.tokenizer_max_length = 16  # CLIP's 77 tokens, shortened with the tiny model's positions
+        calls["max_sequence_length"] = 16
     else:
         config = UMT5Config(vocab_size=_tiny_vocab_size(tokenizer), d_model=pipe.transformer.config.text_dim, d_kv=8,
                             d_ff=32, num_layers=2, num_heads=2, relative_attention_num_buckets=8)  # fmt: skip
@@ -346,17 +365,20 @@ def _with_text_encoder(name: str) -> tuple[Any, dict[str, Any]]:
 
 
 @pytest.mark.filterwarnings("ignore:.*has no adapter")
-@pytest.mark.parametrize("name", ["FLUX.2 klein", "Wan 2.1 T2V"])
+@pytest.mark.parametrize("name", ["FLUX.2 klein", "Wan 2.1 T2V", "FLUX.1"])
 def test_text_encoders_of_the_published_families_are_captured_and_exact(name):
     pipe, inputs = _with_text_encoder(name)
     with torch.no_grad():
         expected = _call(pipe, inputs)
     # opt in: the generic adapter leaves text encoders eager by default (no measurement has paid for it yet)
-    accelerate(pipe, components=("transformer", "vae", "text_encoder"), debug=True)
+    encoders = ("text_encoder", "text_encoder_2") if name == "FLUX.1" else ("text_encoder",)
+    accelerate(pipe, components=("transformer", "vae", *encoders), debug=True)
     try:
         assert all(torch.equal(_call(pipe, inputs), expected) for _ in range(2))
         report = stats(pipe)
-        encoder = report["components"]["text_encoder"]
-        assert report["eager_fallbacks"] == 0 and encoder["captures"] >= 1 and encoder["replays"] >= 1, report
+        assert report["eager_fallbacks"] == 0, report
+        for encoder in encoders:
+            counters = report["components"][encoder]
+            assert counters["captures"] >= 1 and counters["replays"] >= 1, report
     finally:
         restore(pipe)

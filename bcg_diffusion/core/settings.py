@@ -145,7 +145,7 @@ def settle(device: torch.device) -> None:
     that the key a pipeline's first call reads is the key its later calls read.
 
     PyTorch's first scaled-dot-product attention on a Hopper GPU puts cuDNN's kernel first in SDPA's priority
-    order (H100, torch 2.11: ``(1, 2, 0, 3, 4)`` -> ``(3, 1, 2, 0, 4)``, run 169). A component called before
+    order (H100, torch 2.11: ``(1, 2, 0, 3, 4)`` -> ``(3, 1, 2, 0, 4)``, runs 169-170). A component called before
     any attention ran (Z-Image's text encoder, in a fresh process) was keyed under the old order, and captured
     again at the pipeline's next call. One small attention call here makes the change first. Nothing on other
     devices; a failure is logged and only costs that one capture.

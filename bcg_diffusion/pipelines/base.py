@@ -89,6 +89,8 @@ class PipelineAdapter:
         "transformer_2": "forward",
         "vae": "decode",
         "text_encoder": "forward",
+        "text_encoder_2": "forward",  # FLUX.1's T5, SD3's second CLIP
+        "text_encoder_3": "forward",  # SD3's T5
     }
     # What ``components=None`` accelerates: the components this family was measured faster with.
     default_components: tuple[str, ...] = ("transformer", "transformer_2", "vae")
@@ -125,7 +127,7 @@ class PipelineAdapter:
         """What the runner of ``component`` calls: ``method`` itself, except for a text encoder, which is
         called with ``use_cache=False`` (a key/value cache object is not a tensor output a graph can
         return, and encoding a prompt once never reads it)."""
-        if component != "text_encoder":
+        if not component.startswith("text_encoder"):
             return method
 
         @functools.wraps(method)
@@ -139,7 +141,7 @@ class PipelineAdapter:
         """A decision about a call's values that picks a code path, made eagerly and put in the
         signature (None: shapes say everything). For a text encoder: whether every token is valid, which
         decides whether transformers builds an attention mask at all."""
-        if component != "text_encoder":
+        if not component.startswith("text_encoder"):
             return None
 
         def all_tokens_valid(args: tuple, kwargs: dict) -> bool:

@@ -10,9 +10,11 @@ Issue 56 asks FLUX.1-dev 1024², 28 steps for ``fast`` <= 3.3 s (0.117 s a step 
   and the up projection with cuBLAS's tanh-GELU epilogue. The step's sum of products at each speed.
 * ``call``: one fast-mode call of the full-size pipeline (random weights) at 1024² without the decode,
   profiled per step: kernel time by kind (products, attention, the rest) and the top kernels; then the
-  same with ``quantize="fp8"`` and with ``attention="fp8"`` as well.
+  same with ``quantize="fp8"`` and with ``attention="fp8"`` as well. ``--pipeline`` profiles another of
+  the benchmark's published pipelines (``qwen-image-edit``: where its ``fast-fp8`` time goes), and
+  ``--modes`` picks the modes, ``eager`` among them.
 
-    python -m bench.probes.probe_flux [--sections gemms,call]
+    python -m bench.probes.probe_flux [--sections gemms,call] [--pipeline flux] [--modes eager,fast,...]
 """
 
 from __future__ import annotations
@@ -99,8 +101,18 @@ def gemms() -> None:
         _gelu_epilogue(m)
 
 
-def _call_profile(pipe, case: Case, label: str, **options) -> None:
-    accelerate(pipe, mode="fast", **options)
+# mode -> accelerate's options (None: eager, as the pipeline runs without us)
+MODES = {
+    "eager": None,
+    "fast": {},
+    "fast-fp8": {"quantize": "fp8"},
+    "fast-fp8-attn": {"quantize": "fp8", "attention": "fp8"},
+}
+
+
+def _call_profile(pipe, case: Case, label: str, options: dict | None) -> None:
+    if options is not None:
+        accelerate(pipe, mode="fast", **options)
     try:
         start = time.perf_counter()
         pipe(**case.kwargs("latent", device=CUDA))
@@ -114,29 +126,44 @@ def _call_profile(pipe, case: Case, label: str, **options) -> None:
         print(f"{label}: {case.steps} steps without the decode {time.perf_counter() - start:.3f} s", flush=True)
         kernel_table(lambda: pipe(**case.kwargs("latent", device=CUDA)), f"{label}, per step", top=30, per=case.steps)
     finally:
-        restore(pipe)
+        if options is not None:
+            restore(pipe)
         torch._dynamo.reset()
 
 
-def call() -> None:
-    from bench.published import build
+def call(pipeline: str = "flux", modes: tuple[str, ...] = ("fast", "fast-fp8", "fast-fp8-attn")) -> None:
+    """Per-step kernels of ``pipeline`` (one of bench.published's, at its published size and guidance, 8 steps;
+    4 with CFG) in each of ``modes``."""
+    from bench.published import PUBLISHED, build
 
-    pipe = build("flux", "random-full", torch.device("cuda"))
+    spec = PUBLISHED[pipeline]
+    pipe = build(pipeline, "random-full", CUDA)
     pipe.set_progress_bar_config(disable=True)
-    case = Case("flux", 1024, 1024, 8, 3.5)
-    _call_profile(pipe, case, "fast")
-    _call_profile(pipe, case, "fast-fp8", quantize="fp8")
-    _call_profile(pipe, case, "fast-fp8-attn", quantize="fp8", attention="fp8")
-
-
-SECTIONS = {"gemms": gemms, "call": call}
+    steps = 4 if spec.uses_cfg(spec.guidance) else 8
+    case = Case(pipeline, spec.height, spec.width, steps, spec.guidance, frames=spec.frames)
+    for mode in modes:
+        _call_profile(pipe, case, f"{pipeline} {mode}", MODES[mode])
 
 
 def main() -> None:
+    from bench.published import PUBLISHED
+
     parser = argparse.ArgumentParser()
-    parser.add_argument("--sections", default="gemms,call", help=f"comma-separated, of {', '.join(SECTIONS)}")
-    for name in parser.parse_args().sections.split(","):
-        section(f"FLUX.1 {name}", SECTIONS[name])
+    parser.add_argument("--sections", default="gemms,call", help="comma-separated, of gemms, call")
+    parser.add_argument("--pipeline", default="flux", choices=sorted(PUBLISHED), help="the call section's pipeline")
+    parser.add_argument("--modes", default="fast,fast-fp8,fast-fp8-attn", help=f"the call's, of {', '.join(MODES)}")
+    args = parser.parse_args()
+    modes = tuple(args.modes.split(","))
+    unknown = [mode for mode in modes if mode not in MODES]
+    if unknown:
+        parser.error(f"unknown modes {unknown}; choose from {', '.join(MODES)}")
+    for name in args.sections.split(","):
+        if name == "gemms":
+            section("FLUX.1 gemms", gemms)
+        elif name == "call":
+            section(f"{args.pipeline} call", lambda: call(args.pipeline, modes))
+        else:
+            parser.error(f"unknown section {name!r}; choose from gemms, call")
 
 
 if __name__ == "__main__":
