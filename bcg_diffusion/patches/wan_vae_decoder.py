@@ -128,11 +128,14 @@ def _join_frames(parts: list[torch.Tensor], zeros: int) -> torch.Tensor:
 
 
 def _last_frames(x: torch.Tensor, cached: Any) -> torch.Tensor:
-    """What a causal convolution keeps for the next chunk: ``x``'s last two frames, with the cached last
-    frame before a single one (diffusers' ``cache_x``)."""
+    """What a causal convolution keeps for the next chunk: ``x``'s last two frames; before a single one, the
+    cached last frame, or a frame of zeros after the time upsampling's first chunk (its ``"Rep"`` marker)
+    (diffusers' ``cache_x``)."""
     cache_x = x[:, :, -_wan().CACHE_T :]
     if cache_x.shape[2] < 2 and isinstance(cached, torch.Tensor):
         return _join_frames([cached[:, :, -1:], cache_x], 0)
+    if cache_x.shape[2] < 2 and isinstance(cached, str):
+        return _join_frames([cache_x], 1)
     return cache_x.clone()
 
 
@@ -235,12 +238,7 @@ def _resample_forward(block: Any) -> Callable[..., torch.Tensor]:
                 feat_cache[idx] = "Rep"  # the first chunk: no time upsampling (diffusers' marker)
                 feat_idx[0] += 1
             else:
-                cache_x = x[:, :, -_wan().CACHE_T :]
-                if cache_x.shape[2] < 2:  # after the first chunk, whose frame the cache replaces by zeros
-                    cache_x = _join_frames([cached[:, :, -1:], cache_x], 0) if isinstance(cached, torch.Tensor) \
-                        else _join_frames([cache_x], 1)  # fmt: skip
-                else:
-                    cache_x = cache_x.clone()
+                cache_x = _last_frames(x, cached)
                 x = block.time_conv(x, None if isinstance(cached, str) else cached)
                 feat_cache[idx] = cache_x
                 feat_idx[0] += 1
