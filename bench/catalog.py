@@ -34,6 +34,9 @@ MODES: tuple[str, ...] = (
     "fast-fp8-compiled-vae",
     "fast-fp8-patched-vae",
     "fast-fp8-inductor-glue",
+    "fast-inductor-prologue",
+    "fast-fp8-inductor-prologue",
+    "fast-fp8-attn-inductor-prologue",
     "fast-joined-output",
     "fast-fp8-joined-output",
     "fast-fp8-all-linears",
@@ -75,6 +78,8 @@ FP8_MODES: tuple[str, ...] = (
     "fast-fp8-compiled-vae",
     "fast-fp8-patched-vae",
     "fast-fp8-inductor-glue",
+    "fast-fp8-inductor-prologue",
+    "fast-fp8-attn-inductor-prologue",
     "fast-fp8-joined-output",
     "fast-fp8-all-linears",
     "fast-fp8-all-linears-attn",
@@ -83,10 +88,10 @@ FP8_MODES: tuple[str, ...] = (
     "fast-fp8+cache",
     "fast-fp8-attn+cache",
 )
-# Ablations of what our defaults add: the text encoder's graphs, automatic breaks, fast mode's CFG batching and
-# Qwen-Image's stacked output projection.
+# Ablations of what our defaults add: the text encoder's graphs, automatic breaks, fast mode's CFG batching,
+# Qwen-Image's stacked output projection and attention's fused prologue.
 ABLATIONS: tuple[str, ...] = ("bcg-no-te", "bcg-no-auto", "fast-no-te", "fast-no-auto", "fast-unbatched")
-ABLATIONS += ("fast-joined-output",)
+ABLATIONS += ("fast-joined-output", "fast-inductor-prologue")
 # What a run without --modes compares on a GPU: ours as a user gets them, and the peers.
 DEFAULT_MODES: tuple[str, ...] = tuple(
     m for m in MODES if m not in ABLATIONS and m not in CACHED and m not in FP8_MODES and m not in CACHEDIT
@@ -161,6 +166,11 @@ DESCRIPTIONS = {
     'its group norms patched (features.vae_decoder.choose(pipe.vae, "patched"))',
     "fast-fp8-inductor-glue": "fast-fp8 with the Z-Image or Qwen-Image block glue (norms, modulation, gated "
     "residuals, FP8 input scales) compiled by inductor, not in our three kernels (patches.block_glue.choose)",
+    "fast-inductor-prologue": "fast with attention's prologue (query and key norms, RoPE, the joint text-and-image "
+    'tensors) compiled by inductor, not in our kernel (patches.attention.choose_qk_prologue(..., "compiled"))',
+    "fast-fp8-inductor-prologue": "fast-fp8 with attention's prologue compiled by inductor, as fast-inductor-prologue",
+    "fast-fp8-attn-inductor-prologue": "fast-fp8-attn with attention's prologue compiled by inductor, cuDNN's FP8 "
+    "query and key quantized after it, as fast-inductor-prologue",
     "fast-joined-output": "fast with Qwen-Image's image output projection run once on its CFG groups' rows joined, "
     'not per group into one output (patches.stacked_output.choose(pipe.transformer, "joined"))',
     "fast-fp8-joined-output": "fast-fp8 with Qwen-Image's image output projection on its CFG groups' rows joined, "
@@ -194,6 +204,7 @@ EXACT.update({"fast-fp8-attn-triton": False, "fast-fp8-unfused-qkv": False, "fas
 EXACT.update({"fast-fp8-attn-bf16-prologue": False})
 EXACT.update({"fast-fp8-compiled-vae": False, "fast-fp8-patched-vae": False, "fast-fp8-inductor-glue": False})
 EXACT.update({"fast-joined-output": False, "fast-fp8-joined-output": False})
+EXACT.update({name: False for name in MODES if name.endswith("-inductor-prologue")})
 EXACT.update({name: False for name in MODES if "-all-linears" in name})
 EXACT.update({"eager+cachedit": True, "bcg+cachedit": True, "fast+cachedit": False})
 OURS = ("bcg", "bcg-no-te", "bcg-no-auto", "fast", "fast-no-te", "fast-no-auto", "fast-unbatched")
@@ -202,13 +213,13 @@ OURS += ("bcg+cache", "fast+cache", "fast-unbatched+cache", "bcg-fp8", "fast-fp8
 OURS += ("fast-fp8-torchao-ff", "fast-fp8-attn-triton", "fast-fp8-attn+cache", "fast-fp8-unfused-qkv")
 OURS += ("fast-fp8-uncompiled-te", "fast-fp8-compiled-vae", "fast-fp8-patched-vae", "fast-fp8-inductor-glue")
 OURS += ("fast-fp8-attn-bf16-prologue", "fast-joined-output", "fast-fp8-joined-output")
-OURS += tuple(name for name in MODES if "-all-linears" in name)
+OURS += tuple(name for name in MODES if "-all-linears" in name or name.endswith("-inductor-prologue"))
 FAST = ("fast", "fast-no-te", "fast-no-auto", "fast-unbatched", "fast+cache", "fast-fp8", "fast-fp8-attn")
 FAST += ("fast-fp8-torchao-ff", "fast-fp8-attn-triton", "fast-fp8-attn+cache", "fast-fp8-unfused-qkv")
 FAST += ("fast-fp8-uncompiled-te", "fast-fp8-compiled-vae", "fast-fp8-patched-vae", "fast-fp8-inductor-glue")
 FAST += ("fast-fp8+cache", "fast+cachedit", "fast-unbatched+cache", "fast-fp8-attn-bf16-prologue")
 FAST += ("fast-joined-output", "fast-fp8-joined-output")
-FAST += tuple(name for name in MODES if "-all-linears" in name)
+FAST += tuple(name for name in MODES if "-all-linears" in name or name.endswith("-inductor-prologue"))
 
 
 def baseline(name: str) -> str:

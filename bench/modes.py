@@ -24,6 +24,7 @@ from bcg_diffusion.features import compiled_text_encoder, fp8_attention, fused_q
 from bcg_diffusion.features.quantization import FP8, block_linears, quantize_transformer
 from bcg_diffusion.features.step_caching import enable_cache
 from bcg_diffusion.patches import block_glue, fp8_feed_forward, fp8_output_projection, stacked_output
+from bcg_diffusion.patches.attention import choose_qk_prologue
 
 from .catalog import (  # noqa: F401 - the names, re-exported for the modules that import them from here
     ABLATIONS,
@@ -149,6 +150,7 @@ class ModeOptions:
     fp8_attention: bool = False  # -attn: attention="fp8"
     triton_attention: bool = False  # -triton (after -attn): our Triton FP8 attention kernel, not cuDNN's
     bf16_prologue: bool = False  # -bf16-prologue (after -attn): cuDNN's FP8 query and key quantized after the prologue
+    inductor_prologue: bool = False  # -inductor-prologue: attention's prologue compiled by inductor, not our kernel
     torchao_feed_forward: bool = False  # -torchao-ff: our FP8 feed-forward kernel off
     unfused_qkv: bool = False  # -unfused-qkv: query, key and value projected apart
     uncompiled_text_encoder: bool = False  # -uncompiled-te: the text encoder's layers eager
@@ -172,6 +174,7 @@ def parse(name: str) -> ModeOptions:
         ("+cachedit", "cachedit"),
         ("-scaled-output", "scaled_output"),
         ("-bf16-prologue", "bf16_prologue"),
+        ("-inductor-prologue", "inductor_prologue"),
         ("-triton", "triton_attention"),
         ("-attn", "fp8_attention"),
         ("-torchao-ff", "torchao_feed_forward"),
@@ -221,6 +224,8 @@ def prepare(
         fp8_attention.choose(pipe.transformer, "triton")
     if options.bf16_prologue:
         fp8_attention.choose_prologue(pipe.transformer, False)
+    if options.inductor_prologue:
+        choose_qk_prologue(pipe.transformer, "compiled")
     if options.unfused_qkv:
         fused_qkv.choose(pipe.transformer, False)
     if options.uncompiled_text_encoder and getattr(pipe, "text_encoder", None) is not None:

@@ -74,6 +74,8 @@
 #   bench-klein      FLUX.2 klein 4B 1024², 4 steps: eager, bcg, fast, fast-fp8, fast-fp8-attn
 #   bench-wan        Wan 2.1 T2V 14B 832x480x81, 3 steps, CFG 5: eager, fast-fp8-attn, one timed run (per-step time)
 #   bench-qwen-edit  Qwen-Image-Edit-2511 1024², 8 steps, true CFG 4: eager, fast, fast-fp8, fast-fp8-attn
+#   flux-prologue    FLUX's attention prologue kernel against its reference at FLUX.1's shapes, then FLUX.1-dev 1024²,
+#                    28 steps, each fast mode with our prologue and with inductor's (FLUX_PROLOGUE_MODES, PUBLISHED_RUNS)
 #   probe-flux       FLUX.1-dev 1024²: each product of a step (bf16, FP8, fused), and a fast / fast-fp8 / fast-fp8-attn
 #                    call's kernels per step (bench/probes/probe_flux.py; FLUX_SECTIONS=gemms or call)
 #   probe-wan-vae    Wan's VAE decode of 81 frames at 832x480: eager, channels-last, fast mode's fused decoder (with and
@@ -175,6 +177,14 @@ case "$phase" in
     timeout "${PUBLISHED_TIMEOUT:-560}" python3 -m bench --pipeline "$pipeline" --weights random-full \
       --modes "${PUBLISHED_MODES:-$modes}" --runs "${PUBLISHED_RUNS:-$runs}" --warmup 0 --no-progress \
       --out "$out/$phase" 2>&1 | grep -v "Warning\|warnings.warn" | tee "$out/$phase.log" | tail -25
+    ;;
+  flux-prologue)
+    timeout 120 python3 -m pytest -m cuda -q -rs -p no:cacheprovider --tb=short -k "flux or qk_prologue" \
+      tests/test_attention_kernels_cuda.py 2>&1 | grep -v "Warning\|warnings.warn" | tee "$out/pytest-flux-prologue.log" | tail -8
+    modes=eager,fast,fast-inductor-prologue,fast-fp8,fast-fp8-inductor-prologue,fast-fp8-attn,fast-fp8-attn-inductor-prologue
+    timeout "${PUBLISHED_TIMEOUT:-560}" python3 -m bench --pipeline flux --weights random-full \
+      --modes "${FLUX_PROLOGUE_MODES:-$modes}" --runs "${PUBLISHED_RUNS:-2}" --warmup 0 --no-progress \
+      --out "$out/flux-prologue" 2>&1 | grep -v "Warning\|warnings.warn" | tee "$out/bench-flux-prologue.log" | tail -25
     ;;
   probe-flux)
     # FLUX_SECTIONS: gemms, call; FLUX_ARGS: e.g. "--pipeline qwen-image-edit --modes eager,fast-fp8" (bench/probes/probe_flux.py)

@@ -146,6 +146,67 @@ def norm_rope_case(dtype: torch.dtype, freqs_batch: int | None, config) -> None:
     check(f"norm_rope {str(dtype)[6:]} freqs {tuple(freqs.shape)} config {config}", outputs, list(expected), dtype)
 
 
+def real_frequencies(tokens: int, head_dim: int, interleaved: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(cos, sin)`` ``[S, D]`` in diffusers' real form: FLUX's (each pair's two entries equal, a rotation),
+    or any values (the kernel follows diffusers' arithmetic either way)."""
+    if not interleaved:
+        return torch.randn(tokens, head_dim), torch.randn(tokens, head_dim)
+    angles = (torch.rand(tokens, head_dim // 2) * 6.28).repeat_interleave(2, dim=1)
+    return angles.cos(), angles.sin()
+
+
+def flux_norm_rope_case(dtype: torch.dtype, config, interleaved: bool) -> None:
+    """FLUX's single-stream attention: ``torch.nn.RMSNorm``'s rounding, ``(cos, sin)`` frequencies."""
+    batch, tokens, heads, head_dim = 2, 11, 5, 32
+    query, key, value = strided(batch, tokens, heads, head_dim, dtype, "slices")
+    weights = [torch.randn(head_dim).to(dtype) for _ in range(2)]
+    eps = [1e-6, 1e-5]
+    freqs = real_frequencies(tokens + 2, head_dim, interleaved)
+    expected = qk_prologue.reference_norm_rope(query, key, weights, eps, freqs, norm="torch")
+    outputs = [torch.full_like(e, float("nan")) for e in expected]
+    qk_prologue._launch((query, key, None), None, weights, eps, (freqs, None), [0], (*outputs, None), config,
+                        norm="torch")  # fmt: skip
+    label = f"flux norm_rope {str(dtype)[6:]} interleaved {interleaved} config {config}"
+    check(label, outputs, list(expected), dtype)
+    if interleaved:  # a rotation: the query's and key's norms bound them, as FP8 attention needs
+        descales = [cudnn_fp8_attention.descale(cudnn_fp8_attention.rms_norm_bound([w], head_dim)) for w in weights]
+        want = qk_prologue.reference_norm_rope_fp8(query, key, value, weights, eps, freqs, *descales, norm="torch")
+        *got, largest = qk_prologue._norm_rope_fp8_empty(query)
+        largest.zero_()
+        qk_prologue._launch((query, key, value), None, weights, eps, (freqs, None), [0], (*got, None), config,
+                            fp8=(*descales, largest), norm="torch")  # fmt: skip
+        equal = min(close_fp8(g, w) for g, w in zip(got, want))
+        assert equal > 0.9 and torch.equal(largest, want[2]), (label, equal, largest, want[2])
+        assert not any((g.float().abs() == 448).any() for g in got), label  # within the bound: none saturates
+        print(f"{label} fp8: {equal:.4%} of float8 bytes equal at least", flush=True)
+
+
+def flux_joint_case(dtype: torch.dtype, config) -> None:
+    """FLUX's double-stream attention: one group, text first, each stream's ``(cos, sin)`` a slice of the
+    joint sequence's."""
+    batch, text_tokens, image_tokens, heads, head_dim = 2, 6, 13, 3, 16
+    image = strided(batch, image_tokens, heads, head_dim, dtype, "slices")
+    text = strided(batch, text_tokens, heads, head_dim, dtype, "slices")
+    weights = [torch.randn(head_dim).to(dtype) for _ in range(4)]
+    eps = [1e-6] * 4
+    cos, sin = real_frequencies(text_tokens + image_tokens, head_dim, interleaved=True)
+    freqs = ((cos[text_tokens:], sin[text_tokens:]), (cos[:text_tokens], sin[:text_tokens]))
+    lengths = (text_tokens,)
+    expected = qk_prologue.reference_joint_qkv(image, text, weights, eps, freqs, lengths, norm="torch")
+    outputs = [torch.full_like(e, float("nan")) for e in expected]
+    qk_prologue._launch(image, text, weights, eps, freqs, lengths, outputs, config, norm="torch")
+    check(f"flux joint {str(dtype)[6:]} config {config}", outputs, list(expected), dtype)
+    descales = [cudnn_fp8_attention.descale(cudnn_fp8_attention.rms_norm_bound(weights, head_dim))] * 2
+    want = qk_prologue.reference_joint_qkv_fp8(image, text, weights, eps, freqs, lengths, *descales, norm="torch")
+    got = [torch.full_like(e, float("nan")) for e in want[:3]]
+    largest = torch.zeros(1)
+    qk_prologue._launch(image, text, weights, eps, freqs, lengths, got, config, fp8=(*descales, largest),
+                        norm="torch")  # fmt: skip
+    equal = min(close_fp8(g, w) for g, w in zip(got[:2], want[:2]))
+    assert equal > 0.9 and torch.equal(got[2], want[2]) and torch.equal(largest, want[3]), (equal, largest)
+    print(f"flux joint fp8 {str(dtype)[6:]} config {config}: {equal:.4%} of float8 bytes equal at least", flush=True)
+
+
 def main() -> None:
     torch.manual_seed(0)
     for dtype in (torch.float16, torch.float32):
@@ -160,6 +221,9 @@ def main() -> None:
             norm_rope_fp8_case(dtype, config)
             joint_fp8_case(dtype, (7, 4), 2, config)
             joint_fp8_case(dtype, (5, 3, 6), 1, config, saturate=config == CONFIGS[0])
+            flux_norm_rope_case(dtype, config, interleaved=True)
+            flux_joint_case(dtype, config)
+        flux_norm_rope_case(dtype, CONFIGS[0], interleaved=False)
     print("all cases within tolerance")
 
 

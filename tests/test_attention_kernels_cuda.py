@@ -225,6 +225,54 @@ def test_qk_prologue_kernel_matches_its_reference_and_is_deterministic(layout):
     assert all(torch.equal(a, b) for a, b in zip(got, again)), "the kernel is not deterministic"
 
 
+def test_qk_prologue_takes_fluxs_norms_and_frequencies():
+    """FLUX.1 1024² (512 text and 4096 image tokens, 24 heads of 128), as ``patches.flux_attention`` calls the
+    kernel: ``torch.nn.RMSNorm``'s rounding and diffusers' real ``(cos, sin)`` frequencies (pairs alike), for
+    a double-stream block (``joint_qkv``, one group, each stream's frequencies a slice of the joint ones) and a
+    single-stream one (``norm_rope`` over the 4608 joined tokens). Near the reference, deterministic; in FP8,
+    its bf16 outputs quantized at the norms' bounds."""
+    from bcg_diffusion.kernels import qk_prologue
+
+    torch.manual_seed(0)
+    text_tokens, image_tokens, heads, head_dim = 512, 4096, 24, 128
+    tokens = text_tokens + image_tokens
+    angles = (torch.rand(tokens, head_dim // 2, device="cuda") * 6.28).repeat_interleave(2, dim=1)
+    cos, sin = angles.cos(), angles.sin()
+    freqs = ((cos[text_tokens:], sin[text_tokens:]), (cos[:text_tokens], sin[:text_tokens]))
+    weights = [(torch.randn(head_dim, device="cuda") * 0.5 + 1).to(torch.bfloat16) for _ in range(4)]
+    eps = [1e-6] * 4
+
+    def projections(count: int) -> list[torch.Tensor]:
+        return [torch.randn(1, count, heads, head_dim, device="cuda", dtype=torch.bfloat16) * 3 for _ in range(3)]
+
+    image, text, joined = projections(image_tokens), projections(text_tokens), projections(tokens)
+    lengths = (text_tokens,)
+    expected = qk_prologue.reference_joint_qkv(image, text, weights, eps, freqs, lengths, norm="torch")
+    got = qk_prologue.joint_qkv(image, text, weights, eps, freqs, lengths, norm="torch")
+    _assert_near_reference(list(got[:2]), list(expected[:2]), "flux joint")
+    assert torch.equal(got[2], expected[2])  # the value: copied
+    again = qk_prologue.joint_qkv(image, text, weights, eps, freqs, lengths, norm="torch")
+    assert all(torch.equal(a, b) for a, b in zip(got, again)), "the kernel is not deterministic"
+    single = qk_prologue.norm_rope(*joined[:2], weights[:2], eps[:2], (cos, sin), norm="torch")
+    reference = qk_prologue.reference_norm_rope(*joined[:2], weights[:2], eps[:2], (cos, sin), norm="torch")
+    _assert_near_reference(list(single), list(reference), "flux norm_rope")
+
+    bounds = [cudnn_fp8.rms_norm_bound(weights[i::2], head_dim) for i in (0, 1)]
+    descales = [cudnn_fp8.descale(bound) for bound in bounds]
+    joint = qk_prologue.joint_qkv_fp8(image, text, weights, eps, freqs, lengths, *descales, norm="torch")
+    for got8, bf16, descale in zip((joint.query, joint.key), got, descales):
+        _assert_quantized_near(got8, bf16, descale, "flux joint_qkv_fp8")
+    assert torch.equal(joint.value, got[2])
+    assert torch.equal(joint.value_largest, got[2].abs().amax().float().reshape(1))
+    single_bounds = [cudnn_fp8.descale(cudnn_fp8.rms_norm_bound([w], head_dim)) for w in weights[:2]]
+    *single8, largest = qk_prologue.norm_rope_fp8(
+        *joined, weights[:2], eps[:2], (cos, sin), *single_bounds, norm="torch"
+    )
+    for got8, bf16, descale in zip(single8, single, single_bounds):
+        _assert_quantized_near(got8, bf16, descale, "flux norm_rope_fp8")
+    assert torch.equal(largest, joined[2].abs().amax().float())
+
+
 def test_qk_prologue_fp8_outputs_are_its_bf16_outputs_quantized():
     """``joint_qkv_fp8`` at Qwen-Image 1024² in fast mode's CFG batch: its query and key are
     ``joint_qkv``'s quantized by ``cudnn_fp8_attention.quantize`` (times the descale's correctly rounded

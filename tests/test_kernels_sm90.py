@@ -57,6 +57,8 @@ def _prologue_launches(fp8: bool) -> list:
 
     query, key, value = image[0][:1], image[1][:1], image[2][:1]  # Z-Image's: no text stream
     z_freqs = torch.randn(1, image_tokens, head_dim // 2, 2)
+    cos, sin = torch.randn(2, text_tokens + image_tokens, head_dim)  # FLUX's: torch's norm, (cos, sin)
+    flux_freqs = ((cos[text_tokens:], sin[text_tokens:]), (cos[:text_tokens], sin[:text_tokens]))
     with launches(kernels, "qk_prologue") as recorded:
         if fp8:
             joint = qk_prologue._joint_fp8_empty(image[0], text_tokens, len(lengths))
@@ -65,16 +67,24 @@ def _prologue_launches(fp8: bool) -> list:
             *z_outputs, largest = qk_prologue._norm_rope_fp8_empty(query)
             qk_prologue._launch((query, key, value), None, weights[:2], [1e-5] * 2, (z_freqs, None), [0],
                                 (*z_outputs, None), fp8=(*descales, largest))  # fmt: skip
+            joint = qk_prologue._joint_fp8_empty(image[0], text_tokens, 1)
+            qk_prologue._launch(image, text, weights, [1e-6] * 4, flux_freqs, (text_tokens,), joint[:3],
+                                fp8=(*descales, joint[3]), norm="torch")  # fmt: skip
+            qk_prologue._launch((query, key, value), None, weights[:2], [1e-6] * 2, (flux_freqs[0], None), [0],
+                                (*z_outputs, None), fp8=(*descales, largest), norm="torch")  # fmt: skip
         else:
             outputs = qk_prologue._joint_empty(image[0], text_tokens)
             qk_prologue._launch(image, text, weights, [1e-6] * 4, freqs, lengths, outputs)
             z_outputs = (torch.empty_like(query), torch.empty_like(key), None)
             qk_prologue._launch((query, key, None), None, weights[:2], [1e-5] * 2, (z_freqs, None), [0], z_outputs)
+            qk_prologue._launch(image, text, weights, [1e-6] * 4, flux_freqs, (text_tokens,), outputs, norm="torch")
+            qk_prologue._launch((query, key, None), None, weights[:2], [1e-6] * 2, (flux_freqs[0], None), [0],
+                                z_outputs, norm="torch")  # fmt: skip
     return recorded
 
 
 def test_the_attention_prologue_compiles_and_writes_float8_as_pytorch_rounds():
-    """bf16 (Qwen-Image's joint tensors, Z-Image's norm and RoPE): no float8, no atomics. FP8 (both): the
+    """bf16 (Qwen-Image's joint tensors, Z-Image's norm and RoPE, FLUX's two): no float8, no atomics. FP8 (all): the
     query and key multiplied by their descales' reciprocals, each taken once with correct rounding
     (``div.rn``, as PyTorch's ``reciprocal``: one per store in the source, four in all, where dividing each
     element took 128) and cast to e4m3 rounding to nearest even, saturating (``cvt.rn.satfinite``,
@@ -82,7 +92,7 @@ def test_the_attention_prologue_compiles_and_writes_float8_as_pytorch_rounds():
     its bits (not Triton's float atomic max, which older releases made drop NaN)."""
     for ptx in _compiled(_prologue_launches(fp8=False)):
         assert _count(ptx, "cvt.rn.satfinite.e4m3x2.f32") == 0 and "atom." not in ptx
-    for ptx in _compiled(_prologue_launches(fp8=True)):  # Qwen-Image's joint tensors, Z-Image's
+    for ptx in _compiled(_prologue_launches(fp8=True)):  # Qwen-Image's joint tensors, Z-Image's, FLUX's
         assert _count(ptx, "cvt.rn.satfinite.e4m3x2.f32") > 0 and 0 < _count(ptx, "div.rn.f32") <= 4
         assert "atom.global.gpu.acq_rel.max.s32" in ptx and "min.u32" not in ptx  # an integer max, no float one
 
@@ -190,7 +200,7 @@ def test_no_kernel_the_library_launches_spills_registers(monkeypatch):
     recorded = _prologue_launches(fp8=False) + _prologue_launches(fp8=True) + _block_glue_launches()
     recorded += _activation_launches() + _vae_launches()
     recorded += [r for r in _attention_launches(monkeypatch) if r[0].__name__ == "attention_forward_tma"]
-    assert len(recorded) == 4 + 12 + 6 + 5 + 1
+    assert len(recorded) == 8 + 12 + 6 + 5 + 1
     spilling = {}
     for (fn, _, kwargs), ptx in zip(recorded, _compiled(recorded)):
         registers, stores, loads = registers_and_spills(ptx)

@@ -383,7 +383,9 @@ def test_fast_mode_with_the_switch_on_compiles_the_operator(name, monkeypatch):
     calls = []
     for function in ("reference_joint_qkv", "reference_norm_rope"):
         original = getattr(qk_prologue, function)
-        monkeypatch.setattr(qk_prologue, function, lambda *a, original=original: calls.append(1) or original(*a))
+        monkeypatch.setattr(
+            qk_prologue, function, lambda *a, original=original, **k: calls.append(1) or original(*a, **k)
+        )
     monkeypatch.setattr(attention, "QK_PROLOGUE_DEFAULT", "fused")
     pipe = tiny_pipeline(name)
     case = CFG_CASE[name]

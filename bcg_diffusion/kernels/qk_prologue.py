@@ -18,14 +18,20 @@ key: read each once, write each once. This kernel does exactly that, in one laun
   in float8 e4m3 at scales given beforehand (their RMS norms' bounds need no reduction) and the value's
   largest magnitude per group reduced on the way, so that no pass over the query and key is left
   between this kernel and attention, and none to scale the value but its cast.
-* :func:`norm_rope` (Z-Image): query and key normed and rotated, one ``[B, S, H, D]`` each;
-  :func:`norm_rope_fp8` the same written in float8 at given scales, the value's largest magnitude
-  reduced in the same pass.
+* :func:`norm_rope` (Z-Image, FLUX's single-stream attention): query and key normed and rotated, one
+  ``[B, S, H, D]`` each; :func:`norm_rope_fp8` the same written in float8 at given scales, the value's
+  largest magnitude reduced in the same pass.
+
+FLUX (:mod:`bcg_diffusion.patches.flux_attention`) takes the same kernels with its own two conventions
+(``norm="torch"``, frequencies as a ``(cos, sin)`` pair): ``torch.nn.RMSNorm``'s rounding, and diffusers'
+``apply_rotary_emb(use_real=True)``. Its double-stream attention is :func:`joint_qkv` with one group.
 
 Arithmetic, per row of ``D``: diffusers' ``RMSNorm`` as it rounds (mean of squares and normalization in
-float32, cast to the weight's dtype, times the weight, rounded), then the pairwise rotation of
+float32, cast to the weight's dtype, times the weight, rounded), or with ``norm="torch"``
+``torch.nn.RMSNorm``'s (normalized and weighted in float32, rounded once); then the pairwise rotation of
 :func:`bcg_diffusion.patches.rope.rotate_pairs` in float32 on the real view ``[..., S, D/2, 2]`` of the
-complex frequencies, rounded to the inputs' dtype. The plain-PyTorch reference (:func:`reference_joint_qkv`,
+complex frequencies, or with ``(cos, sin)`` ``[S, D]`` frequencies diffusers' real form
+(:func:`rotate_real`), rounded to the inputs' dtype. The plain-PyTorch reference (:func:`reference_joint_qkv`,
 :func:`reference_norm_rope`) computes the same with PyTorch's operators; it runs where the kernel cannot
 (CPU, no Triton), and the tests hold the kernel to it (Triton's interpreter on a CPU, the GPU).
 
@@ -49,7 +55,9 @@ from .cudnn_fp8_attention import quantize
 
 __all__ = [
     "MAX_GROUPS",
+    "NORMS",
     "Fp8Joint",
+    "Freqs",
     "group_slices",
     "joint_qkv",
     "joint_qkv_fp8",
@@ -60,6 +68,7 @@ __all__ = [
     "reference_norm_rope",
     "reference_norm_rope_fp8",
     "rms_norm",
+    "rotate_real",
     "unavailable",
     "unsupported_joint",
     "unsupported_joint_fp8",
@@ -69,12 +78,22 @@ __all__ = [
 
 MAX_GROUPS = 4  # groups of rows with their own text length, as the kernel takes them (scalars)
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# How the RMS norms round: as diffusers' ``RMSNorm`` does (Qwen-Image, Z-Image), or ``torch.nn.RMSNorm`` (FLUX).
+NORMS = ("diffusers", "torch")
+# One stream's RoPE frequencies: the float32 real view ``[..., S, D/2, 2]`` of complex ones (Qwen-Image,
+# Z-Image), a pair ``(cos, sin)`` of float32 ``[S, D]`` as diffusers' ``apply_rotary_emb(use_real=True)`` takes
+# them (FLUX), or None (no RoPE).
+Freqs = torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None
 # (rows of D per program, warps). On an H200 (run 87, bench.probes.probe_attention_kernels --sections prologue)
 # the six settings tried were within 4% of each other at Qwen-Image's 1024² CFG shapes, except 64 and 128 rows
 # (slower by 25%); (16, 2) was 1% faster than (32, 4) at both shapes, within the noise. Built for sm_90,
 # (32, 4) spills registers (255 used, 184-420 bytes of spill stores; 64 rows: up to 768), (16, 2) does not
 # (about 195 registers, tests/test_kernels_sm90.py), with the FP8 outputs too.
 _CONFIG = (16, 2)
+# With (cos, sin) frequencies (FLUX's) a row holds twice D floats of them, and the pointers to read them: at
+# (16, 2) the bf16 kernel spilled 32 bytes a thread (254 registers), at (8, 2) it uses 136 and none spills
+# (sm_90, tests/test_kernels_sm90.py). Not yet timed on a GPU.
+_CONFIG_REAL = (8, 2)
 
 
 unavailable = triton_unavailable  # why the Triton kernel cannot run on a device (None: it can)
@@ -109,11 +128,11 @@ def _weights_unsupported(weights: Sequence[torch.Tensor | None], like: torch.Ten
     return None
 
 
-def _freqs_unsupported(
-    freqs: torch.Tensor | None, like: torch.Tensor, tokens: int, dims: tuple[int, ...]
-) -> str | None:
+def _freqs_unsupported(freqs: Freqs, like: torch.Tensor, tokens: int, dims: tuple[int, ...]) -> str | None:
     if freqs is None:
         return None
+    if isinstance(freqs, tuple):
+        return _real_freqs_unsupported(freqs, like, tokens)
     if freqs.dtype != torch.float32 or freqs.device != like.device or freqs.dim() not in dims:
         return "the RoPE frequencies are not the float32 real view of complex64 frequencies on the tensors' device"
     if freqs.shape[-2:] != (like.shape[-1] // 2, 2):
@@ -129,22 +148,44 @@ def _freqs_unsupported(
     return None
 
 
+def _real_freqs_unsupported(freqs: tuple[torch.Tensor, ...], like: torch.Tensor, tokens: int) -> str | None:
+    if len(freqs) != 2 or not all(isinstance(f, torch.Tensor) for f in freqs):
+        return "RoPE frequencies as a tuple must be (cos, sin)"
+    cos, sin = freqs
+    if any(f.dtype != torch.float32 or f.device != like.device or f.dim() != 2 for f in freqs):
+        return "the RoPE cosines and sines are not float32 [tokens, head size] on the tensors' device"
+    if cos.shape != sin.shape or cos.shape[-1] != like.shape[-1]:
+        return "the RoPE cosines and sines do not fit the head size"
+    if cos.stride() != sin.stride() or cos.stride(-1) != 1:
+        return "the RoPE cosines and sines are not laid out alike, each token's contiguous"
+    if not torch.compiler.is_compiling() and cos.shape[0] < tokens:  # eagerly only, as for complex ones
+        return "fewer RoPE frequencies than tokens"
+    return None
+
+
+def _norm_unsupported(norm: str) -> str | None:
+    return None if norm in NORMS else f"norm {norm!r} (expected one of {NORMS})"
+
+
 def unsupported_joint(
     image: Sequence[torch.Tensor],
     text: Sequence[torch.Tensor],
     weights: Sequence[torch.Tensor | None],
-    freqs: tuple[torch.Tensor | None, torch.Tensor | None],
+    freqs: tuple[Freqs, Freqs],
     text_lengths: Sequence[int],
+    norm: str = "diffusers",
 ) -> str | None:
     """Why :func:`joint_qkv` refuses these arguments (None: it takes them). Only tensor properties and
     the number of groups, so that a compiled block decides it when it is traced (token counts are
     compared only outside compiled code)."""
-    reason = _rows_unsupported((*image, *text), image[0])
+    reason = _norm_unsupported(norm) or _rows_unsupported((*image, *text), image[0])
     reason = reason or _weights_unsupported(weights, image[0])
     reason = reason or _freqs_unsupported(freqs[0], image[0], image[0].shape[1], (3,))
     reason = reason or _freqs_unsupported(freqs[1], image[0], text[0].shape[1], (3,))
     if reason is None and (freqs[0] is None) != (freqs[1] is None):
         reason = "RoPE frequencies for one stream only"
+    if reason is None and isinstance(freqs[0], tuple) != isinstance(freqs[1], tuple):
+        reason = "RoPE frequencies of two forms, complex and (cos, sin)"
     if reason is None and not 0 < len(text_lengths) <= MAX_GROUPS:
         reason = f"{len(text_lengths)} groups of rows (the kernel takes 1 to {MAX_GROUPS})"
     if reason is None and image[0].shape[0] % len(text_lengths):
@@ -156,14 +197,16 @@ def unsupported_joint_fp8(
     image: Sequence[torch.Tensor],
     text: Sequence[torch.Tensor],
     weights: Sequence[torch.Tensor | None],
-    freqs: tuple[torch.Tensor | None, torch.Tensor | None],
+    freqs: tuple[Freqs, Freqs],
     text_lengths: Sequence[int],
     descales: tuple[torch.Tensor, torch.Tensor],
+    norm: str = "diffusers",
 ) -> str | None:
     """Why :func:`joint_qkv_fp8` refuses these arguments (None: it takes them): what
     :func:`unsupported_joint` names, or descales that are not one float32 number each on the tensors'
     device."""
-    return unsupported_joint(image, text, weights, freqs, text_lengths) or _descales_unsupported(descales, image[0])
+    reason = unsupported_joint(image, text, weights, freqs, text_lengths, norm)
+    return reason or _descales_unsupported(descales, image[0])
 
 
 def _descales_unsupported(descales: Sequence[torch.Tensor], like: torch.Tensor) -> str | None:
@@ -176,10 +219,11 @@ def unsupported_norm_rope(
     query: torch.Tensor,
     key: torch.Tensor,
     weights: Sequence[torch.Tensor | None],
-    freqs: torch.Tensor | None,
+    freqs: Freqs,
+    norm: str = "diffusers",
 ) -> str | None:
     """Why :func:`norm_rope` refuses these arguments (None: it takes them). Only tensor properties."""
-    reason = _rows_unsupported((query, key), query)
+    reason = _norm_unsupported(norm) or _rows_unsupported((query, key), query)
     if reason is None and query.shape[1] != key.shape[1]:
         reason = "query and key differ in tokens"
     reason = reason or _weights_unsupported(weights, query)
@@ -191,13 +235,14 @@ def unsupported_norm_rope_fp8(
     key: torch.Tensor,
     value: torch.Tensor,
     weights: Sequence[torch.Tensor | None],
-    freqs: torch.Tensor | None,
+    freqs: Freqs,
     descales: tuple[torch.Tensor, torch.Tensor],
+    norm: str = "diffusers",
 ) -> str | None:
     """Why :func:`norm_rope_fp8` refuses these arguments (None: it takes them): what
     :func:`unsupported_norm_rope` names, a value unlike the query (shape, dtype, device, a contiguous last
     dimension), or descales that are not one float32 number each on the tensors' device."""
-    reason = unsupported_norm_rope(query, key, weights, freqs) or _rows_unsupported((value,), query)
+    reason = unsupported_norm_rope(query, key, weights, freqs, norm) or _rows_unsupported((value,), query)
     if reason is None and value.shape != query.shape:
         reason = "the value's shape is not the query's"
     return reason or _descales_unsupported(descales, query)
@@ -208,8 +253,10 @@ def joint_qkv(
     text: Sequence[torch.Tensor],
     weights: Sequence[torch.Tensor | None],
     eps: Sequence[float],
-    freqs: tuple[torch.Tensor | None, torch.Tensor | None],
+    freqs: tuple[Freqs, Freqs],
     text_lengths: Sequence[int],
+    *,
+    norm: str = "diffusers",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The joint query, key and value of a two-stream attention, in one pass.
 
@@ -217,7 +264,9 @@ def joint_qkv(
     dtype and device; any strides with ``D`` contiguous). ``weights``: the RMS norms' weights ``[D]`` of
     the image query, image key, text query and text key (all four None: no norm), ``eps`` theirs.
     ``freqs``: (image, text) real views ``[S, D/2, 2]`` (float32) of the complex RoPE frequencies, or
-    ``(None, None)``: no RoPE. ``text_lengths``: valid text tokens of each of the equal groups of
+    (image, text) ``(cos, sin)`` pairs ``[S, D]`` (float32; diffusers' real form, :func:`rotate_real`), or
+    ``(None, None)``: no RoPE. ``norm``: how the norms round, one of :data:`NORMS` (``"torch"``:
+    ``torch.nn.RMSNorm``'s). ``text_lengths``: valid text tokens of each of the equal groups of
     consecutive rows (``[0, length)``; one group: ``(S_text,)``).
 
     Returns query, key and value ``[B, S_text + S_image, H, D]``, contiguous, in the inputs' dtype: the
@@ -225,13 +274,35 @@ def joint_qkv(
     at ``[S_text - text_lengths[g], S_text)``, its image at ``[S_text, S_text + S_image)`` and is not
     written before (see :func:`group_slices`). Raises ValueError on what :func:`unsupported_joint` names.
     """
-    reason = unsupported_joint(image, text, weights, freqs, text_lengths)
+    reason = unsupported_joint(image, text, weights, freqs, text_lengths, norm)
     if reason is not None:
         raise ValueError(f"bcg_diffusion's attention prologue cannot take these tensors: {reason}")
     normed = [w for w in weights if w is not None]
+    (image_freqs, image_sin), (text_freqs, text_sin) = _op_freqs(freqs[0]), _op_freqs(freqs[1])
     return tuple(
-        torch.ops.bcg_diffusion.joint_qkv(*image, *text, normed, [float(e) for e in eps], *freqs, list(text_lengths))
+        torch.ops.bcg_diffusion.joint_qkv(
+            *image,
+            *text,
+            normed,
+            [float(e) for e in eps],
+            image_freqs,
+            text_freqs,
+            list(text_lengths),
+            image_sin,
+            text_sin,
+            norm == "torch",
+        )  # fmt: skip
     )
+
+
+def _op_freqs(freqs: Freqs) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """One stream's frequencies as the operators take them: the complex ones' real view, or the cosines,
+    then the sines (None but for the ``(cos, sin)`` form)."""
+    return freqs if isinstance(freqs, tuple) else (freqs, None)
+
+
+def _from_op_freqs(freqs: torch.Tensor | None, sin: torch.Tensor | None) -> Freqs:
+    return freqs if sin is None else (freqs, sin)
 
 
 class Fp8Joint(NamedTuple):
@@ -252,10 +323,12 @@ def joint_qkv_fp8(
     text: Sequence[torch.Tensor],
     weights: Sequence[torch.Tensor | None],
     eps: Sequence[float],
-    freqs: tuple[torch.Tensor | None, torch.Tensor | None],
+    freqs: tuple[Freqs, Freqs],
     text_lengths: Sequence[int],
     query_descale: torch.Tensor,
     key_descale: torch.Tensor,
+    *,
+    norm: str = "diffusers",
 ) -> Fp8Joint:
     """:func:`joint_qkv` with the query and key quantized on the way for FP8 attention (cuDNN's, through
     :func:`bcg_diffusion.kernels.cudnn_fp8_attention.attention_quantized`).
@@ -275,14 +348,16 @@ def joint_qkv_fp8(
     (torch.float8_e4m3fn, torch.Size([1]))
     """
     descales = (query_descale, key_descale)
-    reason = unsupported_joint_fp8(image, text, weights, freqs, text_lengths, descales)
+    reason = unsupported_joint_fp8(image, text, weights, freqs, text_lengths, descales, norm)
     if reason is not None:
         raise ValueError(f"bcg_diffusion's attention prologue cannot take these tensors: {reason}")
     normed = [w for w in weights if w is not None]
     descales = tuple(d.reshape(()) for d in descales)
+    (image_freqs, image_sin), (text_freqs, text_sin) = _op_freqs(freqs[0]), _op_freqs(freqs[1])
     outputs = torch.ops.bcg_diffusion.joint_qkv_fp8(
-        *image, *text, normed, [float(e) for e in eps], *freqs, list(text_lengths), *descales
-    )
+        *image, *text, normed, [float(e) for e in eps], image_freqs, text_freqs, list(text_lengths), *descales,
+        image_sin, text_sin, norm == "torch",
+    )  # fmt: skip
     return Fp8Joint(*outputs[:3], *descales, outputs[3])
 
 
@@ -298,17 +373,25 @@ def norm_rope(
     key: torch.Tensor,
     weights: Sequence[torch.Tensor | None],
     eps: Sequence[float],
-    freqs: torch.Tensor | None,
+    freqs: Freqs,
+    *,
+    norm: str = "diffusers",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Query and key ``[B, S, H, D]`` RMS-normed (``weights``: query's and key's, both None: no norm)
-    and rotated by ``freqs``, the real view ``[B or 1, S, D/2, 2]`` or ``[S, D/2, 2]`` (float32) of the
-    complex frequencies (None: no RoPE). Returns two new contiguous ``[B, S, H, D]`` in the inputs'
-    dtype. Raises ValueError on what :func:`unsupported_norm_rope` names."""
-    reason = unsupported_norm_rope(query, key, weights, freqs)
+    """Query and key ``[B, S, H, D]`` RMS-normed (``weights``: query's and key's, both None: no norm;
+    ``norm``: how they round, one of :data:`NORMS`) and rotated by ``freqs``: the real view
+    ``[B or 1, S, D/2, 2]`` or ``[S, D/2, 2]`` (float32) of the complex frequencies, or a ``(cos, sin)`` pair
+    ``[S, D]`` (float32; :func:`rotate_real`), or None (no RoPE). Returns two new contiguous ``[B, S, H, D]``
+    in the inputs' dtype. Raises ValueError on what :func:`unsupported_norm_rope` names.
+
+    >>> q, k = norm_rope(q, k, [attn.norm_q.weight, attn.norm_k.weight], [1e-6, 1e-6], (cos, sin), norm="torch")  # doctest: +SKIP
+    """
+    reason = unsupported_norm_rope(query, key, weights, freqs, norm)
     if reason is not None:
         raise ValueError(f"bcg_diffusion's attention prologue cannot take these tensors: {reason}")
     normed = [w for w in weights if w is not None]
-    return tuple(torch.ops.bcg_diffusion.norm_rope(query, key, normed, [float(e) for e in eps], freqs))
+    freqs, sin = _op_freqs(freqs)
+    eps = [float(e) for e in eps]
+    return tuple(torch.ops.bcg_diffusion.norm_rope(query, key, normed, eps, freqs, sin, norm == "torch"))
 
 
 def norm_rope_fp8(
@@ -317,9 +400,11 @@ def norm_rope_fp8(
     value: torch.Tensor,
     weights: Sequence[torch.Tensor | None],
     eps: Sequence[float],
-    freqs: torch.Tensor | None,
+    freqs: Freqs,
     query_descale: torch.Tensor,
     key_descale: torch.Tensor,
+    *,
+    norm: str = "diffusers",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`norm_rope` with the query and key written in float8 e4m3 for FP8 attention, and the value
     (``[B, S, H, D]`` like the query; read, not copied) reduced to its largest magnitude in the same pass.
@@ -330,13 +415,16 @@ def norm_rope_fp8(
     tensors and the value's largest magnitude (a float32 scalar; NaN where the value holds one). Raises
     ValueError on what :func:`unsupported_norm_rope_fp8` names."""
     descales = (query_descale, key_descale)
-    reason = unsupported_norm_rope_fp8(query, key, value, weights, freqs, descales)
+    reason = unsupported_norm_rope_fp8(query, key, value, weights, freqs, descales, norm)
     if reason is not None:
         raise ValueError(f"bcg_diffusion's attention prologue cannot take these tensors: {reason}")
     normed = [w for w in weights if w is not None]
     descales = tuple(d.reshape(()) for d in descales)
     eps = [float(e) for e in eps]
-    return tuple(torch.ops.bcg_diffusion.norm_rope_fp8(query, key, value, normed, eps, freqs, *descales))
+    freqs, sin = _op_freqs(freqs)
+    return tuple(
+        torch.ops.bcg_diffusion.norm_rope_fp8(query, key, value, normed, eps, freqs, *descales, sin, norm == "torch")
+    )
 
 
 # -- the plain-PyTorch reference ------------------------------------------------------------------------
@@ -367,12 +455,27 @@ def rotate(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
     return rotated.flatten(3).type_as(x)
 
 
+def rotate_real(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``x`` ``[B, S, H, D]`` rotated as diffusers' ``apply_rotary_emb(x, (cos, sin), sequence_dim=1)`` does
+    it (``use_real=True``, pairs interleaved: FLUX's), operation for operation: ``cos``, ``sin`` ``[S, D]``
+    (float32); each pair ``(a, b)`` of ``x`` rotated to ``(-b, a)``; ``x * cos + rotated * sin`` in float32,
+    back in ``x``'s dtype."""
+    cos, sin = cos[None, :, None, :], sin[None, :, None, :]
+    pairs = x.reshape(*x.shape[:-1], -1, 2)
+    rotated = torch.stack((-pairs[..., 1], pairs[..., 0]), dim=-1).flatten(3)
+    return (x.float() * cos + rotated.float() * sin).to(x.dtype)
+
+
 def _norm_rope_reference(
-    x: torch.Tensor, weight: torch.Tensor | None, eps: float, normed: bool, freqs: torch.Tensor | None
+    x: torch.Tensor, weight: torch.Tensor | None, eps: float, normed: bool, freqs: Freqs, norm: str
 ) -> torch.Tensor:
-    if normed:
-        x = rms_norm(x, weight, eps)
-    return x if freqs is None else rotate(x, freqs[..., : x.shape[1], :, :])
+    if normed:  # torch.nn.RMSNorm's rounding (FLUX's), or diffusers' RMSNorm's
+        x = torch.nn.functional.rms_norm(x, x.shape[-1:], weight, eps) if norm == "torch" else rms_norm(x, weight, eps)
+    if freqs is None:
+        return x
+    if isinstance(freqs, tuple):
+        return rotate_real(x, *(f[: x.shape[1]] for f in freqs))
+    return rotate(x, freqs[..., : x.shape[1], :, :])
 
 
 def reference_joint_qkv(
@@ -380,8 +483,10 @@ def reference_joint_qkv(
     text: Sequence[torch.Tensor],
     weights: Sequence[torch.Tensor | None],
     eps: Sequence[float],
-    freqs: tuple[torch.Tensor | None, torch.Tensor | None],
+    freqs: tuple[Freqs, Freqs],
     text_lengths: Sequence[int],
+    *,
+    norm: str = "diffusers",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`joint_qkv` in plain PyTorch (the same contract; rows before a group's valid text are
     zeros here)."""
@@ -392,8 +497,8 @@ def reference_joint_qkv(
     for index in range(3):
         image_part, text_part = image[index], text[index][:, : max(text_lengths)]
         if index < 2:
-            image_part = _norm_rope_reference(image_part, weights[index], eps[index], normed, freqs[0])
-            text_part = _norm_rope_reference(text_part, weights[2 + index], eps[2 + index], normed, freqs[1])
+            image_part = _norm_rope_reference(image_part, weights[index], eps[index], normed, freqs[0], norm)
+            text_part = _norm_rope_reference(text_part, weights[2 + index], eps[2 + index], normed, freqs[1], norm)
         shape = (batch, text_tokens + image_part.shape[1], *image_part.shape[2:])
         joint = image_part.new_zeros(shape)
         joint[:, text_tokens:] = image_part
@@ -410,14 +515,16 @@ def reference_joint_qkv_fp8(
     text: Sequence[torch.Tensor],
     weights: Sequence[torch.Tensor | None],
     eps: Sequence[float],
-    freqs: tuple[torch.Tensor | None, torch.Tensor | None],
+    freqs: tuple[Freqs, Freqs],
     text_lengths: Sequence[int],
     query_descale: torch.Tensor,
     key_descale: torch.Tensor,
+    *,
+    norm: str = "diffusers",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`joint_qkv_fp8` in plain PyTorch: query, key, value and ``value_largest`` (the same
     contract; rows before a group's valid text are zeros here)."""
-    query, key, value = reference_joint_qkv(image, text, weights, eps, freqs, text_lengths)
+    query, key, value = reference_joint_qkv(image, text, weights, eps, freqs, text_lengths, norm=norm)
     groups = group_slices(value, text_lengths, text[0].shape[1])
     largest = torch.stack([group.abs().amax().float() for group in groups])
     return quantize(query, query_descale), quantize(key, key_descale), value, largest
@@ -428,13 +535,15 @@ def reference_norm_rope(
     key: torch.Tensor,
     weights: Sequence[torch.Tensor | None],
     eps: Sequence[float],
-    freqs: torch.Tensor | None,
+    freqs: Freqs,
+    *,
+    norm: str = "diffusers",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`norm_rope` in plain PyTorch."""
     normed = any(w is not None for w in weights)
     outputs = []
     for index, x in enumerate((query, key)):
-        out = _norm_rope_reference(x, weights[index], eps[index], normed, freqs)
+        out = _norm_rope_reference(x, weights[index], eps[index], normed, freqs, norm)
         outputs.append(out.contiguous() if out is not x else x.clone(memory_format=torch.contiguous_format))
     return outputs[0], outputs[1]
 
@@ -445,22 +554,27 @@ def reference_norm_rope_fp8(
     value: torch.Tensor,
     weights: Sequence[torch.Tensor | None],
     eps: Sequence[float],
-    freqs: torch.Tensor | None,
+    freqs: Freqs,
     query_descale: torch.Tensor,
     key_descale: torch.Tensor,
+    *,
+    norm: str = "diffusers",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`norm_rope_fp8` in plain PyTorch."""
-    query, key = reference_norm_rope(query, key, weights, eps, freqs)
+    query, key = reference_norm_rope(query, key, weights, eps, freqs, norm=norm)
     return quantize(query, query_descale), quantize(key, key_descale), value.abs().amax().float()
 
 
 # -- the kernel's launch and the operators ----------------------------------------------------------------
 
 
-def _freq_strides(freqs: torch.Tensor | None, batch: int) -> tuple[int, int]:
-    """(batch stride, token stride) of frequencies ``[S, D/2, 2]`` or ``[B or 1, S, D/2, 2]``."""
+def _freq_strides(freqs: Freqs, batch: int) -> tuple[int, int]:
+    """(batch stride, token stride) of frequencies ``[S, D/2, 2]``, ``[B or 1, S, D/2, 2]`` or ``(cos, sin)``
+    ``[S, D]``."""
     if freqs is None:
         return 0, 0
+    if isinstance(freqs, tuple):
+        return 0, freqs[0].stride(0)
     if freqs.dim() == 3:
         return 0, freqs.stride(0)
     return (freqs.stride(0) if freqs.shape[0] == batch and batch > 1 else 0), freqs.stride(1)
@@ -471,23 +585,23 @@ def _launch(
     text: Sequence[torch.Tensor] | None,
     weights: Sequence[torch.Tensor],
     eps: Sequence[float],
-    freqs: tuple[torch.Tensor | None, torch.Tensor | None],
+    freqs: tuple[Freqs, Freqs],
     text_lengths: Sequence[int],
     outputs: Sequence[torch.Tensor | None],
     config: tuple[int, int] | None = None,
     fp8: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    norm: str = "diffusers",
 ) -> None:
     """Run the kernel: ``image`` (query, key, value or None), ``text`` likewise or None (no text stream);
     ``weights`` four (image q, k, text q, k) or two (no text) or none; ``outputs`` (query, key, value or
     None: the value is read, not copied) ``[B, S_text + S_image, H, D]`` with equal strides. ``fp8``:
     (query's descale, key's descale, the value's largest magnitude per group, zeros) for float8 query and
-    key outputs (see :func:`joint_qkv_fp8`). On CPU tensors it runs only in Triton's interpreter
-    (``TRITON_INTERPRET=1``)."""
+    key outputs (see :func:`joint_qkv_fp8`). ``norm``: one of :data:`NORMS`. On CPU tensors it runs only in
+    Triton's interpreter (``TRITON_INTERPRET=1``)."""
     import triton
 
     from . import _qk_prologue_triton as kernels
 
-    block_r, warps = config or _CONFIG
     q_img, k_img, v_img = image
     batch, seq_img, heads, head_dim = q_img.shape
     has_v = v_img is not None
@@ -502,10 +616,15 @@ def _launch(
         q_txt, k_txt, v_txt = text
         seq_txt = q_txt.shape[1]
     normed = len(weights) > 0
+    norm_kind = (2 if norm == "torch" else 1) if normed else 0  # as the kernel names them
     w = list(weights) if normed else [q_img] * 4  # unread without a norm: any pointer
     e = [float(x) for x in eps] if normed else [0.0] * 4
-    rope = freqs[0] is not None
-    f_img, f_txt = (freqs[0], freqs[1] if freqs[1] is not None else freqs[0]) if rope else (q_img, q_img)
+    rope = 0 if freqs[0] is None else 2 if isinstance(freqs[0], tuple) else 1  # as the kernel names them
+    block_r, warps = config or (_CONFIG_REAL if rope == 2 else _CONFIG)
+    f_img, s_img = _op_freqs(freqs[0]) if rope else (q_img, None)
+    f_txt, s_txt = _op_freqs(freqs[1]) if rope and freqs[1] is not None else (f_img, s_img)
+    s_img = s_img if s_img is not None else f_img  # unread but for (cos, sin) frequencies: any pointer
+    s_txt = s_txt if s_txt is not None else f_txt
     lengths = [*text_lengths, *[0] * (MAX_GROUPS - len(text_lengths))]
     rows_per_group = batch // len(text_lengths)
     out_q, out_k, out_v = outputs
@@ -520,13 +639,13 @@ def _launch(
     device = torch.cuda.device(q_img.device) if q_img.is_cuda else contextlib.nullcontext()  # CPU: interpreter
     with device:
         kernels.qk_prologue[grid](
-            q_img, k_img, v_img, w[0], w[1], f_img,
+            q_img, k_img, v_img, w[0], w[1], f_img, s_img,
             *strides(q_img), *strides(k_img), *strides(v_img), *_freq_strides(freqs[0], batch), e[0], e[1],
-            q_txt, k_txt, v_txt, w[2], w[3], f_txt,
+            q_txt, k_txt, v_txt, w[2], w[3], f_txt, s_txt,
             *strides(q_txt), *strides(k_txt), *strides(v_txt), *_freq_strides(freqs[1], batch), e[2], e[3],
             out_q, out_k, out_v, *strides(out_q), descale_q, descale_k, value_largest,
             heads, seq_img, seq_txt, txt_tiles, rows_per_group, *lengths,
-            HEAD_DIM=head_dim, BLOCK_R=block_r, HAS_V=has_v, STORE_V=store_v, NORM=normed, ROPE=rope,
+            HEAD_DIM=head_dim, BLOCK_R=block_r, HAS_V=has_v, STORE_V=store_v, NORM=norm_kind, ROPE=rope,
             FP8=fp8 is not None, num_warps=warps,
         )  # fmt: skip
 
@@ -548,13 +667,18 @@ def _joint_qkv_op(
     image_freqs: torch.Tensor | None,
     text_freqs: torch.Tensor | None,
     text_lengths: list[int],
+    image_sin: torch.Tensor | None = None,
+    text_sin: torch.Tensor | None = None,
+    torch_norm: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    image, text, freqs = (q_img, k_img, v_img), (q_txt, k_txt, v_txt), (image_freqs, text_freqs)
+    image, text = (q_img, k_img, v_img), (q_txt, k_txt, v_txt)
+    freqs = (_from_op_freqs(image_freqs, image_sin), _from_op_freqs(text_freqs, text_sin))
+    norm = NORMS[torch_norm]
     if not _use_triton(q_img):
         four = list(weights) if weights else [None] * 4
-        return reference_joint_qkv(image, text, four, eps or [0.0] * 4, freqs, text_lengths)
+        return reference_joint_qkv(image, text, four, eps or [0.0] * 4, freqs, text_lengths, norm=norm)
     outputs = _joint_empty(q_img, q_txt.shape[1])
-    _launch(image, text, weights, eps, freqs, text_lengths, outputs)
+    _launch(image, text, weights, eps, freqs, text_lengths, outputs, norm=norm)
     return outputs
 
 
@@ -569,7 +693,8 @@ def _joint_empty(q_img: torch.Tensor, text_tokens: int) -> tuple[torch.Tensor, t
 
 
 @_joint_qkv_op.register_fake
-def _(q_img, k_img, v_img, q_txt, k_txt, v_txt, weights, eps, image_freqs, text_freqs, text_lengths):  # noqa: ANN001, ANN202
+def _(q_img, k_img, v_img, q_txt, k_txt, v_txt, weights, eps, image_freqs, text_freqs, text_lengths,
+      image_sin=None, text_sin=None, torch_norm=False):  # noqa: ANN001, ANN202  # fmt: skip
     return _joint_empty(q_img, q_txt.shape[1])
 
 
@@ -588,17 +713,22 @@ def _joint_qkv_fp8_op(
     text_lengths: list[int],
     query_descale: torch.Tensor,
     key_descale: torch.Tensor,
+    image_sin: torch.Tensor | None = None,
+    text_sin: torch.Tensor | None = None,
+    torch_norm: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    image, text, freqs = (q_img, k_img, v_img), (q_txt, k_txt, v_txt), (image_freqs, text_freqs)
+    image, text = (q_img, k_img, v_img), (q_txt, k_txt, v_txt)
+    freqs = (_from_op_freqs(image_freqs, image_sin), _from_op_freqs(text_freqs, text_sin))
+    norm = NORMS[torch_norm]
     if not _use_triton(q_img):
         four = list(weights) if weights else [None] * 4
         return reference_joint_qkv_fp8(
-            image, text, four, eps or [0.0] * 4, freqs, text_lengths, query_descale, key_descale
+            image, text, four, eps or [0.0] * 4, freqs, text_lengths, query_descale, key_descale, norm=norm
         )
     query, key, value, largest = _joint_fp8_empty(q_img, q_txt.shape[1], len(text_lengths))
     largest.zero_()  # the kernel folds each tile's largest magnitude in by atomic max
     fp8 = (query_descale.contiguous(), key_descale.contiguous(), largest)
-    _launch(image, text, weights, eps, freqs, text_lengths, (query, key, value), fp8=fp8)
+    _launch(image, text, weights, eps, freqs, text_lengths, (query, key, value), fp8=fp8, norm=norm)
     return query, key, value, largest
 
 
@@ -611,24 +741,32 @@ def _joint_fp8_empty(
 
 
 @_joint_qkv_fp8_op.register_fake
-def _(q_img, k_img, v_img, q_txt, k_txt, v_txt, weights, eps, image_freqs, text_freqs, text_lengths, qd, kd):  # noqa: ANN001, ANN202
+def _(q_img, k_img, v_img, q_txt, k_txt, v_txt, weights, eps, image_freqs, text_freqs, text_lengths, qd, kd,
+      image_sin=None, text_sin=None, torch_norm=False):  # noqa: ANN001, ANN202  # fmt: skip
     return _joint_fp8_empty(q_img, q_txt.shape[1], len(text_lengths))
 
 
 @torch.library.custom_op("bcg_diffusion::norm_rope", mutates_args=())
 def _norm_rope_op(
-    query: torch.Tensor, key: torch.Tensor, weights: list[torch.Tensor], eps: list[float], freqs: torch.Tensor | None
+    query: torch.Tensor,
+    key: torch.Tensor,
+    weights: list[torch.Tensor],
+    eps: list[float],
+    freqs: torch.Tensor | None,
+    sin: torch.Tensor | None = None,
+    torch_norm: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    freqs, norm = _from_op_freqs(freqs, sin), NORMS[torch_norm]
     if not _use_triton(query):
         two = list(weights) if weights else [None, None]
-        return reference_norm_rope(query, key, two, eps or [0.0, 0.0], freqs)
+        return reference_norm_rope(query, key, two, eps or [0.0, 0.0], freqs, norm=norm)
     out_q, out_k = (query.new_empty(query.shape) for _ in range(2))
-    _launch((query, key, None), None, weights, eps, (freqs, None), [0], (out_q, out_k, None))
+    _launch((query, key, None), None, weights, eps, (freqs, None), [0], (out_q, out_k, None), norm=norm)
     return out_q, out_k
 
 
 @_norm_rope_op.register_fake
-def _(query, key, weights, eps, freqs):  # noqa: ANN001, ANN202
+def _(query, key, weights, eps, freqs, sin=None, torch_norm=False):  # noqa: ANN001, ANN202
     return tuple(query.new_empty(query.shape) for _ in range(2))
 
 
@@ -642,14 +780,19 @@ def _norm_rope_fp8_op(
     freqs: torch.Tensor | None,
     query_descale: torch.Tensor,
     key_descale: torch.Tensor,
+    sin: torch.Tensor | None = None,
+    torch_norm: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    freqs, norm = _from_op_freqs(freqs, sin), NORMS[torch_norm]
     if not _use_triton(query):
         two = list(weights) if weights else [None, None]
-        return reference_norm_rope_fp8(query, key, value, two, eps or [0.0, 0.0], freqs, query_descale, key_descale)
+        return reference_norm_rope_fp8(
+            query, key, value, two, eps or [0.0, 0.0], freqs, query_descale, key_descale, norm=norm
+        )
     out_q, out_k, largest = _norm_rope_fp8_empty(query)
     largest.zero_()  # the kernel folds each tile's largest value magnitude in by atomic max
     fp8 = (query_descale.contiguous(), key_descale.contiguous(), largest)
-    _launch((query, key, value), None, weights, eps, (freqs, None), [0], (out_q, out_k, None), fp8=fp8)
+    _launch((query, key, value), None, weights, eps, (freqs, None), [0], (out_q, out_k, None), fp8=fp8, norm=norm)
     return out_q, out_k, largest
 
 
@@ -659,5 +802,5 @@ def _norm_rope_fp8_empty(query: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
 
 
 @_norm_rope_fp8_op.register_fake
-def _(query, key, value, weights, eps, freqs, query_descale, key_descale):  # noqa: ANN001, ANN202
+def _(query, key, value, weights, eps, freqs, query_descale, key_descale, sin=None, torch_norm=False):  # noqa: ANN001, ANN202
     return _norm_rope_fp8_empty(query)

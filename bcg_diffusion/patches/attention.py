@@ -72,6 +72,7 @@ __all__ = [
     "FUSED_QKV_ATTRIBUTE",
     "FUSED_QKV_PROCESSORS",
     "TAKES_FP8_ROWS",
+    "choose_qk_prologue",
     "cudnn_attention_unsupported",
     "dispatch_attention_fn",
     "qwen_joint_attention_per_group",
@@ -275,6 +276,21 @@ FUSED_QKV_PROCESSORS = ("ZSingleStreamAttnProcessor",)
 # attends per group (:func:`qwen_per_group_lengths`).
 TAKES_FP8_ROWS = "_bcg_takes_fp8_rows"
 _TRITON = triton_available() and untested_triton() is None  # once: compiled code must not trace importlib
+
+
+def choose_qk_prologue(model: torch.nn.Module, choice: str) -> int:
+    """Set how fast mode computes attention's prologue (:data:`QK_PROLOGUE_ATTRIBUTE`: one of
+    :data:`QK_PROLOGUES` or ``"auto"``) on every attention module of ``model`` (each module holding a
+    processor), before ``accelerate``; returns how many. Raises ValueError for another choice.
+
+    >>> choose_qk_prologue(pipe.transformer, "compiled")  # inductor's kernels, to compare  # doctest: +SKIP
+    """
+    if choice not in (*QK_PROLOGUES, "auto"):
+        raise ValueError(f"attention prologue {choice!r}: expected one of {(*QK_PROLOGUES, 'auto')}")
+    modules = [module for module in model.modules() if "processor" in module.__dict__]
+    for module in modules:
+        setattr(module, QK_PROLOGUE_ATTRIBUTE, choice)
+    return len(modules)
 
 
 def _choice(attn: torch.nn.Module, attribute: str, default: Any, allowed: tuple[Any, ...]) -> Any:

@@ -49,6 +49,9 @@ TESTED = {"diffusers": ("0.42.0", "0.42.1"), "cache-dit": ("1.5.3",)}
 
 _QI = "diffusers.models.transformers.transformer_qwenimage"
 _ZI = "diffusers.models.transformers.transformer_z_image"
+_FLUX = "diffusers.models.transformers.transformer_flux"
+_FLUX2 = "diffusers.models.transformers.transformer_flux2"
+_ROTARY = "diffusers.models.embeddings.apply_rotary_emb"
 _RMS_NORM = "diffusers.models.normalization.RMSNorm.forward"
 _DISPATCH = "diffusers.models.attention_dispatch.dispatch_attention_fn"
 _QWEN_PROCESSOR = f"{_QI}.QwenDoubleStreamAttnProcessor2_0.__call__"
@@ -103,9 +106,24 @@ FOLLOWED: dict[str, dict[str, str]] = {
         _Z_FEED_FORWARD[0]: "1e3484a026a24699",
         _Z_FEED_FORWARD[1]: "4af06261e665f60e",
     },
-    "flux fp8 single block": {
-        "diffusers.models.transformers.transformer_flux.FluxSingleTransformerBlock.forward": "57350a6dab842b40"
+    "flux attention (fused prologue)": {
+        f"{_FLUX}.FluxAttnProcessor.__call__": "d5b36134887ebe45",
+        f"{_FLUX}._get_qkv_projections": "418c2abca63c6225",
+        _ROTARY: "a25267d425f8c5ea",
+        _DISPATCH: "cd20137f05eb6b2b",
     },
+    "flux2 attention (fused prologue)": {
+        f"{_FLUX2}.Flux2AttnProcessor.__call__": "2106c36979e28f30",
+        f"{_FLUX2}._get_qkv_projections": "d5cc5f876e36a190",
+        _ROTARY: "a25267d425f8c5ea",
+        _DISPATCH: "cd20137f05eb6b2b",
+    },
+    "flux2 single-stream attention (fused prologue)": {
+        f"{_FLUX2}.Flux2ParallelSelfAttnProcessor.__call__": "18a20dca47451835",
+        _ROTARY: "a25267d425f8c5ea",
+        _DISPATCH: "cd20137f05eb6b2b",
+    },
+    "flux fp8 single block": {f"{_FLUX}.FluxSingleTransformerBlock.forward": "57350a6dab842b40"},
     "gelu epilogue": {_GELU[0]: "538b05d6963a325c", _GELU[1]: "d203f2720ee05f35"},
     "vae decoder (fused)": {
         "diffusers.models.resnet.ResnetBlock2D.forward": "e3f38e1722955caf",

@@ -15,6 +15,7 @@ from diffusers.models.attention_dispatch import _AttentionBackendRegistry
 from ..core.hooks import MethodPatches
 from ..features.cfg_batching import CfgBatchSpec
 from ..patches import FunctionPatch
+from ..patches.flux_attention import FLUX_ATTENTION_PATCHES
 from ..patches.scoped import ProcessorPatch
 
 __all__ = ["PipelineAdapter", "WarmupRequest", "attention_backend_key", "vae_layout_key"]
@@ -95,8 +96,9 @@ class PipelineAdapter:
     # What ``components=None`` accelerates: the components this family was measured faster with.
     default_components: tuple[str, ...] = ("transformer", "transformer_2", "vae")
     patches: tuple[FunctionPatch, ...] = ()
-    # Fast mode only: patches that compile better but round differently, scoped to the accelerated model.
-    fast_patches: tuple[ProcessorPatch, ...] = ()
+    # Fast mode only: patches that compile better but round differently, scoped to the accelerated model. Each
+    # applies to the processors of its class wherever they are: FLUX.1's and FLUX.2's for any pipeline.
+    fast_patches: tuple[ProcessorPatch, ...] = FLUX_ATTENTION_PATCHES
     # Fast mode: how the transformer's cond and uncond calls of a step batch (None: they do not), and the
     # pipeline classes whose calls were checked to fit it (None: the tested classes).
     cfg_batch: CfgBatchSpec | None = None
