@@ -154,3 +154,25 @@ def test_full_size_wan_decoder_fused_is_near_eager_and_replays_its_bytes():
     print(f"\nWan decoder fused {counts}: PSNR {psnr:.1f} dB against eager")
     assert counts["resnets"] == 14 and counts["upsamplers"] == 3
     assert psnr > 35.0, psnr
+
+
+def test_full_size_qwenimage_decoder_fused_is_near_eager_and_replays_its_bytes():
+    """Qwen-Image's VAE (diffusers' copy of Wan 2.1's, its published config with random weights) decoding one
+    1024² image, as Qwen-Image and its Edit variants do."""
+    from functools import partial
+
+    from diffusers import AutoencoderKLQwenImage
+
+    from bcg_diffusion.patches.wan_vae_decoder import fuse_decoder as fuse_causal_decoder
+    from bench.coverage_models import _random_model
+
+    vae = _random_model(partial(
+        AutoencoderKLQwenImage, base_dim=96, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2, attn_scales=[],
+        temperal_downsample=[False, True, True], dropout=0.0,
+    ), "vae", torch.device("cuda")).to(torch.bfloat16)  # fmt: skip
+    latents = torch.randn(1, 16, 1, 128, 128, device="cuda", dtype=torch.bfloat16)
+    fused, eager_image, counts = _fused_near_eager_and_replayed(vae, latents, fuse_causal_decoder)
+    psnr = _psnr(fused, eager_image)
+    print(f"\nQwen-Image decoder fused {counts}: PSNR {psnr:.1f} dB against eager")
+    assert counts["resnets"] == 14 and counts["upsamplers"] == 3
+    assert psnr > 35.0, psnr

@@ -135,3 +135,71 @@ def test_fast_mode_fuses_a_wan_pipelines_decoder_and_replays_its_bytes(monkeypat
     finally:
         restore(pipe)
     assert not any("forward" in module.__dict__ for module in pipe.vae.decoder.modules())
+
+
+# -- Qwen-Image's VAE: diffusers' copy of Wan 2.1's under other names -------------------------------------
+
+QWEN = {"base_dim": 8, "z_dim": 4, "dim_mult": [1, 2, 2, 2], "num_res_blocks": 1}
+
+
+def _qwen_vae() -> torch.nn.Module:
+    from diffusers import AutoencoderKLQwenImage
+
+    torch.manual_seed(0)
+    vae = AutoencoderKLQwenImage(**QWEN).eval()
+    with torch.no_grad():
+        for parameter in vae.parameters():
+            parameter.normal_(0.0, 0.3)
+    return vae
+
+
+@pytest.mark.parametrize("frames", [1, 3], ids=["an image", "a video"])
+def test_fused_qwenimage_decoder_decodes_as_diffusers_and_undo_gives_everything_back(frames):
+    """Qwen-Image decodes one latent frame (an image); the cache paths of several frames run too."""
+    from bcg_diffusion.patches.wan_vae_decoder import qwenimage_fusable
+
+    vae = _qwen_vae()
+    latents = torch.randn(1, QWEN["z_dim"], frames, 4, 6, generator=torch.Generator().manual_seed(1))
+    assert qwenimage_fusable(vae.decoder) and not fusable(vae.decoder)
+    assert not qwenimage_fusable(_vae(WAN21).decoder)
+    with torch.no_grad():
+        expected = vae.decode(latents).sample
+        patches = MethodPatches()
+        counts = fuse_decoder(vae.decoder, patches)
+        got = vae.decode(latents).sample
+        assert got.is_contiguous()
+        torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-4)  # float32, rounded elsewhere
+        with torch.enable_grad():  # the originals under autograd
+            assert torch.equal(vae.decode(latents).sample, expected)
+        patches.undo()
+        assert torch.equal(vae.decode(latents).sample, expected)
+    assert counts["upsamplers"] == 3 and counts["norms"] == 1 and counts["resnets"] == 10
+    assert not any("forward" in module.__dict__ for module in vae.decoder.modules())
+    vae.decoder.up_blocks[0].resnets[0].forward = lambda *args, **kwargs: None
+    assert not qwenimage_fusable(vae.decoder)
+
+
+@pytest.mark.filterwarnings("ignore:.*falls back to graphs of the eager blocks")  # the VAE alone, on purpose
+def test_fast_mode_fuses_a_qwenimage_pipelines_decoder_and_replays_its_bytes(monkeypatch):
+    from _cases import tiny_pipeline
+
+    from bcg_diffusion.patches.wan_vae_decoder import QWENIMAGE_VAE_FUSED_PATCH
+
+    monkeypatch.setattr(vae_decoder, "triton_unavailable", lambda device: None)  # the references run
+    pipe = tiny_pipeline("qwen-image")
+
+    def call() -> torch.Tensor:
+        return pipe(prompt="a fox", height=32, width=32, num_inference_steps=2, output_type="pt",
+                    generator=torch.Generator().manual_seed(0)).images  # fmt: skip
+
+    plain = call()
+    accelerate(pipe, mode="fast", components=("vae",), debug=True)
+    try:
+        assert QWENIMAGE_VAE_FUSED_PATCH in stats(pipe)["patches"]
+        fast = call()
+        with eager(pipe):  # the fused decoder without graphs: what fast mode must equal
+            assert torch.equal(fast, call())
+        torch.testing.assert_close(fast, plain, atol=1e-4, rtol=1e-4)
+    finally:
+        restore(pipe)
+    assert not any("forward" in module.__dict__ for module in pipe.vae.decoder.modules())

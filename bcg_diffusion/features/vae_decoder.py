@@ -22,10 +22,11 @@ What fast mode does to the decoder is a choice (:func:`choose`, before ``acceler
   and the convolutions' biases, and each resnet block's residual, in kernels of our own
   (:mod:`bcg_diffusion.patches.vae_decoder`). Nothing is compiled by inductor; its first use builds
   about two dozen small Triton kernels, which Triton's cache keeps. Where the decoder is diffusers'
-  2-D ``Decoder`` on a CUDA device with Triton. Wan's causal 3-D ``WanDecoder3d`` (Wan 2.1 and 2.2) gets
-  its own: channels-last, each RMS norm with its SiLU one kernel, convolutions padding for themselves
-  (:mod:`bcg_diffusion.patches.wan_vae_decoder`). Elsewhere (Qwen-Image's 3-D decoder, a CPU) fast
-  mode takes ``"patched"``.
+  2-D ``Decoder`` on a CUDA device with Triton. Wan's causal 3-D ``WanDecoder3d`` (Wan 2.1 and 2.2) and
+  Qwen-Image's copy of it (``QwenImageDecoder3d``: Qwen-Image and its Edit variants) get their own:
+  channels-last, each RMS norm with its SiLU one kernel, convolutions padding for themselves
+  (:mod:`bcg_diffusion.patches.wan_vae_decoder`). Elsewhere (another decoder, a CPU) fast mode takes
+  ``"patched"``.
 * ``"patched"``: the group norms of :mod:`bcg_diffusion.patches.group_norm` (moments from one parallel
   reduction), everything else eager.
 * ``"compiled"``: the whole ``forward`` compiled by inductor with static shapes, where the decoder is
@@ -54,7 +55,7 @@ from ..kernels import triton_unavailable
 from ..patches.followed import installable
 from ..patches.group_norm import VAE_GROUP_NORM_PATCH, patch_group_norms
 from ..patches.vae_decoder import VAE_FUSED_PATCH, fusable, fuse_decoder
-from ..patches.wan_vae_decoder import WAN_VAE_FUSED_PATCH
+from ..patches.wan_vae_decoder import QWENIMAGE_VAE_FUSED_PATCH, WAN_VAE_FUSED_PATCH, qwenimage_fusable
 from ..patches.wan_vae_decoder import fusable as wan_fusable
 from ..patches.wan_vae_decoder import fuse_decoder as fuse_wan_decoder
 from .base import Feature, Setup
@@ -95,6 +96,7 @@ def _compilable(decoder: Any) -> bool:
 _FUSED_DECODERS: tuple[tuple[Callable[[Any], bool], str, Callable[..., dict[str, int]], str], ...] = (
     (fusable, "vae decoder (fused)", fuse_decoder, VAE_FUSED_PATCH),
     (wan_fusable, "wan vae decoder (fused)", fuse_wan_decoder, WAN_VAE_FUSED_PATCH),
+    (qwenimage_fusable, "qwenimage vae decoder (fused)", fuse_wan_decoder, QWENIMAGE_VAE_FUSED_PATCH),
 )
 
 

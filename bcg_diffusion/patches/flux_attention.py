@@ -153,20 +153,15 @@ def _fused_fp8(
     descales = tuple(cudnn_fp8_attention.descale(bound) for bound in bounds)
     if text is None:
         query, key, value = image
-        if (
-            qk_prologue.unsupported_norm_rope_fp8(query, key, value, weights, freqs, descales, norm="torch")
-            is not None
-        ):
+        reason = qk_prologue.unsupported_norm_rope_fp8(query, key, value, weights, freqs, descales, norm="torch")
+        if reason is not None:
             return None
         query8, key8, largest = qk_prologue.norm_rope_fp8(
             query, key, value, weights, eps, freqs, *descales, norm="torch"
         )
         return query8, key8, *descales, value, largest
     stream_freqs, lengths = _streams(freqs, text[0].shape[1])
-    if (
-        qk_prologue.unsupported_joint_fp8(image, text, weights, stream_freqs, lengths, descales, norm="torch")
-        is not None
-    ):
+    if qk_prologue.unsupported_joint_fp8(image, text, weights, stream_freqs, lengths, descales, norm="torch"):
         return None
     fused = qk_prologue.joint_qkv_fp8(image, text, weights, eps, stream_freqs, lengths, *descales, norm="torch")
     return fused.query, fused.key, fused.query_descale, fused.key_descale, fused.value, fused.value_largest[0]
@@ -203,9 +198,7 @@ def _diffusers_attention(
     return dispatch(query, key, value, attn_mask=attention_mask, **options)
 
 
-def _attention(
-    call: Callable[..., Any],
-) -> Callable[..., torch.Tensor]:
+def _attention(call: Callable[..., Any]) -> Callable[..., torch.Tensor]:
     """Attention from the projections for the processor whose (possibly FP8-scoped) ``__call__`` is ``call``:
     through the fused prologue where :func:`_fused_attention` takes the call, else diffusers' steps, each with
     the names ``dispatch_attention_fn`` and ``apply_rotary_emb`` as ``call``'s module binds them."""
@@ -229,56 +222,35 @@ def _attention(
     return attention
 
 
-def _two_stream_attention(
-    processor: Any,
-    attn: torch.nn.Module,
-    attention: Callable[..., torch.Tensor],
-    get_qkv_projections: Callable[..., tuple],
-    hidden_states: torch.Tensor,
-    encoder_hidden_states: torch.Tensor | None,
-    attention_mask: torch.Tensor | None,
-    image_rotary_emb: Any,
-) -> torch.Tensor:
-    """The part FLUX.1's and FLUX.2's two-stream processors share: projections, attention, its output
-    ``[B, S, H * D]`` in the projections' dtype (the text's rows first where there is a text stream)."""
-    query, key, value, encoder_query, encoder_key, encoder_value = get_qkv_projections(
-        attn, hidden_states, encoder_hidden_states
-    )
-    image = _heads(attn, query, key, value)
-    text = _heads(attn, encoder_query, encoder_key, encoder_value) if attn.added_kv_proj_dim is not None else None
-    out = attention(processor, attn, image, text, attention_mask, image_rotary_emb)
-    return out.flatten(2, 3).to(image[0].dtype)
-
-
 def _split(hidden_states: torch.Tensor, text_tokens: int) -> list[torch.Tensor]:
     return hidden_states.split_with_sizes([text_tokens, hidden_states.shape[1] - text_tokens], dim=1)
 
 
-def _flux_call(call: Callable[..., Any]) -> Callable[..., Any]:
-    """A ``__call__`` for ``FluxAttnProcessor``: diffusers' (0.42), with attention through :func:`_attention`."""
-    attention, get_qkv_projections = _attention(call), call.__globals__["_get_qkv_projections"]
+def _flux_outputs(attn: torch.nn.Module, hidden_states: torch.Tensor, encoder_hidden_states: Any) -> Any:
+    """``FluxAttnProcessor``'s end (diffusers 0.42): a single stream's attention output as it is; with a text
+    stream, each stream's output projection."""
+    if encoder_hidden_states is None:
+        return hidden_states
+    encoder_hidden_states, hidden_states = _split(hidden_states, encoder_hidden_states.shape[1])
+    hidden_states = attn.to_out[1](attn.to_out[0](hidden_states.contiguous()))
+    return hidden_states, attn.to_add_out(encoder_hidden_states.contiguous())
 
-    def __call__(
-        self: Any,
-        attn: torch.nn.Module,
-        hidden_states: torch.Tensor,
-        encoder_hidden_states: torch.Tensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        image_rotary_emb: Any = None,
-    ) -> Any:
-        args = (hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb)
-        hidden_states = _two_stream_attention(self, attn, attention, get_qkv_projections, *args)
-        if encoder_hidden_states is None:
-            return hidden_states
+
+def _flux2_outputs(attn: torch.nn.Module, hidden_states: torch.Tensor, encoder_hidden_states: Any) -> Any:
+    """``Flux2AttnProcessor``'s end (diffusers 0.42): the image's output projection always, the text's where
+    there is a text stream."""
+    if encoder_hidden_states is not None:
         encoder_hidden_states, hidden_states = _split(hidden_states, encoder_hidden_states.shape[1])
-        hidden_states = attn.to_out[1](attn.to_out[0](hidden_states.contiguous()))
-        return hidden_states, attn.to_add_out(encoder_hidden_states.contiguous())
+        encoder_hidden_states = attn.to_add_out(encoder_hidden_states)
+    hidden_states = attn.to_out[1](attn.to_out[0](hidden_states))
+    return hidden_states if encoder_hidden_states is None else (hidden_states, encoder_hidden_states)
 
-    return __call__
 
-
-def _flux2_call(call: Callable[..., Any]) -> Callable[..., Any]:
-    """A ``__call__`` for ``Flux2AttnProcessor``: diffusers' (0.42), with attention through :func:`_attention`."""
+def _two_stream_call(
+    call: Callable[..., Any], outputs: Callable[[torch.nn.Module, torch.Tensor, Any], Any]
+) -> Callable[..., Any]:
+    """A ``__call__`` for ``FluxAttnProcessor`` or ``Flux2AttnProcessor`` (``outputs``: its end): diffusers'
+    (0.42), with attention from the projections through :func:`_attention`."""
     attention, get_qkv_projections = _attention(call), call.__globals__["_get_qkv_projections"]
 
     def __call__(
@@ -289,13 +261,14 @@ def _flux2_call(call: Callable[..., Any]) -> Callable[..., Any]:
         attention_mask: torch.Tensor | None = None,
         image_rotary_emb: Any = None,
     ) -> Any:
-        args = (hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb)
-        hidden_states = _two_stream_attention(self, attn, attention, get_qkv_projections, *args)
-        if encoder_hidden_states is not None:
-            encoder_hidden_states, hidden_states = _split(hidden_states, encoder_hidden_states.shape[1])
-            encoder_hidden_states = attn.to_add_out(encoder_hidden_states)
-        hidden_states = attn.to_out[1](attn.to_out[0](hidden_states))
-        return hidden_states if encoder_hidden_states is None else (hidden_states, encoder_hidden_states)
+        query, key, value, encoder_query, encoder_key, encoder_value = get_qkv_projections(
+            attn, hidden_states, encoder_hidden_states
+        )
+        image = _heads(attn, query, key, value)
+        joint = attn.added_kv_proj_dim is not None
+        text = _heads(attn, encoder_query, encoder_key, encoder_value) if joint else None
+        out = attention(self, attn, image, text, attention_mask, image_rotary_emb)
+        return outputs(attn, out.flatten(2, 3).to(image[0].dtype), encoder_hidden_states)
 
     return __call__
 
@@ -327,8 +300,8 @@ def _parallel_call(call: Callable[..., Any]) -> Callable[..., Any]:
 
 
 _CALLS = {
-    "FluxAttnProcessor": _flux_call,
-    "Flux2AttnProcessor": _flux2_call,
+    "FluxAttnProcessor": lambda call: _two_stream_call(call, _flux_outputs),
+    "Flux2AttnProcessor": lambda call: _two_stream_call(call, _flux2_outputs),
     "Flux2ParallelSelfAttnProcessor": _parallel_call,
 }
 FLUX_ATTENTION_PATCHES = tuple(

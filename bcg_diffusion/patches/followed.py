@@ -61,6 +61,7 @@ _FLUX_FEED_FORWARD = "diffusers.models.attention.FeedForward.forward"
 _Z_FEED_FORWARD = (f"{_ZI}.FeedForward.forward", f"{_ZI}.FeedForward._forward_silu_gating")
 _HOOKS = "diffusers.hooks"
 _WAN_VAE = "diffusers.models.autoencoders.autoencoder_kl_wan"
+_QWEN_VAE = "diffusers.models.autoencoders.autoencoder_kl_qwenimage"
 _CACHE_DIT = "cache_dit.caching"
 
 # patch name -> {dotted path of a function it depends on: its digest in the tested versions}
@@ -137,6 +138,14 @@ FOLLOWED: dict[str, dict[str, str]] = {
         f"{_WAN_VAE}.WanResample.forward": "3c0b8933703e5d76",
         f"{_WAN_VAE}.WanResidualBlock.forward": "82e9104df2acf11a",
         f"{_WAN_VAE}.WanDecoder3d.forward": "927efe06256e3b6d",
+    },
+    "qwenimage vae decoder (fused)": {
+        f"{_QWEN_VAE}.QwenImageCausalConv3d.forward": "afffb99acd515ba2",
+        f"{_QWEN_VAE}.QwenImageRMS_norm.forward": "fc44101b65138738",
+        f"{_QWEN_VAE}.QwenImageUpsample.forward": "8623452f43a3b2cf",
+        f"{_QWEN_VAE}.QwenImageResample.forward": "a9353b4101ae915c",
+        f"{_QWEN_VAE}.QwenImageResidualBlock.forward": "fbb57ee09695bcd6",
+        f"{_QWEN_VAE}.QwenImageDecoder3d.forward": "15e80f12b5d26379",
     },
     # both modes: Z-Image's captions padded to buckets of 32 tokens, the pad masks passed through patchify
     "zimage caption buckets": {

@@ -1,4 +1,5 @@
-"""Fast mode's Wan VAE decoder: channels-last activations, each norm with its SiLU one pass.
+"""Fast mode's Wan VAE decoder, and Qwen-Image's copy of it: channels-last activations, each norm with its
+SiLU one pass.
 
 Wan's causal 3-D VAE (``AutoencoderKLWan``: Wan 2.1, Wan 2.2 and the pipelines built on them) decodes a video one
 latent frame at a time, each convolution taking the last frames of the previous one from a cache. At 832×480,
@@ -24,6 +25,11 @@ back around every convolution, and each upsampling goes through float32 at four 
 * each ``WanResample`` upsampling interleaves the time convolution's two halves in one channels-last
   copy and upsamples by two in bf16 (nearest: the same bytes as eager's round trip through float32).
 
+Qwen-Image's VAE (``AutoencoderKLQwenImage``: Qwen-Image and its Edit variants) is diffusers' copy of Wan 2.1's
+under other names (``QwenImageDecoder3d``, ``QwenImageResidualBlock``...), decoding an image as one latent
+frame; its decoder's up blocks take no ``first_chunk``. Each family's classes are one :class:`_Family`, and
+everything above serves both.
+
 The cache bookkeeping (which convolution reads which cache entry, what each keeps for the next chunk)
 is diffusers' own, copied; :mod:`~bcg_diffusion.patches.followed` checks that code before installing.
 Each patched forward runs the original where it cannot serve a call (autograd on, training mode). The
@@ -36,7 +42,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -44,16 +50,41 @@ import torch.nn.functional as F
 from ..core.hooks import MethodPatches
 from ..kernels.vae_glue import channel_rms_norm, residual_sum, upsample_nearest2x
 
-__all__ = ["WAN_VAE_FUSED_PATCH", "fusable", "fuse_decoder"]
+__all__ = ["QWENIMAGE_VAE_FUSED_PATCH", "WAN_VAE_FUSED_PATCH", "fusable", "fuse_decoder", "qwenimage_fusable"]
 
 WAN_VAE_FUSED_PATCH = "wan vae decoder fused (channels-last)"  # its name in stats()["patches"]
+QWENIMAGE_VAE_FUSED_PATCH = "qwen-image vae decoder fused (channels-last)"
 _CL = torch.channels_last_3d
 
 
-def _wan() -> Any:
-    from diffusers.models.autoencoders import autoencoder_kl_wan
+class _Family(NamedTuple):
+    """One family of diffusers' causal 3-D VAE classes: Wan's, or Qwen-Image's copy of them."""
 
-    return autoencoder_kl_wan
+    module: Any  # diffusers' module holding them (its CACHE_T: how many frames a causal convolution keeps)
+    conv: type
+    norm: type
+    upsample: type
+    resample: type
+    residual: type
+    decoder: type
+    first_chunk: bool  # whether the decoder's up blocks take ``first_chunk`` (Wan's: Wan 2.2's residual blocks)
+
+
+@functools.cache
+def _families() -> tuple[_Family, _Family]:
+    from diffusers.models.autoencoders import autoencoder_kl_qwenimage as qwen
+    from diffusers.models.autoencoders import autoencoder_kl_wan as wan
+
+    return (
+        _Family(wan, wan.WanCausalConv3d, wan.WanRMS_norm, wan.WanUpsample, wan.WanResample, wan.WanResidualBlock,
+                wan.WanDecoder3d, True),
+        _Family(qwen, qwen.QwenImageCausalConv3d, qwen.QwenImageRMS_norm, qwen.QwenImageUpsample,
+                qwen.QwenImageResample, qwen.QwenImageResidualBlock, qwen.QwenImageDecoder3d, False),
+    )  # fmt: skip
+
+
+def _family_of(decoder: Any) -> _Family | None:
+    return next((family for family in _families() if type(decoder) is family.decoder), None)
 
 
 def _own_forward(module: Any) -> bool:
@@ -63,31 +94,39 @@ def _own_forward(module: Any) -> bool:
 def fusable(decoder: Any) -> bool:
     """Whether ``decoder`` is diffusers' ``WanDecoder3d`` with its own forwards, SiLU as its activation and
     upsampling by nearest-exact ×2 then a convolution (every released Wan VAE)."""
-    wan = _wan()
-    if type(decoder) is not wan.WanDecoder3d or type(decoder.nonlinearity) is not torch.nn.SiLU:
+    return type(decoder) is _families()[0].decoder and _fits(decoder, _families()[0])
+
+
+def qwenimage_fusable(decoder: Any) -> bool:
+    """:func:`fusable` for Qwen-Image's ``QwenImageDecoder3d`` (Qwen-Image's VAE and its Edit variants')."""
+    return type(decoder) is _families()[1].decoder and _fits(decoder, _families()[1])
+
+
+def _fits(decoder: Any, family: _Family) -> bool:
+    if type(decoder.nonlinearity) is not torch.nn.SiLU:
         return False
     for module in decoder.modules():
         if not _own_forward(module):
             return False
-        if isinstance(module, wan.WanResidualBlock) and type(module.nonlinearity) is not torch.nn.SiLU:
+        if isinstance(module, family.residual) and type(module.nonlinearity) is not torch.nn.SiLU:
             return False
-        if isinstance(module, wan.WanRMS_norm) and not (
+        if isinstance(module, family.norm) and not (
             module.channel_first and (isinstance(module.bias, torch.Tensor) or module.bias == 0.0)
         ):
             return False
-        if isinstance(module, wan.WanResample) and not _plain_resample(module):
+        if isinstance(module, family.resample) and not _plain_resample(module, family):
             return False
-        if isinstance(module, wan.WanCausalConv3d) and not _plain_conv(module):
+        if isinstance(module, family.conv) and not _plain_conv(module):
             return False
     return True
 
 
-def _plain_resample(block: Any) -> bool:
+def _plain_resample(block: Any, family: _Family) -> bool:
     if block.mode not in ("upsample2d", "upsample3d"):
         return False
     upsample, conv = block.resample
     return (
-        type(upsample) is _wan().WanUpsample
+        type(upsample) is family.upsample
         and upsample.mode == "nearest-exact"
         and upsample.size is None
         and tuple(upsample.scale_factor) == (2.0, 2.0)
@@ -127,11 +166,11 @@ def _join_frames(parts: list[torch.Tensor], zeros: int) -> torch.Tensor:
     return out
 
 
-def _last_frames(x: torch.Tensor, cached: Any) -> torch.Tensor:
+def _last_frames(x: torch.Tensor, cached: Any, family: _Family) -> torch.Tensor:
     """What a causal convolution keeps for the next chunk: ``x``'s last two frames; before a single one, the
     cached last frame, or a frame of zeros after the time upsampling's first chunk (its ``"Rep"`` marker)
     (diffusers' ``cache_x``)."""
-    cache_x = x[:, :, -_wan().CACHE_T :]
+    cache_x = x[:, :, -family.module.CACHE_T :]
     if cache_x.shape[2] < 2 and isinstance(cached, torch.Tensor):
         return _join_frames([cached[:, :, -1:], cache_x], 0)
     if cache_x.shape[2] < 2 and isinstance(cached, str):
@@ -173,42 +212,41 @@ def _causal_conv_forward(conv: Any) -> Callable[..., torch.Tensor]:
 
 
 def _cached_conv(
-    conv: Any, x: torch.Tensor, feat_cache: list | None, feat_idx: list[int], bias: bool = True
+    conv: Any, x: torch.Tensor, feat_cache: list | None, feat_idx: list[int], family: _Family, bias: bool = True
 ) -> torch.Tensor:
     """A causal convolution as diffusers' blocks call it: with the cache entry at ``feat_idx[0]``, which it
     replaces by what the next chunk needs (no cache: plain). ``bias=False``: without its bias."""
     if feat_cache is None:
         return _causal_conv(conv, x, None, bias)
     idx = feat_idx[0]
-    cache_x = _last_frames(x, feat_cache[idx])
+    cache_x = _last_frames(x, feat_cache[idx], family)
     x = _causal_conv(conv, x, feat_cache[idx], bias)
     feat_cache[idx] = cache_x
     feat_idx[0] += 1
     return x
 
 
-def _residual_forward(block: Any) -> Callable[..., torch.Tensor]:
+def _residual_forward(block: Any, family: _Family) -> Callable[..., torch.Tensor]:
     original = type(block).forward
-    wan = _wan()
 
     @functools.wraps(original)
     def forward(x: torch.Tensor, feat_cache: list | None = None, feat_idx: list[int] = [0]) -> torch.Tensor:  # noqa: B006 - diffusers' signature
         convs = (block.conv1, block.conv2, block.conv_shortcut)
-        plain = all(_plain_conv(c) for c in convs if isinstance(c, wan.WanCausalConv3d))
+        plain = all(_plain_conv(c) for c in convs if isinstance(c, family.conv))
         if _grad_or_training(block) or not plain:
             return original(block, x, feat_cache, feat_idx)
         # The convolutions' biases go into the next pass: conv1's into norm2, conv2's and the shortcut's into
         # the residual sum (each eagerly a pass of its own over the activation).
         bias = block.conv2.bias
-        if isinstance(block.conv_shortcut, wan.WanCausalConv3d):
+        if isinstance(block.conv_shortcut, family.conv):
             h = _causal_conv(block.conv_shortcut, x, None, bias=False)
             if block.conv_shortcut.bias is not None:  # summed per call: the weights may change in place
                 bias = block.conv_shortcut.bias if bias is None else bias + block.conv_shortcut.bias
         else:  # diffusers' Identity where the widths match
             h = _channels_last(block.conv_shortcut(x))
-        x = _cached_conv(block.conv1, _norm(block.norm1, x, silu=True), feat_cache, feat_idx, bias=False)
+        x = _cached_conv(block.conv1, _norm(block.norm1, x, silu=True), feat_cache, feat_idx, family, bias=False)
         x = _norm(block.norm2, x, silu=True, pre_bias=block.conv1.bias)
-        x = _cached_conv(block.conv2, x, feat_cache, feat_idx, bias=False)
+        x = _cached_conv(block.conv2, x, feat_cache, feat_idx, family, bias=False)
         return residual_sum(x, h, bias)
 
     return forward
@@ -223,12 +261,12 @@ def _interleave_time(x: torch.Tensor) -> torch.Tensor:
     return rows.permute(0, 4, 1, 2, 3)
 
 
-def _resample_forward(block: Any) -> Callable[..., torch.Tensor]:
+def _resample_forward(block: Any, family: _Family) -> Callable[..., torch.Tensor]:
     original = type(block).forward
 
     @functools.wraps(original)
     def forward(x: torch.Tensor, feat_cache: list | None = None, feat_idx: list[int] = [0]) -> torch.Tensor:  # noqa: B006 - diffusers' signature
-        if _grad_or_training(block) or not _plain_resample(block):
+        if _grad_or_training(block) or not _plain_resample(block, family):
             return original(block, x, feat_cache, feat_idx)
         batch, channels, _, height, width = x.shape
         if block.mode == "upsample3d" and feat_cache is not None:
@@ -238,7 +276,7 @@ def _resample_forward(block: Any) -> Callable[..., torch.Tensor]:
                 feat_cache[idx] = "Rep"  # the first chunk: no time upsampling (diffusers' marker)
                 feat_idx[0] += 1
             else:
-                cache_x = _last_frames(x, cached)
+                cache_x = _last_frames(x, cached, family)
                 x = block.time_conv(x, None if isinstance(cached, str) else cached)
                 feat_cache[idx] = cache_x
                 feat_idx[0] += 1
@@ -263,7 +301,7 @@ def _norm_forward(norm: Any) -> Callable[[torch.Tensor], torch.Tensor]:
     return forward
 
 
-def _decoder_forward(decoder: Any) -> Callable[..., torch.Tensor]:
+def _decoder_forward(decoder: Any, family: _Family) -> Callable[..., torch.Tensor]:
     original = type(decoder).forward
 
     @functools.wraps(original)
@@ -271,15 +309,17 @@ def _decoder_forward(decoder: Any) -> Callable[..., torch.Tensor]:
         x: torch.Tensor,
         feat_cache: list | None = None,
         feat_idx: list[int] = [0],  # noqa: B006 - diffusers' signature
-        first_chunk: bool = False,
+        first_chunk: bool = False,  # Wan's only: Qwen-Image's decoder takes none, and its callers pass none
     ) -> torch.Tensor:
         if _grad_or_training(decoder):
-            return original(decoder, x, feat_cache, feat_idx, first_chunk)
-        x = _cached_conv(decoder.conv_in, _channels_last(x), feat_cache, feat_idx)
+            chunk = (first_chunk,) if family.first_chunk else ()
+            return original(decoder, x, feat_cache, feat_idx, *chunk)
+        x = _cached_conv(decoder.conv_in, _channels_last(x), feat_cache, feat_idx, family)
         x = decoder.mid_block(x, feat_cache=feat_cache, feat_idx=feat_idx)
+        chunk = {"first_chunk": first_chunk} if family.first_chunk else {}
         for up_block in decoder.up_blocks:
-            x = up_block(x, feat_cache=feat_cache, feat_idx=feat_idx, first_chunk=first_chunk)
-        x = _cached_conv(decoder.conv_out, _norm(decoder.norm_out, x, silu=True), feat_cache, feat_idx)
+            x = up_block(x, feat_cache=feat_cache, feat_idx=feat_idx, **chunk)
+        x = _cached_conv(decoder.conv_out, _norm(decoder.norm_out, x, silu=True), feat_cache, feat_idx, family)
         return x.contiguous()
 
     return forward
@@ -288,30 +328,32 @@ def _decoder_forward(decoder: Any) -> Callable[..., torch.Tensor]:
 def fuse_decoder(decoder: torch.nn.Module, patches: MethodPatches) -> dict[str, int]:
     """Patch the forwards of ``decoder``'s parts as the module docstring says (each recorded in
     ``patches``); returns how many of each were patched (``resnets``, ``upsamplers``, ``norms``,
-    ``convs``). Needs :func:`fusable` ``(decoder)``; raises ValueError otherwise.
+    ``convs``). Needs :func:`fusable` or :func:`qwenimage_fusable` ``(decoder)``; raises ValueError otherwise.
 
     >>> fuse_decoder(pipe.vae.decoder, patches)  # Wan 2.1's VAE  # doctest: +SKIP
     {'resnets': 14, 'upsamplers': 3, 'norms': 1, 'convs': 33}
     """
-    if not fusable(decoder):
-        raise ValueError(f"not diffusers' WanDecoder3d with its own forwards: {type(decoder).__name__}")
-    wan = _wan()
+    family = _family_of(decoder)
+    if family is None or not _fits(decoder, family):
+        raise ValueError(
+            f"not diffusers' WanDecoder3d or QwenImageDecoder3d with its own forwards: {type(decoder).__name__}"
+        )
     counts = {"resnets": 0, "upsamplers": 0, "norms": 0, "convs": 0}
     in_blocks = {id(decoder.norm_out)}
     for module in decoder.modules():
-        if isinstance(module, wan.WanResidualBlock):
-            patches.replace(module, "forward", _residual_forward(module))
+        if isinstance(module, family.residual):
+            patches.replace(module, "forward", _residual_forward(module, family))
             in_blocks.update((id(module.norm1), id(module.norm2)))
             counts["resnets"] += 1
-        elif isinstance(module, wan.WanResample):
-            patches.replace(module, "forward", _resample_forward(module))
+        elif isinstance(module, family.resample):
+            patches.replace(module, "forward", _resample_forward(module, family))
             counts["upsamplers"] += 1
-        elif isinstance(module, wan.WanCausalConv3d):
+        elif isinstance(module, family.conv):
             patches.replace(module, "forward", _causal_conv_forward(module))
             counts["convs"] += 1
     for module in decoder.modules():
-        if isinstance(module, wan.WanRMS_norm) and id(module) not in in_blocks:
+        if isinstance(module, family.norm) and id(module) not in in_blocks:
             patches.replace(module, "forward", _norm_forward(module))
             counts["norms"] += 1
-    patches.replace(decoder, "forward", _decoder_forward(decoder))
+    patches.replace(decoder, "forward", _decoder_forward(decoder, family))
     return counts
