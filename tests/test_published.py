@@ -382,3 +382,38 @@ def test_text_encoders_of_the_published_families_are_captured_and_exact(name):
             assert counters["captures"] >= 1 and counters["replays"] >= 1, report
     finally:
         restore(pipe)
+
+
+@pytest.mark.heavy  # compiles the tiny encoders' layers with inductor on the CPU
+@pytest.mark.filterwarnings("ignore:.*has no adapter")
+@pytest.mark.parametrize("name", ["Wan 2.1 T2V", "FLUX.1"])
+def test_fast_mode_compiles_t5_umt5_and_clip_layers_and_replays_their_bytes(name, monkeypatch):
+    """Opted in, fast mode compiles the layers of Wan's UMT5 and of FLUX.1's CLIP and T5 (its ``text_encoder_2``,
+    a feature instance of its own): a T5 block's self-attention and feed-forward layers, a CLIP layer's
+    attention, norms and MLP. The graphs give the compiled layers' bytes; the image stays near eager's."""
+    from bcg_diffusion.features import compiled_text_encoder
+    from bcg_diffusion.features.compiled_text_encoder import COMPILED_TEXT_ENCODER, layer_parts
+
+    monkeypatch.setattr(compiled_text_encoder, "_worth_compiling", lambda model: True)  # a GPU's choice, on a CPU
+    pipe, inputs = _with_text_encoder(name)
+    encoders = ("text_encoder", "text_encoder_2") if name == "FLUX.1" else ("text_encoder",)
+    kinds = {type(part).__name__ for encoder in encoders for _, part in layer_parts(getattr(pipe, encoder))}
+    expected_kinds = {"UMT5LayerSelfAttention", "UMT5LayerFF"} if name.startswith("Wan") else {
+        "CLIPAttention", "LayerNorm", "CLIPMLP", "T5LayerSelfAttention", "T5LayerFF"}  # fmt: skip
+    assert kinds == expected_kinds, kinds
+    with torch.no_grad():
+        expected = _call(pipe, inputs)
+    accelerate(pipe, mode="fast", components=("transformer", "vae", *encoders), debug=True)
+    try:
+        fast = _call(pipe, inputs)
+        with eager(pipe):  # the compiled layers without graphs: what fast mode must equal
+            assert torch.equal(fast, _call(pipe, inputs))
+        report = stats(pipe)
+        for encoder in encoders:
+            assert report[f"{encoder}_compiles"] > 0 and report[f"{encoder}_compile_failure"] is None, report
+        assert COMPILED_TEXT_ENCODER in report["patches"]
+        if name == "FLUX.1":
+            assert f"{COMPILED_TEXT_ENCODER} (text_encoder_2)" in report["patches"]
+        torch.testing.assert_close(fast, expected, atol=5e-2, rtol=0)
+    finally:
+        restore(pipe)

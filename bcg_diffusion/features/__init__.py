@@ -19,7 +19,7 @@ from .block_glue import FusedBlockGlue
 from .cfg_batching import CfgBatchHints, CfgBatching
 from .cfg_parallel import CfgParallel
 from .compiled_blocks import CompiledBlocks
-from .compiled_text_encoder import CompiledTextEncoder
+from .compiled_text_encoder import TEXT_ENCODER_FEATURES
 from .context_parallel import ContextParallel
 from .fp8_attention import Fp8Attention
 from .fp8_feed_forward import Fp8FeedForward
@@ -46,7 +46,7 @@ FEATURES: list[type[Feature]] = [
     CfgBatching,
     CfgParallel,
     TextTrimming,
-    CompiledTextEncoder,
+    *TEXT_ENCODER_FEATURES,
     FastVaeDecoder,
     TextBuckets,
     CfgBatchHints,

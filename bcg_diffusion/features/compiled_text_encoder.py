@@ -1,4 +1,4 @@
-"""Fast mode: the text encoder's decoder layers compiled by inductor, inside its graphs.
+"""Fast mode: the text encoders' layers compiled by inductor, inside their graphs.
 
 Z-Image encodes each prompt with Qwen3-4B: 36 decoder layers over a few dozen tokens, where every
 norm, rotary embedding and activation is a kernel of its own. Replayed from a CUDA graph on an H200
@@ -7,10 +7,12 @@ its layers took 7.51 ms at 64 tokens, compiled per layer 3.86 ms (run 113,
 fast mode, the encode stage went from 11 to 7 ms and the call from 0.162 to 0.157 s (run 122), and the
 warm start stayed at 5.5 s (``bench.warm_start``: the compile caches serve the parts too).
 
-The layers are the classes the model itself names as its decoder layers (transformers'
-``_no_split_modules`` ending in ``DecoderLayer``: Qwen3's ``Qwen3DecoderLayer``, Qwen2.5-VL's
-``Qwen2_5_VLDecoderLayer``; its vision blocks are left alone). What compiles is each layer's parts (its
-direct submodules: attention, feed-forward and the two norms), not the layer whole: transformers records
+The layers are the classes the model itself names as its layers (transformers' ``_no_split_modules``
+ending in ``DecoderLayer``, ``EncoderLayer`` or ``Block``: Qwen3's ``Qwen3DecoderLayer``, Qwen2.5-VL's
+``Qwen2_5_VLDecoderLayer``, Mistral's ``MistralDecoderLayer``, CLIP's ``CLIPEncoderLayer``, T5's and UMT5's
+``T5Block`` and ``UMT5Block``; vision layers are left alone). What compiles is each layer's parts (its
+direct submodules: attention, feed-forward and the two norms; a T5 block's self-attention and feed-forward
+layers, which it holds in a list), not the layer whole: transformers records
 outputs (``output_attentions``) with forward hooks on the attention modules, which read a ``ContextVar``
 that dynamo cannot trace. A hook on a compiled module runs around its compiled forward, eagerly, as it
 would uncompiled; inside a compiled layer it broke the layer's graph into three, which took 4 s of dynamo
@@ -26,12 +28,16 @@ runner's signature, so the warm-up call that compiles and the capture after it s
 same absence of one. A batch of prompts of different lengths gives the layers a mask: a second compiled
 variant, made at that signature's warm-up.
 
-Applies in fast mode where the text encoder is accelerated (Z-Image's default components; others with
-``components=``) and on a GPU only: on a CPU the compile would cost seconds and gain nothing measured.
+Applies in fast mode to each text encoder that is accelerated (Z-Image's default components; others with
+``components=``: ``"text_encoder"``, and FLUX.1's or SD3's ``"text_encoder_2"`` and ``"text_encoder_3"``,
+each a feature instance of its own, :data:`TEXT_ENCODER_FEATURES`) and on a GPU only: on a CPU the compile would cost seconds and gain nothing measured.
 Compiling changes rounding only, hence fast mode's; images stay byte-identical with and without graphs.
 ``choose(pipe.text_encoder, False)`` before ``accelerate`` keeps the eager layers (a shorter cold start).
 ``stats()`` reports ``text_encoder_compiles``, ``text_encoder_compile_seconds`` (the calls that compiled,
-compiling included) and ``text_encoder_compile_failure``.
+compiling included) and ``text_encoder_compile_failure``; for the other encoders, the same under their
+component's name (``text_encoder_2_compiles``...). The T5, UMT5 and CLIP layers' compiles are tested on a
+CPU; none is timed on a GPU yet, and FLUX.1's and Wan's pipelines leave their text encoders eager by
+default.
 """
 
 from __future__ import annotations
@@ -48,6 +54,7 @@ from .compiled_blocks import BlockCompiles, compile_modules
 __all__ = [
     "COMPILED_TEXT_ENCODER",
     "TEXT_ENCODER_CHOICE",
+    "TEXT_ENCODER_FEATURES",
     "CompiledTextEncoder",
     "choose",
     "decoder_layer_classes",
@@ -74,23 +81,32 @@ def choose(text_encoder: torch.nn.Module, compiled: bool) -> None:
     setattr(text_encoder, TEXT_ENCODER_CHOICE, compiled)
 
 
+_LAYER_SUFFIXES = ("DecoderLayer", "EncoderLayer", "Block")
+
+
 def decoder_layer_classes(model: torch.nn.Module) -> tuple[str, ...]:
-    """The class names ``model`` (a transformers model) lists as its decoder layers: those of its
-    ``_no_split_modules`` ending in ``DecoderLayer`` (empty: none, or not a transformers model)."""
+    """The class names ``model`` (a transformers model) lists as its text layers: those of its
+    ``_no_split_modules`` ending in one of ``DecoderLayer``, ``EncoderLayer`` or ``Block``, vision ones left
+    out (empty: none, or not a transformers model)."""
     names = getattr(model, "_no_split_modules", None) or ()
-    return tuple(name for name in names if name.endswith("DecoderLayer"))
+    return tuple(name for name in names if name.endswith(_LAYER_SUFFIXES) and "Vision" not in name)
 
 
 def layer_parts(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
-    """Every decoder layer's direct submodules (:func:`decoder_layer_classes`), with their names in
-    ``model``: what :class:`CompiledTextEncoder` compiles."""
+    """Every layer's parts (:func:`decoder_layer_classes`), with their names in ``model``: its direct
+    submodules, and the modules of a list it holds in their place (T5's ``layer``); what
+    :class:`CompiledTextEncoder` compiles."""
     classes = decoder_layer_classes(model)
-    return [
-        (f"{name}.{part_name}", part)
-        for name, layer in model.named_modules()
-        if type(layer).__name__ in classes
-        for part_name, part in layer.named_children()
-    ]
+    parts = []
+    for name, layer in model.named_modules():
+        if type(layer).__name__ not in classes:
+            continue
+        for part_name, part in layer.named_children():
+            if isinstance(part, torch.nn.ModuleList | torch.nn.Sequential):
+                parts += [(f"{name}.{part_name}.{index}", item) for index, item in enumerate(part)]
+            else:
+                parts.append((f"{name}.{part_name}", part))
+    return parts
 
 
 def _worth_compiling(model: torch.nn.Module) -> bool:
@@ -98,20 +114,24 @@ def _worth_compiling(model: torch.nn.Module) -> bool:
     return any(p.is_cuda for p in model.parameters())
 
 
+def _defaults(component: str) -> dict[str, Any]:
+    return {f"{component}_compiles": 0, f"{component}_compile_seconds": 0.0, f"{component}_compile_failure": None}
+
+
 class CompiledTextEncoder(Feature):
     name = "compiled text encoder"
     component = "text_encoder"
-    defaults = {"text_encoder_compiles": 0, "text_encoder_compile_seconds": 0.0, "text_encoder_compile_failure": None}
+    defaults = _defaults("text_encoder")
 
     def __init__(self) -> None:
         self.compiled: BlockCompiles | None = None
 
     @classmethod
     def create(cls, setup: Setup) -> CompiledTextEncoder | None:
-        return cls() if setup.config.mode == "fast" and "text_encoder" in setup.accelerated else None
+        return cls() if setup.config.mode == "fast" and cls.component in setup.accelerated else None
 
     def prepare(self, setup: Setup, patches: MethodPatches) -> None:
-        encoder = setup.modules["text_encoder"]
+        encoder = setup.modules[self.component]
         if getattr(encoder, TEXT_ENCODER_CHOICE, True) is False or not _worth_compiling(encoder):
             return
         parts = layer_parts(encoder)
@@ -124,7 +144,29 @@ class CompiledTextEncoder(Feature):
     def stats(self) -> dict[str, Any]:
         if self.compiled is None:
             return {}
-        return self.compiled.report("text_encoder_")
+        return self.compiled.report(f"{self.component}_")
 
     def patch_names(self) -> list[str]:
-        return [COMPILED_TEXT_ENCODER] if self.compiled is not None else []
+        if self.compiled is None:
+            return []
+        return [
+            COMPILED_TEXT_ENCODER
+            if self.component == "text_encoder"
+            else f"{COMPILED_TEXT_ENCODER} ({self.component})"
+        ]
+
+
+class CompiledTextEncoder2(CompiledTextEncoder):
+    name = "compiled text encoder 2"
+    component = "text_encoder_2"  # FLUX.1's T5, SD3's second CLIP
+    defaults = _defaults("text_encoder_2")
+
+
+class CompiledTextEncoder3(CompiledTextEncoder):
+    name = "compiled text encoder 3"
+    component = "text_encoder_3"  # SD3's T5
+    defaults = _defaults("text_encoder_3")
+
+
+# One feature per text encoder a pipeline can hold (pipelines.base.PipelineAdapter.targets).
+TEXT_ENCODER_FEATURES = (CompiledTextEncoder, CompiledTextEncoder2, CompiledTextEncoder3)
