@@ -279,20 +279,8 @@ def joint_qkv(
         raise ValueError(f"bcg_diffusion's attention prologue cannot take these tensors: {reason}")
     normed = [w for w in weights if w is not None]
     (image_freqs, image_sin), (text_freqs, text_sin) = _op_freqs(freqs[0]), _op_freqs(freqs[1])
-    return tuple(
-        torch.ops.bcg_diffusion.joint_qkv(
-            *image,
-            *text,
-            normed,
-            [float(e) for e in eps],
-            image_freqs,
-            text_freqs,
-            list(text_lengths),
-            image_sin,
-            text_sin,
-            norm == "torch",
-        )  # fmt: skip
-    )
+    args = (*image, *text, normed, [float(e) for e in eps], image_freqs, text_freqs, list(text_lengths))
+    return tuple(torch.ops.bcg_diffusion.joint_qkv(*args, image_sin, text_sin, norm == "torch"))
 
 
 def _op_freqs(freqs: Freqs) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -354,10 +342,8 @@ def joint_qkv_fp8(
     normed = [w for w in weights if w is not None]
     descales = tuple(d.reshape(()) for d in descales)
     (image_freqs, image_sin), (text_freqs, text_sin) = _op_freqs(freqs[0]), _op_freqs(freqs[1])
-    outputs = torch.ops.bcg_diffusion.joint_qkv_fp8(
-        *image, *text, normed, [float(e) for e in eps], image_freqs, text_freqs, list(text_lengths), *descales,
-        image_sin, text_sin, norm == "torch",
-    )  # fmt: skip
+    args = (*image, *text, normed, [float(e) for e in eps], image_freqs, text_freqs, list(text_lengths), *descales)
+    outputs = torch.ops.bcg_diffusion.joint_qkv_fp8(*args, image_sin, text_sin, norm == "torch")
     return Fp8Joint(*outputs[:3], *descales, outputs[3])
 
 
