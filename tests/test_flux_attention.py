@@ -144,6 +144,26 @@ def test_the_patched_processor_gives_diffusers_bytes_with_the_prologue_on_or_off
 
 
 @pytest.mark.parametrize("kind", ["flux double", "flux single"])
+def test_fused_projections_feed_the_prologue_their_views(kind, monkeypatch):
+    """``fuse_projections()`` (one product for query, key and value): the prologue reads the three views of
+    its output as they are, with diffusers' bytes."""
+    calls = _counting(monkeypatch, ("norm_rope", "joint_qkv"))
+    attn = _attention(kind)
+    attn.fuse_projections()
+    inputs = _inputs(kind)
+    patches = MethodPatches()
+    with torch.no_grad():
+        expected = attn(**inputs)
+        assert _patch(attn, patches) == 1
+        setattr(attn, QK_PROLOGUE_ATTRIBUTE, "fused")
+        try:
+            assert _equal(attn(**inputs), expected)
+        finally:
+            patches.undo()
+    assert len(calls) == 1, calls
+
+
+@pytest.mark.parametrize("kind", ["flux double", "flux single"])
 def test_what_the_kernel_does_not_take_runs_diffusers_steps(kind, monkeypatch):
     """No RoPE, a norm that is not ``torch.nn.RMSNorm`` (here diffusers' own), frequencies not a ``(cos, sin)``
     pair: diffusers' steps, the unpatched bytes, no launch."""
