@@ -108,6 +108,43 @@ def qwen_case(shape: tuple[int, int, int], config: tuple[int, int, bool], stride
     print(f"Qwen-Image {shape}, config {config}, strided {strided}: {', '.join(f'{e:.4%}' for e in equal)} equal")
 
 
+def qwen_per_token_case(shape: tuple[int, int, int], config: tuple[int, int, bool]) -> None:
+    """Qwen-Image-Edit-2511's per-token modulation (``zero_cond_t``): each token's shift, scale and gate from
+    its batch row's first or second set, as its index says (the reference image's tokens: the second)."""
+    dtype = torch.float16
+    batch, tokens, width = shape
+    torch.manual_seed(sum(shape) + 2)
+    x, branch = ((torch.randn(batch, tokens, width) * 2 + 1).to(dtype) for _ in range(2))
+    modulation = (0.5 * torch.randn(2 * batch, 6 * width)).to(dtype)
+    shift, scale, gate = (modulation[:, i * width : (i + 1) * width] for i in range(3))
+    index = torch.zeros(batch, tokens, dtype=torch.int32)
+    index[:, tokens // 2 :] = 1
+    index[-1, 0] = 1  # any pattern, not only a split
+    qwen = block_glue._QWEN
+
+    data, scales = block_glue._fp8_empty(x, FP8)
+    block_glue._launch(x, qwen, eps=1e-6, scale=scale, shift=shift, data=data, scales=scales, index=index,
+                       config=config)  # fmt: skip
+    want_data, want_scales = block_glue.reference_modulated_layer_norm_fp8(x, 1e-6, scale, shift, FP8, index)
+    torch.testing.assert_close(scales, want_scales, rtol=2e-3, atol=0)
+    equal = [close_fp8(data, want_data)]
+
+    stream = torch.empty(x.shape, dtype=dtype)
+    block_glue._launch(x, qwen, branch=branch, gate=gate, stream=stream, index=index, config=config)
+    torch.testing.assert_close(stream, block_glue.reference_gated_add(x, branch, gate, index), rtol=0, atol=0)
+
+    stream = torch.empty(x.shape, dtype=dtype)
+    data, scales = block_glue._fp8_empty(x, FP8)
+    block_glue._launch(x, qwen, branch=branch, gate=gate, stream=stream, eps=1e-6, scale=scale, shift=shift,
+                       data=data, scales=scales, index=index, config=config)  # fmt: skip
+    want = block_glue.reference_gated_add_layer_norm_fp8(x, branch, gate, 1e-6, scale, shift, FP8, index)
+    torch.testing.assert_close(stream, want[0], rtol=0, atol=0)
+    torch.testing.assert_close(scales, want[2], rtol=5e-3, atol=0)
+    equal.append(close_fp8(data, want[1]))
+    assert min(equal) > 0.9, equal
+    print(f"Qwen-Image per token {shape}, config {config}: {', '.join(f'{e:.4%}' for e in equal)} equal")
+
+
 def main() -> None:
     case((1, 5, 96), (1, 4, False), strided=False)
     case((2, 3, 100), (2, 4, True), strided=True)  # a ragged width, two rows per program past the end
@@ -115,6 +152,8 @@ def main() -> None:
     qwen_case((1, 5, 96), (1, 4, False), strided=False)
     qwen_case((2, 3, 100), (2, 4, True), strided=True)  # the LayerNorm's mean over a ragged width
     qwen_case((2, 7, 64), (4, 8, True), strided=True)
+    qwen_per_token_case((2, 6, 96), (1, 4, True))
+    qwen_per_token_case((2, 7, 64), (4, 8, True))  # rows of a program across a batch row's end
     print("all cases within tolerance")
 
 

@@ -96,6 +96,37 @@ def test_qwen_references_are_the_blocks_own_steps_and_torchaos_quantization():
     assert got[1].dtype == FP8 and got[2].shape == (2, 5, 1) and got[2].dtype == torch.float32
 
 
+def test_qwen_per_token_references_are_the_blocks_own_steps():
+    """Qwen-Image-Edit-2511's blocks (``zero_cond_t``): twice the modulation rows and an index per token,
+    line by line as diffusers' ``_modulate`` selects them."""
+    pytest.importorskip("torchao")
+    block, x, branch, _ = _qwen_block_and_inputs()
+    torch.manual_seed(3)
+    modulation = (torch.randn(2 * x.shape[0], 6 * x.shape[-1]) * 0.5).to(x.dtype)  # [2B, 6C]: t, then t = 0
+    index = torch.zeros(x.shape[:2], dtype=torch.int32)
+    index[:, 2:] = 1  # the reference image's tokens
+    mod1, mod2 = modulation.chunk(2, dim=-1)
+    modulated, gate1 = block._modulate(block.img_norm1(x), mod1, index)
+    first = _torchao_rows(modulated)
+    stream = x + gate1 * branch
+    modulated, gate2 = block._modulate(block.img_norm2(stream), mod2, index)
+    second = _torchao_rows(modulated)
+    last = stream + gate2 * branch
+
+    shift1, scale1, g1 = mod1.chunk(3, dim=-1)
+    shift2, scale2, g2 = mod2.chunk(3, dim=-1)
+    eps = block.img_norm1.eps
+    assert _equal_fp8(block_glue.modulated_layer_norm_fp8(x, eps, scale1, shift1, index=index), first)
+    got = block_glue.gated_add_layer_norm_fp8(x, branch, g1, eps, scale2, shift2, index=index)
+    assert torch.equal(got[0], stream) and _equal_fp8(got[1:], second)
+    assert torch.equal(block_glue.gated_add(stream, branch, g2, index), last)
+    assert not torch.equal(block_glue.gated_add(stream, branch, g2[: x.shape[0]]), last)  # the index mattered
+    with pytest.raises(ValueError, match="per-token index"):
+        block_glue.gated_add(stream, branch, g2, index.long())
+    with pytest.raises(ValueError, match=r"is not \[4, "):
+        block_glue.gated_add(stream, branch, g2[: x.shape[0]], index)
+
+
 def test_unsupported_tensors_are_refused_with_the_reason():
     _, x, branch, modulation = _block_and_inputs()
     weight, scale = torch.ones(64, dtype=torch.bfloat16), modulation[:, :64]

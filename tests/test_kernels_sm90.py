@@ -101,7 +101,8 @@ def test_the_attention_prologue_compiles_and_writes_float8_as_pytorch_rounds():
 
 
 def _block_glue_launches(enable_fp_fusion: bool = False) -> list:
-    """Z-Image's three passes and Qwen-Image's three, at widths that mask (1,000) and do not (3,072)."""
+    """Z-Image's three passes and Qwen-Image's three, at widths that mask (1,000) and do not (3,072); at 3,072,
+    Qwen-Image's three again with per-token modulation (Qwen-Image-Edit-2511's)."""
     from bcg_diffusion.kernels import _block_glue_triton as kernels
 
     recorded = []
@@ -120,6 +121,16 @@ def _block_glue_launches(enable_fp_fusion: bool = False) -> list:
                 block_glue._launch(x, block, branch=branch, gate=gate, stream=torch.empty_like(x), **residual)
                 block_glue._launch(x, block, branch=branch, gate=gate, stream=torch.empty_like(x), eps=1e-6,
                                    scale=scale, data=data, scales=scales, **norm, **residual)  # fmt: skip
+            if width == 3072:  # per token: [2B, C] modulation rows picked by an index
+                index = torch.zeros(2, 5, dtype=torch.int32)
+                twice = torch.randn(4, 3 * width, dtype=BF16)
+                shift, scale, gate = (twice[:, i * width : (i + 1) * width] for i in range(3))
+                data, scales = block_glue._fp8_empty(x, FP8)
+                qwen = block_glue._QWEN
+                block_glue._launch(x, qwen, eps=1e-6, scale=scale, shift=shift, data=data, scales=scales, index=index)
+                block_glue._launch(x, qwen, branch=branch, gate=gate, stream=torch.empty_like(x), index=index)
+                block_glue._launch(x, qwen, branch=branch, gate=gate, stream=torch.empty_like(x), eps=1e-6,
+                                   scale=scale, shift=shift, data=data, scales=scales, index=index)  # fmt: skip
         recorded += launched
     for _, _, kwargs in recorded:
         kwargs["enable_fp_fusion"] = enable_fp_fusion
@@ -130,7 +141,7 @@ def test_the_block_glue_compiles_and_rounds_each_product_and_sum_as_pytorch_does
     """Launched as the library launches it (``enable_fp_fusion=False``), no pass fuses a multiply and an add
     into one FMA: each rounds on its own, as PyTorch's operators do. Compiled with Triton's default, the
     gated residual's ``x + gate * branch`` becomes a bf16 FMA: the check sees the bug it guards against."""
-    assert len(_block_glue_launches()) == 12
+    assert len(_block_glue_launches()) == 15
     for ptx in _compiled(_block_glue_launches()):
         # (the correctly rounded division's own fma.rn.ftz.f32 steps are libdevice's, not a contraction)
         assert _count(ptx, "fma.rn.bf16") == 0 and _count(ptx, "fma.rn.f32") == 0
@@ -200,7 +211,7 @@ def test_no_kernel_the_library_launches_spills_registers(monkeypatch):
     recorded = _prologue_launches(fp8=False) + _prologue_launches(fp8=True) + _block_glue_launches()
     recorded += _activation_launches() + _vae_launches()
     recorded += [r for r in _attention_launches(monkeypatch) if r[0].__name__ == "attention_forward_tma"]
-    assert len(recorded) == 8 + 12 + 6 + 5 + 1
+    assert len(recorded) == 8 + 15 + 6 + 5 + 1
     spilling = {}
     for (fn, _, kwargs), ptx in zip(recorded, _compiled(recorded)):
         registers, stores, loads = registers_and_spills(ptx)

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from bcg_diffusion.core.hooks import MethodPatches
+from bcg_diffusion.kernels import block_glue as block_glue_kernels
 from bcg_diffusion.patches import block_glue, qwenimage_block
 from bcg_diffusion.patches import fp8_feed_forward as ff
 from bcg_diffusion.patches.attention import QWEN_ATTENTION_PATCH, TEXT_LENGTHS_KWARG
@@ -25,12 +26,12 @@ WIDTH, HEADS, IMAGE, TEXT = 64, 2, 8, 6
 HEAD_DIM = WIDTH // HEADS
 
 
-def _block(seed: int = 0, text_fp8: bool = True) -> QwenImageTransformerBlock:
+def _block(seed: int = 0, text_fp8: bool = True, zero_cond_t: bool = False) -> QwenImageTransformerBlock:
     """A Qwen-Image block as fast mode prepares it under ``quantize="fp8"`` before its glue is fused: FP8
     projections and feed-forwards, the text stream's too unless ``text_fp8`` is false (``quantize="fp8"``'s
-    default filter leaves them in bf16)."""
+    default filter leaves them in bf16); ``zero_cond_t``: Qwen-Image-Edit-2511's."""
     torch.manual_seed(seed)
-    block = QwenImageTransformerBlock(WIDTH, HEADS, HEAD_DIM).to(torch.bfloat16).eval()
+    block = QwenImageTransformerBlock(WIDTH, HEADS, HEAD_DIM, zero_cond_t=zero_cond_t).to(torch.bfloat16).eval()
     streams = (qwenimage_block._IMAGE, qwenimage_block._TEXT) if text_fp8 else (qwenimage_block._IMAGE,)
     for stream in streams:
         for name in stream.projections:
@@ -80,6 +81,38 @@ def test_the_patched_block_gives_the_unpatched_blocks_bytes(lengths, text_fp8):
         assert "forward" not in block.__dict__  # the class's forward again
 
 
+@pytest.mark.parametrize("text_fp8", [True, False])
+def test_a_per_token_modulated_block_gives_the_unpatched_blocks_bytes(text_fp8, monkeypatch):
+    """Qwen-Image-Edit-2511's blocks (``zero_cond_t``): twice the modulation rows (the step's, then timestep
+    0's) and ``modulate_index`` (the input image's tokens 1), as its transformer builds them; the kernels pick
+    each token's row, the text stream keeps the step's."""
+    calls = []
+    original = block_glue_kernels.modulated_layer_norm_fp8
+    monkeypatch.setattr(
+        block_glue_kernels,
+        "modulated_layer_norm_fp8",
+        lambda *a, **k: calls.append(k.get("index")) or original(*a, **k),
+    )
+    block = _block(text_fp8=text_fp8, zero_cond_t=True)
+    assert qwenimage_block.unfit(block) is None
+    patches = _prepared(block)
+    args, kwargs = _inputs((TEXT, TEXT - 2))
+    temb = torch.cat([args[3], torch.randn_like(args[3])])  # [2B, C]: the step's embedding, then timestep 0's
+    index = torch.zeros(2, IMAGE, dtype=torch.int32)
+    index[:, IMAGE // 2 :] = 1
+    call = (*args[:3], temb)
+    with torch.no_grad():
+        expected = block(*call, **kwargs, modulate_index=index)
+        assert qwenimage_block.patch_qwenimage_blocks(torch.nn.Sequential(block), patches) == 1
+        try:
+            got = block(*call, **kwargs, modulate_index=index)
+        finally:
+            patches.undo()
+    assert all(torch.equal(g, e) for g, e in zip(got, expected, strict=True))
+    assert len(calls) == (2 if text_fp8 else 1) and calls[0] is index  # the image stream per token, the text not
+    assert all(i is None for i in calls[1:])
+
+
 def test_a_call_that_does_not_fit_runs_the_class_forward():
     block = _block()
     patches = _prepared(block)
@@ -98,12 +131,16 @@ def test_a_call_that_does_not_fit_runs_the_class_forward():
             block(*args, **kwargs)
             assert calls == []
             # per-token modulation (Qwen-Image-Edit-2511's zero_cond_t: twice the timesteps, an index per token)
+            # with an index the kernels do not take (int64; its transformer makes int32)
             block.zero_cond_t = True
             index = torch.zeros(2, IMAGE, dtype=torch.long)
             doubled = (*args[:3], torch.cat([args[3], args[3]]))
             block(*doubled, **kwargs, modulate_index=index)
             assert calls == [1]
             block.zero_cond_t = False
+            block(*args, **kwargs, modulate_index=index.int())  # an index without zero_cond_t: the class's way
+            assert calls == [1, 1]
+            calls.pop()
             # a text mask without fast mode's lengths: diffusers' processor runs, which takes no FP8 rows
             block(*args, image_rotary_emb=kwargs["image_rotary_emb"])
             assert calls == [1, 1]
@@ -141,7 +178,6 @@ def test_blocks_that_do_not_fit_are_left_with_the_reason():
     plain = QwenImageTransformerBlock(WIDTH, HEADS, HEAD_DIM)
     assert "to_q: the projection's weight is not a torchao Float8Tensor" in qwenimage_block.unfit(plain)
     assert "not diffusers' QwenImageTransformerBlock" in qwenimage_block.unfit(torch.nn.Linear(2, 2))
-    assert "zero_cond_t" in qwenimage_block.unfit(QwenImageTransformerBlock(WIDTH, HEADS, HEAD_DIM, zero_cond_t=True))
     block = _block()
     assert qwenimage_block.unfit(block) is None
     assert qwenimage_block.unfit(_block(text_fp8=False)) is None  # the text stream runs the class's steps

@@ -4,7 +4,7 @@ One block of Qwen-Image's shape at a smaller width (768, heads of 128), prepared
 under ``quantize="fp8"``: quantized, the FP8 feed-forward, fast mode's processor and RoPE, called as fast
 mode's CFG batch calls it (two prompts of 64 and 40 valid text tokens). Patched, it stays near the same
 block with inductor's glue (the class's forward), compiles whole, and a CUDA graph of the compiled block
-replays its bytes.
+replays its bytes; the same for Qwen-Image-Edit-2511's block (``zero_cond_t``: per-token modulation).
 """
 
 from __future__ import annotations
@@ -32,13 +32,13 @@ pytest.importorskip("torchao")
 WIDTH, HEADS, IMAGE, TEXT = 768, 6, 1024, 64
 
 
-def _prepared_block() -> tuple[torch.nn.Module, MethodPatches]:
+def _prepared_block(zero_cond_t: bool = False) -> tuple[torch.nn.Module, MethodPatches]:
     from diffusers.models.transformers.transformer_qwenimage import QwenImageTransformerBlock
 
     torch.manual_seed(0)
     holder = torch.nn.Module()
     with torch.device("cuda"):  # trained-like scales: matrices ~ N(0, 1/fan_in), norms ~ 1; bf16
-        holder.block = random_block(QwenImageTransformerBlock(WIDTH, HEADS, WIDTH // HEADS))
+        holder.block = random_block(QwenImageTransformerBlock(WIDTH, HEADS, WIDTH // HEADS, zero_cond_t=zero_cond_t))
     holder._repeated_blocks = ["QwenImageTransformerBlock"]
     quantize_transformer(holder, torchao_config(FP8), default_filter(holder))
     patches = MethodPatches()
@@ -47,7 +47,9 @@ def _prepared_block() -> tuple[torch.nn.Module, MethodPatches]:
     return holder, patches
 
 
-def _inputs() -> tuple[tuple, dict]:
+def _inputs(zero_cond_t: bool = False) -> tuple[tuple, dict]:
+    """Fast mode's CFG batch of two prompts; with ``zero_cond_t``, Qwen-Image-Edit-2511's: twice the
+    embedding rows and the input image's tokens (the second half) indexed 1."""
     torch.manual_seed(1)
 
     def frequencies(tokens: int) -> torch.Tensor:
@@ -58,18 +60,23 @@ def _inputs() -> tuple[tuple, dict]:
         torch.randn(2, IMAGE, WIDTH, device="cuda", dtype=torch.bfloat16),
         torch.randn(2, TEXT, WIDTH, device="cuda", dtype=torch.bfloat16),
         None,
-        torch.randn(2, WIDTH, device="cuda", dtype=torch.bfloat16),
+        torch.randn(4 if zero_cond_t else 2, WIDTH, device="cuda", dtype=torch.bfloat16),
     )
     kwargs = {
         "image_rotary_emb": (frequencies(IMAGE), frequencies(TEXT)),
         "joint_attention_kwargs": {TEXT_LENGTHS_KWARG: (TEXT, 40)},
     }
+    if zero_cond_t:
+        index = torch.zeros(2, IMAGE, dtype=torch.int32, device="cuda")
+        index[:, IMAGE // 2 :] = 1
+        kwargs["modulate_index"] = index
     return args, kwargs
 
 
-def test_the_fp8_block_glue_stays_near_inductors_and_a_graph_replays_its_compiled_bytes():
-    holder, patches = _prepared_block()
-    args, kwargs = _inputs()
+@pytest.mark.parametrize("zero_cond_t", [False, True], ids=["Qwen-Image", "Qwen-Image-Edit-2511"])
+def test_the_fp8_block_glue_stays_near_inductors_and_a_graph_replays_its_compiled_bytes(zero_cond_t):
+    holder, patches = _prepared_block(zero_cond_t)
+    args, kwargs = _inputs(zero_cond_t)
 
     def relative_error(got: tuple, expected: tuple) -> float:
         got, expected = (torch.cat([t.flatten().float() for t in ts]) for ts in (got, expected))

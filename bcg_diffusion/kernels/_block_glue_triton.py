@@ -7,7 +7,9 @@ residual stream, which is stored (Z-Image's block: the branch RMS-normed first, 
 gate's tanh taken, ``TANH_GATE``); with ``QUANTIZE``, the stream normalized (RMS-normed with a weight, or
 with ``LAYER_NORM`` a LayerNorm without one), times ``1 + scale`` (plus ``shift`` with ``SHIFT``), and
 quantized row-wise to float8 (data and scale stored). Every step rounds to the model's dtype where
-PyTorch's operators would. A token's modulation (gate, scale, shift) is that of its batch row.
+PyTorch's operators would. A token's modulation (gate, scale, shift) is that of its batch row ``b``; with
+``PER_TOKEN`` (Qwen-Image-Edit-2511's ``zero_cond_t``), row ``b`` where the token's index is 0, else row
+``b + batches`` (the modulation then has ``2 * batches`` rows).
 """
 
 import triton
@@ -38,15 +40,19 @@ def _layer_norm(v, mask, eps, COLUMNS: tl.constexpr, HP_TY: tl.constexpr):
 
 
 @triton.jit
-def block_glue_rows(X, BRANCH, BRANCH_W, GATE, X_OUT, NORM_W, SCALE, SHIFT, OUT, OUT_SCALE,
-                    n_rows, rows_per_batch, stride_x, stride_branch, stride_x_out, stride_out, stride_gate,
-                    stride_scale, stride_shift, branch_eps, eps, fp8_max,
+def block_glue_rows(X, BRANCH, BRANCH_W, GATE, X_OUT, NORM_W, SCALE, SHIFT, OUT, OUT_SCALE, INDEX,
+                    n_rows, rows_per_batch, batches, stride_x, stride_branch, stride_x_out, stride_out, stride_gate,
+                    stride_scale, stride_shift, stride_index, branch_eps, eps, fp8_max,
                     COLUMNS: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr, HP_TY: tl.constexpr,
                     FP8_TY: tl.constexpr, RESIDUAL: tl.constexpr, BRANCH_NORM: tl.constexpr,
                     TANH_GATE: tl.constexpr, QUANTIZE: tl.constexpr, LAYER_NORM: tl.constexpr,
-                    SHIFT_ADD: tl.constexpr, APPROXIMATE: tl.constexpr):  # fmt: skip
+                    SHIFT_ADD: tl.constexpr, APPROXIMATE: tl.constexpr, PER_TOKEN: tl.constexpr):  # fmt: skip
     row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS).to(tl.int64)
     batch = row // rows_per_batch
+    if PER_TOKEN:  # the token's index picks the batch row's first or second modulation
+        token = row - batch * rows_per_batch
+        index = tl.load(INDEX + batch * stride_index + token, mask=row < n_rows, other=0)
+        batch = tl.where(index == 0, batch, batch + batches)
     offsets = tl.arange(0, BLOCK)
     mask = offsets < COLUMNS
     rows_mask = (row < n_rows)[:, None] & mask[None, :]

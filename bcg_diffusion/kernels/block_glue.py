@@ -40,7 +40,10 @@ cannot (CPU, no Triton) and the tests hold the kernel to them.
 
 Shapes: ``x`` and ``branch`` ``[B, S, C]`` (last dimension contiguous), norm weights ``[C]``, the
 modulation ``gate``, ``scale`` and ``shift`` ``[B, C]`` (rows of the block's modulation product, last
-dimension contiguous). PyTorch custom operators (``bcg_diffusion::modulated_norm_fp8`` and the others of
+dimension contiguous). Qwen-Image's functions also take per-token modulation, as Qwen-Image-Edit-2511's
+blocks (``zero_cond_t``) use it: an ``index`` ``[B, S]`` (int32) and the modulation ``[2B, C]``, token ``s``
+of row ``b`` modulated by row ``b`` where ``index[b, s]`` is 0, by row ``B + b`` elsewhere (diffusers'
+``QwenImageTransformerBlock._modulate``). PyTorch custom operators (``bcg_diffusion::modulated_norm_fp8`` and the others of
 the same names), so a compiled block calls them without a graph break; a fixed launch configuration (no
 autotuning, whose timing-based choice could change bytes between processes). Needs Triton and a CUDA GPU
 (:func:`unavailable`).
@@ -63,6 +66,7 @@ __all__ = [
     "gated_add_layer_norm_fp8",
     "gated_residual",
     "gated_residual_fp8",
+    "per_token",
     "modulated_layer_norm_fp8",
     "modulated_norm_fp8",
     "reference_gated_add",
@@ -120,14 +124,22 @@ def unsupported(
     weights: tuple[torch.Tensor, ...],
     modulation: tuple[torch.Tensor, ...],
     branch: torch.Tensor | None = None,
+    index: torch.Tensor | None = None,
 ) -> str | None:
     """Why the kernels refuse these tensors (None: they take them): ``x`` (and ``branch``) ``[B, S, C]``
     in half precision, last dimension contiguous; norm ``weights`` ``[C]`` contiguous, in ``x``'s dtype;
-    ``modulation`` ``[B, C]`` in ``x``'s dtype, last dimension contiguous; every tensor on ``x``'s device. Only tensor
-    properties, decided when a compiled block is traced."""
+    ``modulation`` ``[B, C]`` in ``x``'s dtype, last dimension contiguous (with a per-token ``index``, int32
+    ``[B, S]`` with contiguous rows: ``[2B, C]``); every tensor on ``x``'s device. Only tensor properties,
+    decided when a compiled block is traced."""
     if x.dim() != 3:
         return f"the stream is {x.dim()}-D, not [batch, tokens, width]"
-    batch, _, width = x.shape
+    batch, tokens, width = x.shape
+    if index is not None:
+        if index.dtype != torch.int32 or index.shape != (batch, tokens) or index.stride(-1) != 1:
+            return f"a per-token index {tuple(index.shape)} {index.dtype} is not an int32 [{batch}, {tokens}]"
+        if index.device != x.device:
+            return "the tensors are on different devices"
+    rows = batch if index is None else 2 * batch
     if x.dtype not in _DTYPES:
         return f"dtype {x.dtype} (needs one of {_DTYPES})"
     if width > _MAX_WIDTH:
@@ -140,8 +152,8 @@ def unsupported(
         if weight.shape != (width,) or weight.dtype != x.dtype or not weight.is_contiguous():
             return f"a norm weight {tuple(weight.shape)} {weight.dtype} is not a contiguous [{width}] in {x.dtype}"
     for part in modulation:
-        if part.shape != (batch, width) or part.stride(-1) != 1:
-            return f"a modulation {tuple(part.shape)} is not [{batch}, {width}] with contiguous rows"
+        if part.shape != (rows, width) or part.stride(-1) != 1:
+            return f"a modulation {tuple(part.shape)} is not [{rows}, {width}] with contiguous rows"
         if part.dtype != x.dtype:
             return f"a modulation in {part.dtype}, not the stream's {x.dtype}"
     tensors = (x, *weights, *modulation, *((branch,) if branch is not None else ()))
@@ -222,18 +234,19 @@ def modulated_layer_norm_fp8(
     scale: torch.Tensor,
     shift: torch.Tensor,
     fp8_dtype: torch.dtype = torch.float8_e4m3fn,
+    index: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``LayerNorm(x) * (1 + scale) + shift`` (the LayerNorm without weight or bias) quantized per row:
-    ``(data, row scales)`` as :func:`modulated_norm_fp8` returns them. Raises ValueError on what
-    :func:`unsupported` names.
+    ``(data, row scales)`` as :func:`modulated_norm_fp8` returns them; with ``index``, per-token modulation
+    (the module docstring). Raises ValueError on what :func:`unsupported` names.
 
     >>> x, scale = torch.randn(1, 4, 64, dtype=torch.bfloat16), torch.randn(1, 64, dtype=torch.bfloat16)
     >>> data, scales = modulated_layer_norm_fp8(x, 1e-6, scale, torch.zeros_like(scale))
     >>> data.dtype, scales.shape
     (torch.float8_e4m3fn, torch.Size([1, 4, 1]))
     """
-    _check(unsupported(x, (), (scale, shift)) or _fp8(fp8_dtype))
-    return tuple(torch.ops.bcg_diffusion.modulated_layer_norm_fp8(x, eps, scale, shift, fp8_dtype))
+    _check(unsupported(x, (), (scale, shift), index=index) or _fp8(fp8_dtype))
+    return tuple(torch.ops.bcg_diffusion.modulated_layer_norm_fp8(x, eps, scale, shift, fp8_dtype, index))
 
 
 def gated_add_layer_norm_fp8(
@@ -244,18 +257,24 @@ def gated_add_layer_norm_fp8(
     scale: torch.Tensor,
     shift: torch.Tensor,
     fp8_dtype: torch.dtype = torch.float8_e4m3fn,
+    index: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``x + gate * branch`` (the new stream), and the new stream's ``LayerNorm * (1 + scale) + shift``
-    quantized per row: ``(stream, data, row scales)``. Raises ValueError on what :func:`unsupported`
-    names."""
-    _check(unsupported(x, (), (gate, scale, shift), branch) or _fp8(fp8_dtype))
-    return tuple(torch.ops.bcg_diffusion.gated_add_layer_norm_fp8(x, branch, gate, eps, scale, shift, fp8_dtype))
+    quantized per row: ``(stream, data, row scales)``; with ``index``, per-token modulation (the module
+    docstring). Raises ValueError on what :func:`unsupported` names."""
+    _check(unsupported(x, (), (gate, scale, shift), branch, index) or _fp8(fp8_dtype))
+    return tuple(
+        torch.ops.bcg_diffusion.gated_add_layer_norm_fp8(x, branch, gate, eps, scale, shift, fp8_dtype, index)
+    )
 
 
-def gated_add(x: torch.Tensor, branch: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-    """``x + gate * branch``, a new tensor. Raises ValueError on what :func:`unsupported` names."""
-    _check(unsupported(x, (), (gate,), branch))
-    return torch.ops.bcg_diffusion.gated_add(x, branch, gate)
+def gated_add(
+    x: torch.Tensor, branch: torch.Tensor, gate: torch.Tensor, index: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``x + gate * branch``, a new tensor; with ``index``, a per-token gate (the module docstring). Raises
+    ValueError on what :func:`unsupported` names."""
+    _check(unsupported(x, (), (gate,), branch, index))
+    return torch.ops.bcg_diffusion.gated_add(x, branch, gate, index)
 
 
 # ------------------------------------------------------------------------------------- references
@@ -291,17 +310,34 @@ def reference_gated_residual_fp8(
     return (stream, *reference_modulated_norm_fp8(stream, weight, eps, scale, fp8_dtype))
 
 
+def per_token(modulation: torch.Tensor, index: torch.Tensor | None) -> torch.Tensor:
+    """One part of the modulation as each token takes it: ``[B, 1, C]`` from ``[B, C]``; with ``index``
+    (``[B, S]``), ``[B, S, C]`` from ``[2B, C]``, as diffusers' ``QwenImageTransformerBlock._modulate``
+    selects it (``torch.where(index == 0, first, second)``)."""
+    if index is None:
+        return modulation.unsqueeze(1)
+    batch = modulation.shape[0] // 2
+    return torch.where(index.unsqueeze(-1) == 0, modulation[:batch].unsqueeze(1), modulation[batch:].unsqueeze(1))
+
+
 def reference_modulated_layer_norm_fp8(
-    x: torch.Tensor, eps: float, scale: torch.Tensor, shift: torch.Tensor, fp8_dtype: torch.dtype
+    x: torch.Tensor,
+    eps: float,
+    scale: torch.Tensor,
+    shift: torch.Tensor,
+    fp8_dtype: torch.dtype,
+    index: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`modulated_layer_norm_fp8` with PyTorch's operators: Qwen-Image's steps, then torchao's."""
     normed = F.layer_norm(x, (x.shape[-1],), eps=eps)
-    return _row_wise(normed * (1 + scale.unsqueeze(1)) + shift.unsqueeze(1), fp8_dtype)
+    return _row_wise(normed * (1 + per_token(scale, index)) + per_token(shift, index), fp8_dtype)
 
 
-def reference_gated_add(x: torch.Tensor, branch: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+def reference_gated_add(
+    x: torch.Tensor, branch: torch.Tensor, gate: torch.Tensor, index: torch.Tensor | None = None
+) -> torch.Tensor:
     """:func:`gated_add` with PyTorch's operators, as Qwen-Image's block computes it."""
-    return x + gate.unsqueeze(1) * branch
+    return x + per_token(gate, index) * branch
 
 
 def reference_gated_add_layer_norm_fp8(
@@ -312,10 +348,11 @@ def reference_gated_add_layer_norm_fp8(
     scale: torch.Tensor,
     shift: torch.Tensor,
     fp8_dtype: torch.dtype,
+    index: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`gated_add_layer_norm_fp8` with PyTorch's operators."""
-    stream = reference_gated_add(x, branch, gate)
-    return (stream, *reference_modulated_layer_norm_fp8(stream, eps, scale, shift, fp8_dtype))
+    stream = reference_gated_add(x, branch, gate, index)
+    return (stream, *reference_modulated_layer_norm_fp8(stream, eps, scale, shift, fp8_dtype, index))
 
 
 # ------------------------------------------------------------------------------------------ launch
@@ -336,11 +373,12 @@ def _launch(
     shift: torch.Tensor | None = None,
     data: torch.Tensor | None = None,
     scales: torch.Tensor | None = None,
+    index: torch.Tensor | None = None,
     config: tuple[int, int, bool] | None = None,
 ) -> None:
     """Run the kernel over the rows of ``x`` with ``block``'s steps: with ``branch`` the gated residual into
-    ``stream``; with ``data`` the quantized norm into ``data`` and ``scales`` (contiguous). On CPU tensors it
-    runs only in Triton's interpreter (``TRITON_INTERPRET=1``)."""
+    ``stream``; with ``data`` the quantized norm into ``data`` and ``scales`` (contiguous); with ``index``
+    per-token modulation. On CPU tensors it runs only in Triton's interpreter (``TRITON_INTERPRET=1``)."""
     import triton.language as tl
 
     from . import _block_glue_triton as kernels
@@ -357,6 +395,7 @@ def _launch(
     gate = gate if residual else (scale if quantize else rows)
     scale = scale if quantize else gate
     shift = shift if shift is not None else scale
+    index_rows = index if index is not None else rows  # unread without per-token modulation: any pointer
     tl_types = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float8_e4m3fn: tl.float8e4nv}
     fp8_max = float(torch.finfo(data.dtype).max) if quantize else 0.0
     grid = (-(-n_rows // rows_per_program),)
@@ -364,13 +403,14 @@ def _launch(
     with device:
         kernels.block_glue_rows[grid](
             rows, branch_rows, branch_weight if branch_weight is not None else rows, gate, stream_rows,
-            weight if weight is not None else rows, scale, shift, out_rows, scales if quantize else rows,
-            n_rows, tokens, rows.stride(0), branch_rows.stride(0), stream_rows.stride(0), out_rows.stride(0),
-            gate.stride(0), scale.stride(0), shift.stride(0), branch_eps, eps, fp8_max,
+            weight if weight is not None else rows, scale, shift, out_rows, scales if quantize else rows, index_rows,
+            n_rows, tokens, batch, rows.stride(0), branch_rows.stride(0), stream_rows.stride(0), out_rows.stride(0),
+            gate.stride(0), scale.stride(0), shift.stride(0), index_rows.stride(0), branch_eps, eps, fp8_max,
             COLUMNS=width, BLOCK=1 << (width - 1).bit_length(), ROWS=rows_per_program,
             HP_TY=tl_types[x.dtype], FP8_TY=tl_types[data.dtype] if quantize else tl_types[x.dtype],
             RESIDUAL=residual, BRANCH_NORM=block.branch_norm, TANH_GATE=block.tanh_gate, QUANTIZE=quantize,
-            LAYER_NORM=block.layer_norm, SHIFT_ADD=block.shift, APPROXIMATE=approximate, num_warps=warps,
+            LAYER_NORM=block.layer_norm, SHIFT_ADD=block.shift, APPROXIMATE=approximate,
+            PER_TOKEN=index is not None, num_warps=warps,
             # Triton would fold a product and the sum after it into one bf16 FMA (one rounding, not PyTorch's two)
             enable_fp_fusion=False,
         )  # fmt: skip
@@ -457,18 +497,23 @@ def _(x, branch, branch_weight, branch_eps, gate):  # noqa: ANN001, ANN202
 
 @torch.library.custom_op("bcg_diffusion::modulated_layer_norm_fp8", mutates_args=())
 def _modulated_layer_norm_fp8_op(
-    x: torch.Tensor, eps: float, scale: torch.Tensor, shift: torch.Tensor, fp8_dtype: torch.dtype
+    x: torch.Tensor,
+    eps: float,
+    scale: torch.Tensor,
+    shift: torch.Tensor,
+    fp8_dtype: torch.dtype,
+    index: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     if unavailable(x.device) is not None:
-        return reference_modulated_layer_norm_fp8(x, eps, scale, shift, fp8_dtype)
+        return reference_modulated_layer_norm_fp8(x, eps, scale, shift, fp8_dtype, index)
     data, scales = _fp8_empty(x, fp8_dtype)
     if x.numel():
-        _launch(x, _QWEN, eps=eps, scale=scale, shift=shift, data=data, scales=scales)
+        _launch(x, _QWEN, eps=eps, scale=scale, shift=shift, data=data, scales=scales, index=index)
     return data, scales
 
 
 @_modulated_layer_norm_fp8_op.register_fake
-def _(x, eps, scale, shift, fp8_dtype):  # noqa: ANN001, ANN202
+def _(x, eps, scale, shift, fp8_dtype, index=None):  # noqa: ANN001, ANN202
     return _fp8_empty(x, fp8_dtype)
 
 
@@ -481,33 +526,36 @@ def _gated_add_layer_norm_fp8_op(
     scale: torch.Tensor,
     shift: torch.Tensor,
     fp8_dtype: torch.dtype,
+    index: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     if unavailable(x.device) is not None:
-        return reference_gated_add_layer_norm_fp8(x, branch, gate, eps, scale, shift, fp8_dtype)
+        return reference_gated_add_layer_norm_fp8(x, branch, gate, eps, scale, shift, fp8_dtype, index)
     stream, data, scales = _stream_fp8_empty(x, fp8_dtype)
     if x.numel():
         _launch(
             x, _QWEN, branch=branch, gate=gate, stream=stream, eps=eps, scale=scale, shift=shift,
-            data=data, scales=scales,
+            data=data, scales=scales, index=index,
         )  # fmt: skip
     return stream, data, scales
 
 
 @_gated_add_layer_norm_fp8_op.register_fake
-def _(x, branch, gate, eps, scale, shift, fp8_dtype):  # noqa: ANN001, ANN202
+def _(x, branch, gate, eps, scale, shift, fp8_dtype, index=None):  # noqa: ANN001, ANN202
     return _stream_fp8_empty(x, fp8_dtype)
 
 
 @torch.library.custom_op("bcg_diffusion::gated_add", mutates_args=())
-def _gated_add_op(x: torch.Tensor, branch: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+def _gated_add_op(
+    x: torch.Tensor, branch: torch.Tensor, gate: torch.Tensor, index: torch.Tensor | None = None
+) -> torch.Tensor:
     if unavailable(x.device) is not None:
-        return reference_gated_add(x, branch, gate)
+        return reference_gated_add(x, branch, gate, index)
     stream = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if x.numel():
-        _launch(x, _QWEN, branch=branch, gate=gate, stream=stream)
+        _launch(x, _QWEN, branch=branch, gate=gate, stream=stream, index=index)
     return stream
 
 
 @_gated_add_op.register_fake
-def _(x, branch, gate):  # noqa: ANN001, ANN202
+def _(x, branch, gate, index=None):  # noqa: ANN001, ANN202
     return torch.empty(x.shape, dtype=x.dtype, device=x.device)

@@ -17,6 +17,11 @@ feed-forward runs it (:func:`bcg_diffusion.kernels.activation_fp8.gelu_fp8` betw
 the feed-forward's gated residual (:func:`~bcg_diffusion.kernels.block_glue.gated_add`). A stream in bf16
 runs the class's own steps.
 
+Qwen-Image-Edit-2511's blocks (``zero_cond_t``) modulate the image stream per token: the input image's tokens
+with the modulation of timestep 0, the others with the step's (``modulate_index``, and twice the modulation
+rows). The kernels take that index and pick each token's modulation row themselves; the text stream keeps the
+step's modulation.
+
 The same steps as the unpatched block with fast mode's FP8 feed-forward and processor: on a CPU, where the
 operators run their PyTorch references, the patched forward gives the unpatched one's bytes. On a GPU the
 kernels' float32 arithmetic is a few ulps from PyTorch's; fast mode allows it, its contract being with its
@@ -27,7 +32,7 @@ and value projections are plain ``nn.Linear`` with torchao's row-wise FP8 weight
 feed-forward takes fast mode's FP8 kernel (:func:`bcg_diffusion.patches.fp8_feed_forward.unfit`, chosen
 ``"fused"``), not chosen off (:func:`bcg_diffusion.patches.block_glue.choose`): :func:`unfit` says why a
 block is left as it is. Checked again at every call (types, identities, shapes: dynamo turns them into
-guards): a call with per-token modulation (``modulate_index``, Qwen-Image-Edit-2511's ``zero_cond_t``), an
+guards): a ``modulate_index`` without ``zero_cond_t`` (or the reverse), or one the kernels do not take, an
 attention that would run diffusers' processor (a text mask without fast mode's text lengths), an image
 projection replaced or wrapped, or a stream the kernels do not take runs the class's forward; a text
 projection that is not a plain FP8 ``nn.Linear`` sends the text stream through the class's steps.
@@ -91,8 +96,6 @@ def unfit(block: torch.nn.Module) -> str | None:
         return "chosen off"
     if "forward" in block.__dict__:
         return "its forward was replaced already"
-    if getattr(block, "zero_cond_t", False):
-        return "zero_cond_t (per-token modulation)"
     if not all(_plain_norm(getattr(block, name, None)) for name in _NORMS):
         return "a norm is not a LayerNorm without weight or bias"
     return _unfit_stream(block, _IMAGE)
@@ -134,11 +137,13 @@ def _feed_forward_ready(feed_forward: torch.nn.Module, float8_tensor: type) -> b
     )
 
 
-def _stream_ready(block: torch.nn.Module, stream: _Stream, x: torch.Tensor, temb: torch.Tensor) -> bool:
+def _stream_ready(
+    block: torch.nn.Module, stream: _Stream, x: torch.Tensor, temb: torch.Tensor, index: torch.Tensor | None = None
+) -> bool:
     """Whether ``stream`` (its input ``x``) can run in the kernels in this call: its products still plain
     FP8 linears, its feed-forward chose our kernel, its norms Qwen-Image's, and the kernels take ``x`` and its
-    modulation (``temb`` ``[B, C]`` in ``x``'s dtype). Types, identities, attributes and tensor properties
-    only (dynamo guards on them)."""
+    modulation (``temb`` ``[B, C]`` in ``x``'s dtype; with a per-token ``index``, ``[2B, C]``). Types,
+    identities, attributes and tensor properties only (dynamo guards on them)."""
     from torchao.quantization.quantize_.workflows import Float8Tensor
 
     feed_forward = getattr(block, stream.feed_forward)
@@ -149,8 +154,8 @@ def _stream_ready(block: torch.nn.Module, stream: _Stream, x: torch.Tensor, temb
         and all(_plain_norm(getattr(block, name)) for name in stream.norms)
         and temb.dim() == 2
         and temb.dtype == x.dtype
-        and temb.shape[0] == x.shape[0]
-        and block_glue.unsupported(x, (), ()) is None
+        and temb.shape[0] == x.shape[0] * (1 if index is None else 2)
+        and block_glue.unsupported(x, (), (), index=index) is None
     )
 
 
@@ -172,15 +177,20 @@ def _attends_per_group(
 
 
 def _first_half(
-    block: torch.nn.Module, norm: torch.nn.LayerNorm, x: torch.Tensor, modulation: torch.Tensor, kernels: bool
+    block: torch.nn.Module,
+    norm: torch.nn.LayerNorm,
+    x: torch.Tensor,
+    modulation: torch.Tensor,
+    kernels: bool,
+    index: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor | Fp8Rows, torch.Tensor]:
-    """One stream before attention: ``norm(x) * (1 + scale) + shift`` (``modulation`` is shift, scale, gate),
-    and the gate: with ``kernels`` FP8 rows and the gate ``[B, C]`` (as the kernels take it), otherwise as
-    the class computes them (the gate ``[B, 1, C]``)."""
+    """One stream before attention: ``norm(x) * (1 + scale) + shift`` (``modulation`` is shift, scale, gate;
+    with ``index``, per token), and the gate: with ``kernels`` FP8 rows and the gate's rows (as the kernels
+    take them), otherwise as the class computes them (the gate ``[B, 1 or S, C]``)."""
     if not kernels:
-        return block._modulate(norm(x), modulation)
+        return block._modulate(norm(x), modulation, index)
     shift, scale, gate = modulation.chunk(3, dim=-1)
-    data, scales = block_glue.modulated_layer_norm_fp8(x, norm.eps, scale, shift)
+    data, scales = block_glue.modulated_layer_norm_fp8(x, norm.eps, scale, shift, index=index)
     return Fp8Rows(data, scales, x.dtype), gate
 
 
@@ -200,17 +210,21 @@ def _second_half(
     gate: torch.Tensor,
     modulation: torch.Tensor,
     kernels: bool,
+    index: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One stream after attention: ``x + gate * attention_output``, then the feed-forward on its modulated
     norm, gated into it; in the kernels or, without ``kernels``, as the class computes it (``gate`` as
-    :func:`_first_half` gave it for the same ``kernels``)."""
+    :func:`_first_half` gave it for the same ``kernels`` and ``index``)."""
     if not kernels:
         x = x + gate * attention_output
-        modulated, mlp_gate = block._modulate(norm(x), modulation)
+        modulated, mlp_gate = block._modulate(norm(x), modulation, index)
         return x + mlp_gate * feed_forward(modulated)
     shift, scale, mlp_gate = modulation.chunk(3, dim=-1)
-    x, data, scales = block_glue.gated_add_layer_norm_fp8(x, attention_output, gate, norm.eps, scale, shift)
-    return block_glue.gated_add(x, _feed_forward_on_fp8(feed_forward, Fp8Rows(data, scales, x.dtype)), mlp_gate)
+    x, data, scales = block_glue.gated_add_layer_norm_fp8(
+        x, attention_output, gate, norm.eps, scale, shift, index=index
+    )
+    feed_forward_output = _feed_forward_on_fp8(feed_forward, Fp8Rows(data, scales, x.dtype))
+    return block_glue.gated_add(x, feed_forward_output, mlp_gate, index)
 
 
 def fused_block_forward(
@@ -224,17 +238,18 @@ def fused_block_forward(
     modulate_index: list[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``QwenImageTransformerBlock.forward`` with its glue in :mod:`bcg_diffusion.kernels.block_glue`'s
-    kernels (the module docstring); the class's forward where the call does not fit (per-token modulation,
-    :func:`_attends_per_group`, the image stream's :func:`_stream_ready`). Returns
-    ``(encoder_hidden_states, hidden_states)`` as the class does."""
+    kernels (the module docstring); the class's forward where the call does not fit (a ``modulate_index``
+    without ``zero_cond_t`` or the reverse, :func:`_attends_per_group`, the image stream's
+    :func:`_stream_ready`). Returns ``(encoder_hidden_states, hidden_states)`` as the class does."""
     attention_kwargs = joint_attention_kwargs or {}
+    index = modulate_index if self.zero_cond_t else None  # per-token modulation: Qwen-Image-Edit-2511's
     if (
-        modulate_index is not None
-        or self.zero_cond_t
+        (modulate_index is None) == bool(self.zero_cond_t)
+        or not isinstance(index, torch.Tensor | None)
         or not _attends_per_group(
             self, hidden_states, encoder_hidden_states, encoder_hidden_states_mask, attention_kwargs
         )
-        or not _stream_ready(self, _IMAGE, hidden_states, temb)
+        or not _stream_ready(self, _IMAGE, hidden_states, temb, index)
     ):
         return type(self).forward(
             self,
@@ -246,10 +261,11 @@ def fused_block_forward(
             joint_attention_kwargs,
             modulate_index,
         )
-    text_kernels = _stream_ready(self, _TEXT, encoder_hidden_states, temb)
+    text_temb = temb.chunk(2, dim=0)[0] if self.zero_cond_t else temb  # the text keeps the step's modulation
+    text_kernels = _stream_ready(self, _TEXT, encoder_hidden_states, text_temb)
     image_mod1, image_mod2 = self.img_mod(temb).chunk(2, dim=-1)
-    text_mod1, text_mod2 = self.txt_mod(temb).chunk(2, dim=-1)
-    image_input, image_gate = _first_half(self, self.img_norm1, hidden_states, image_mod1, kernels=True)
+    text_mod1, text_mod2 = self.txt_mod(text_temb).chunk(2, dim=-1)
+    image_input, image_gate = _first_half(self, self.img_norm1, hidden_states, image_mod1, True, index)
     text_input, text_gate = _first_half(self, self.txt_norm1, encoder_hidden_states, text_mod1, text_kernels)
     image_attention, text_attention = self.attn(
         hidden_states=image_input,
@@ -259,7 +275,7 @@ def fused_block_forward(
         **attention_kwargs,
     )
     hidden_states = _second_half(
-        self, self.img_norm2, self.img_mlp, hidden_states, image_attention, image_gate, image_mod2, kernels=True
+        self, self.img_norm2, self.img_mlp, hidden_states, image_attention, image_gate, image_mod2, True, index
     )
     encoder_hidden_states = _second_half(
         self, self.txt_norm2, self.txt_mlp, encoder_hidden_states, text_attention, text_gate, text_mod2, text_kernels
