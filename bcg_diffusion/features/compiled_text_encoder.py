@@ -30,8 +30,8 @@ variant, made at that signature's warm-up.
 
 Applies in fast mode to each text encoder that is accelerated (Z-Image's default components; others with
 ``components=``: ``"text_encoder"``, and FLUX.1's or SD3's ``"text_encoder_2"`` and ``"text_encoder_3"``,
-each a feature instance of its own, :data:`TEXT_ENCODER_FEATURES`) and on a GPU only: on a CPU the compile would cost seconds and gain nothing measured.
-Compiling changes rounding only, hence fast mode's; images stay byte-identical with and without graphs.
+each a feature instance of its own, :data:`TEXT_ENCODER_FEATURES`), and on a GPU only: on a CPU the compile
+would cost seconds and gain nothing measured. Compiling changes rounding only, hence fast mode's; images stay byte-identical with and without graphs.
 ``choose(pipe.text_encoder, False)`` before ``accelerate`` keeps the eager layers (a shorter cold start).
 ``stats()`` reports ``text_encoder_compiles``, ``text_encoder_compile_seconds`` (the calls that compiled,
 compiling included) and ``text_encoder_compile_failure``; for the other encoders, the same under their
