@@ -20,7 +20,8 @@ runs the class's own steps.
 Qwen-Image-Edit-2511's blocks (``zero_cond_t``) modulate the image stream per token: the input image's tokens
 with the modulation of timestep 0, the others with the step's (``modulate_index``, and twice the modulation
 rows). The kernels take that index and pick each token's modulation row themselves; the text stream keeps the
-step's modulation.
+step's modulation. Edit-2511 1024², 8 steps, CFG 4, ``fast-fp8``: 3.679 s against 3.758 s with inductor's glue
+(H100, run 175).
 
 The same steps as the unpatched block with fast mode's FP8 feed-forward and processor: on a CPU, where the
 operators run their PyTorch references, the patched forward gives the unpatched one's bytes. On a GPU the
