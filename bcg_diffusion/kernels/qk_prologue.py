@@ -608,10 +608,10 @@ def _launch(
     e = [float(x) for x in eps] if normed else [0.0] * 4
     rope = 0 if freqs[0] is None else 2 if isinstance(freqs[0], tuple) else 1  # as the kernel names them
     block_r, warps = config or (_CONFIG_REAL if rope == 2 else _CONFIG)
+    # each stream's frequencies and sines (without a text stream, the image's); an unread pointer: any tensor
     f_img, s_img = _op_freqs(freqs[0]) if rope else (q_img, None)
-    f_txt, s_txt = _op_freqs(freqs[1]) if rope and freqs[1] is not None else (f_img, s_img)
-    s_img = s_img if s_img is not None else f_img  # unread but for (cos, sin) frequencies: any pointer
-    s_txt = s_txt if s_txt is not None else f_txt
+    f_txt, s_txt = _op_freqs(freqs[1]) if freqs[1] is not None else (f_img, s_img)
+    s_img, s_txt = (s if s is not None else f for s, f in ((s_img, f_img), (s_txt, f_txt)))
     lengths = [*text_lengths, *[0] * (MAX_GROUPS - len(text_lengths))]
     rows_per_group = batch // len(text_lengths)
     out_q, out_k, out_v = outputs

@@ -74,6 +74,7 @@ __all__ = [
     "TAKES_FP8_ROWS",
     "choose_qk_prologue",
     "cudnn_attention_unsupported",
+    "fp8_prologue_chosen",
     "dispatch_attention_fn",
     "qwen_joint_attention_per_group",
     "qwen_joint_projections",
@@ -301,14 +302,19 @@ def _choice(attn: torch.nn.Module, attribute: str, default: Any, allowed: tuple[
     return choice
 
 
-def _fp8_prologue(attn: torch.nn.Module, default: str, options: dict[str, Any]) -> bool:
-    """Whether ``attn``'s fused prologue writes cuDNN's FP8 attention's query and key (its kernel is
-    cuDNN's FP8 one, :data:`FP8_PROLOGUE_ATTRIBUTE` not False). Raises ValueError for a value of that
-    attribute that is not a bool."""
+def fp8_prologue_chosen(attn: torch.nn.Module) -> bool:
+    """``attn``'s :data:`FP8_PROLOGUE_ATTRIBUTE` (True where unset). Raises ValueError for a value that is not
+    a bool."""
     choice = getattr(attn, FP8_PROLOGUE_ATTRIBUTE, True)
     if not isinstance(choice, bool):  # not _choice: 1 and 0 are "in (True, False)"
         raise ValueError(f"{type(attn).__name__}.{FP8_PROLOGUE_ATTRIBUTE} is {choice!r}; expected True or False")
-    return choice and _kernel(attn, default, options) == "cudnn-fp8"
+    return choice
+
+
+def _fp8_prologue(attn: torch.nn.Module, default: str, options: dict[str, Any]) -> bool:
+    """Whether ``attn``'s fused prologue writes cuDNN's FP8 attention's query and key (its kernel is
+    cuDNN's FP8 one, :func:`fp8_prologue_chosen`). Raises ValueError as that function does."""
+    return fp8_prologue_chosen(attn) and _kernel(attn, default, options) == "cudnn-fp8"
 
 
 def _fused_prologue(attn: torch.nn.Module, like: torch.Tensor) -> bool:

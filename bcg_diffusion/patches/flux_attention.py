@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from ..kernels import cudnn_fp8_attention, qk_prologue
-from .attention import FP8_PROLOGUE_ATTRIBUTE, _default_backend_active, _fused_prologue
+from .attention import _default_backend_active, _fused_prologue, fp8_prologue_chosen
 from .dispatched_attention import DISPATCH_NAME, KERNEL_OF_CLASS
 from .scoped import ProcessorPatch
 
@@ -71,11 +71,8 @@ def _fp8_wanted(processor: Any, attn: torch.nn.Module, attention_mask: torch.Ten
     """Whether the prologue should write cuDNN's FP8 attention's query and key: the processor's class sends
     plain calls to that kernel, this call is plain, and the module has not chosen otherwise
     (``features.fp8_attention.choose_prologue``). Raises ValueError for a choice that is not a bool."""
-    choice = getattr(attn, FP8_PROLOGUE_ATTRIBUTE, True)
-    if not isinstance(choice, bool):
-        raise ValueError(f"{type(attn).__name__}.{FP8_PROLOGUE_ATTRIBUTE} is {choice!r}; expected True or False")
     return (
-        choice
+        fp8_prologue_chosen(attn)
         and getattr(type(processor), KERNEL_OF_CLASS, None) == "cudnn-fp8"
         and attention_mask is None
         and processor._attention_backend is None
