@@ -52,7 +52,8 @@ def _with_components(pipe: Any, config: AccelerateConfig, adapter: PipelineAdapt
     A text encoder that is not on the transformer's device stays eager (a graph cannot run it): with a
     warning when the user named it, with a log line when it came with the defaults. A defaulted one
     with offload or diffusers hooks stays eager too, instead of taking the whole pipeline eager with
-    it (:func:`_eager_reason` does that for components the user names).
+    it (:func:`_eager_reason` does that for components the user names), and so does a defaulted one
+    whose class is not in the adapter's ``default_text_encoders``.
     """
     chosen = config.components is not None
     components = config.components if chosen else adapter.default_components
@@ -65,6 +66,10 @@ def _with_components(pipe: Any, config: AccelerateConfig, adapter: PipelineAdapt
         reason = f"it is on {elsewhere}, not on the transformer's {device}" if elsewhere else None
         if reason is None and not chosen and (hasattr(encoder, "_hf_hook") or diffusers_hooks(encoder)):
             reason = "it has offload or diffusers hooks"
+        if reason is None and not chosen and type(encoder).__name__ not in adapter.default_text_encoders:
+            reason = (
+                f"{type(encoder).__name__} is not captured by default (name {name!r} in components= to capture it)"
+            )
         if reason is not None:
             if chosen:
                 warnings.warn(f"bcg-diffusion: {name} stays eager: {reason}", BCGWarning, stacklevel=3)

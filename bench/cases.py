@@ -39,8 +39,10 @@ class Case:
     ``prompts`` ("short", "long" or "mixed": prompts of different lengths, Qwen-Image's masked path).
 
     The pipelines of :mod:`bench.published` (FLUX.1, FLUX.2 klein, Wan, Qwen-Image-Edit) take random prompt
-    embeddings instead of prompts (batch 1; ``weights`` says which, and ``frames`` is a video's length), and
-    ``guidance`` is the pipeline's own argument (:class:`bench.published.PublishedCase`).
+    embeddings instead of prompts (batch 1; ``weights`` says which, and ``frames`` is a video's length), or with
+    ``text_encoders`` the prompt (and with CFG the negative prompt) for the encoders built with them
+    (:mod:`bench.published_text`); ``guidance`` is the pipeline's own argument
+    (:class:`bench.published.PublishedCase`).
     """
 
     pipeline: str
@@ -53,6 +55,7 @@ class Case:
     profile: bool = True  # also profile the denoising loop (wall time against GPU kernel time)
     frames: int | None = None  # a video's frames (bench.published's video pipelines)
     weights: str = "random-full"  # bench.published's pipelines: which random weights their embeddings fit
+    text_encoders: bool = False  # bench.published's pipelines: encode the prompt with their built text encoders
 
     def __post_init__(self) -> None:
         if self.prompts not in PROMPT_SET_NAMES:
@@ -64,6 +67,10 @@ class Case:
             raise ValueError(f"--pipeline {self.pipeline} runs one video or image per call (batch 1)")
         if (self.frames is not None) != (self.published is not None and self.published.frames is not None):
             raise ValueError(f"frames are for the video pipelines only, got {self.frames} for {self.pipeline}")
+        if self.text_encoders and (self.published is None or not self.published.text_encoders):
+            from .published import encoded
+
+            raise ValueError(f"--text-encoders is for {', '.join(encoded())}, not {self.pipeline}")
 
     @property
     def published(self) -> Any:
@@ -83,7 +90,8 @@ class Case:
         cfg = f"cfg {self.guidance:g}" if self.uses_cfg else "no cfg"
         batch = f", batch {self.batch} ({self.prompts})" if self.batch > 1 else ""
         frames = f"x{self.frames}" if self.frames else ""
-        return f"{self.pipeline} {self.width}x{self.height}{frames}, {self.steps} steps, {cfg}{batch}"
+        text = ", text encoders" if self.text_encoders else ""
+        return f"{self.pipeline} {self.width}x{self.height}{frames}, {self.steps} steps, {cfg}{batch}{text}"
 
     def prompt_list(self) -> list[str]:
         pool = prompt_sets()[self.prompts]
@@ -97,7 +105,13 @@ class Case:
         if self.published is not None:
             from .published import call_inputs
 
-            kwargs = call_inputs(self.pipeline, self.weights, device, self.width, self.height, self.frames)
+            kwargs = call_inputs(
+                self.pipeline, self.weights, device, self.width, self.height, self.frames, self.text_encoders
+            )
+            if self.text_encoders:
+                kwargs["prompt"] = self.prompt_list()[0]
+                if self.uses_cfg:
+                    kwargs["negative_prompt"] = NEGATIVE_PROMPT
             kwargs.update(
                 height=self.height, width=self.width, num_inference_steps=self.steps, output_type=output_type
             )

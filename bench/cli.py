@@ -192,6 +192,12 @@ def build_parser() -> argparse.ArgumentParser:
         "wan 832x480)",
     )
     parser.add_argument(
+        "--text-encoders",
+        action="store_true",
+        help="flux, flux2-klein, wan: build the pipeline's text encoders (random weights) and encode a prompt in "
+        "every call, as a user's call does, instead of feeding random prompt embeddings",
+    )
+    parser.add_argument(
         "--frames", type=runs.at_least(1), help="wan: frames per video (default: 81, as published at 480p)"
     )
     parser.add_argument(
@@ -316,6 +322,8 @@ def _pipeline_cases(name: str, args: argparse.Namespace) -> list[Case]:
     if name not in runs.PUBLISHED_PIPELINES:
         if args.frames is not None:
             raise ValueError(f"--frames is for wan, not {name}")
+        if args.text_encoders:
+            raise ValueError(f"--text-encoders is for the published pipelines; {name} always encodes its prompts")
         steps, guidance = args.steps or 8, 0.0 if args.guidance is None else args.guidance
         return [
             Case(name, height, width, steps, guidance, args.batch, args.prompts)
@@ -330,7 +338,18 @@ def _pipeline_cases(name: str, args: argparse.Namespace) -> list[Case]:
     steps, guidance = args.steps or spec.steps, spec.guidance if args.guidance is None else args.guidance
     weights = "tiny" if args.weights == runs.SMOKE_WEIGHTS else args.weights
     return [
-        Case(name, height, width, steps, guidance, args.batch, args.prompts, frames=frames, weights=weights)
+        Case(
+            name,
+            height,
+            width,
+            steps,
+            guidance,
+            args.batch,
+            args.prompts,
+            frames=frames,
+            weights=weights,
+            text_encoders=args.text_encoders,
+        )  # fmt: skip
         for width, height in args.resolutions or [(spec.width, spec.height)]
     ]
 

@@ -16,7 +16,7 @@ import functools
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["PUBLISHED", "PublishedCase", "build", "call_inputs"]
+__all__ = ["PUBLISHED", "PublishedCase", "build", "call_inputs", "encoded"]
 
 
 @dataclass(frozen=True)
@@ -31,6 +31,7 @@ class PublishedCase:
         guidance_argument: the pipeline's keyword for it.
         cfg_above: the guidance above which the pipeline calls the transformer twice a step (None: never, a
             guidance-distilled model).
+        text_encoders: whether ``--text-encoders`` can build its text encoders (:mod:`bench.published_text`).
     """
 
     coverage: str
@@ -41,6 +42,7 @@ class PublishedCase:
     guidance: float
     guidance_argument: str = "guidance_scale"
     cfg_above: float | None = None
+    text_encoders: bool = True
 
     def uses_cfg(self, guidance: float) -> bool:
         return self.cfg_above is not None and guidance > self.cfg_above
@@ -54,33 +56,52 @@ PUBLISHED: dict[str, PublishedCase] = {
     # Wan 2.1 T2V 14B at 480p, 81 frames, CFG 5 (two transformer calls a step).
     "wan": PublishedCase("Wan 2.1 T2V", 832, 480, 81, 3, 5.0, cfg_above=1.0),
     # Qwen-Image-Edit-2511 (zero_cond_t), true CFG 4 (two calls a step), the input image at the output's size.
-    "qwen-image-edit": PublishedCase("Qwen-Image Edit Plus", 1024, 1024, None, 8, 4.0, "true_cfg_scale", 1.0),
+    "qwen-image-edit": PublishedCase(
+        "Qwen-Image Edit Plus", 1024, 1024, None, 8, 4.0, "true_cfg_scale", 1.0, text_encoders=False
+    ),
 }
 
 
-def build(name: str, weights: str, device: Any) -> Any:
+def encoded() -> list[str]:
+    """The pipelines whose text encoders ``--text-encoders`` builds."""
+    return [name for name, case in PUBLISHED.items() if case.text_encoders]
+
+
+def build(name: str, weights: str, device: Any, text_encoders: bool = False) -> Any:
     """Pipeline ``name`` (a key of :data:`PUBLISHED`) with ``weights`` ``"random-full"`` (its published size,
-    random bfloat16 weights made on ``device``) or ``"tiny"`` (the tiny CPU config, moved to ``device``).
-    Raises ValueError for other weights: no checkpoint of these is loaded by the benchmark."""
+    random bfloat16 weights made on ``device``) or ``"tiny"`` (the tiny CPU config, moved to ``device``); with
+    ``text_encoders``, its text encoders too (:mod:`bench.published_text`). Raises ValueError for other weights
+    (no checkpoint of these is loaded by the benchmark) or text encoders that are not built here."""
     from .coverage_models import FULL, TINY
 
     spec = PUBLISHED[name]
-    if weights == "random-full":
-        return FULL[spec.coverage].build(device)
-    if weights == "tiny":
-        pipe, _ = TINY[spec.coverage]()
-        return pipe.to(device)
+    if weights in ("random-full", "tiny"):
+        pipe = FULL[spec.coverage].build(device) if weights == "random-full" else TINY[spec.coverage]()[0].to(device)
+        if not text_encoders:
+            return pipe
+        from .published_text import with_text_encoders
+
+        return with_text_encoders(pipe, name, weights, device)
     raise ValueError(
         f"--pipeline {name} runs with --weights random-full or tiny (random weights at its published or a tiny "
         f"size), not {weights!r}: load a checkpoint yourself and call bcg_diffusion.accelerate on it"
     )
 
 
-def call_inputs(name: str, weights: str, device: Any, width: int, height: int, frames: int | None) -> dict[str, Any]:
-    """The call arguments of pipeline ``name`` besides its size, steps, guidance and generator: prompt
-    embeddings (random, of its text encoders' widths; the same tensors on every call) and, for the edit
+def call_inputs(
+    name: str, weights: str, device: Any, width: int, height: int, frames: int | None, text_encoders: bool = False
+) -> dict[str, Any]:
+    """The call arguments of pipeline ``name`` besides its size, steps, guidance, generator and prompts: prompt
+    embeddings (random, of its text encoders' widths; the same tensors on every call), or with ``text_encoders``
+    what its built encoders need instead (:func:`bench.published_text.encoder_call_inputs`), and, for the edit
     pipelines, their input image at the output's size. A new dict each time."""
-    return dict(_inputs(name, weights, device, width, height, frames))
+    inputs = dict(_inputs(name, weights, device, width, height, frames))
+    if not text_encoders:
+        return inputs
+    from .published_text import encoder_call_inputs
+
+    kept = {key: value for key, value in inputs.items() if "prompt" not in key}  # embeddings, pooled, masks
+    return kept | encoder_call_inputs(name, weights)
 
 
 @functools.lru_cache(maxsize=4)

@@ -48,7 +48,7 @@ def build(name: str, args: argparse.Namespace) -> Any:
     started = time.perf_counter()
     try:
         if name in PUBLISHED:
-            base = published_build(name, args.weights, args.device)
+            base = published_build(name, args.weights, args.device, args.text_encoders)
         else:
             layers = getattr(args, "layers", None)
             base = build_pipeline(name, args.weights, device=args.device, dtype=dtype, num_layers=layers)

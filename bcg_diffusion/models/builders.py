@@ -356,25 +356,7 @@ def _z_image_recipe(full: bool, tokenizer: PreTrainedTokenizerBase, num_layers: 
             mid_block_add_attention=True,
         )
         # Tongyi-MAI/Z-Image-Turbo text_encoder/config.json (Qwen3-4B), loaded there as a Qwen3Model.
-        config = Qwen3Config(
-            vocab_size=151936,
-            hidden_size=2560,
-            intermediate_size=9728,
-            num_hidden_layers=num_layers or 36,
-            num_attention_heads=32,
-            num_key_value_heads=8,
-            head_dim=128,
-            hidden_act="silu",
-            max_position_embeddings=40960,
-            rms_norm_eps=1e-6,
-            rope_theta=1000000.0,
-            attention_bias=False,
-            attention_dropout=0.0,
-            use_sliding_window=False,
-            tie_word_embeddings=True,
-            bos_token_id=151643,
-            eos_token_id=151645,
-        )
+        config = qwen3_4b_config(num_layers)
     else:
         hidden = 32
         transformer = partial(
@@ -431,6 +413,29 @@ def _z_image_recipe(full: bool, tokenizer: PreTrainedTokenizerBase, num_layers: 
         vae=vae,
         text_encoder=partial(Qwen3Model, config),
         scheduler=_Z_IMAGE_SCHEDULER,
+    )
+
+
+def qwen3_4b_config(num_layers: int | None = None) -> Qwen3Config:
+    """Qwen3-4B's config (``num_layers`` overrides its 36 layers): Z-Image's text encoder, FLUX.2 klein 4B's too."""
+    return Qwen3Config(
+        vocab_size=151936,
+        hidden_size=2560,
+        intermediate_size=9728,
+        num_hidden_layers=num_layers or 36,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        hidden_act="silu",
+        max_position_embeddings=40960,
+        rms_norm_eps=1e-6,
+        rope_theta=1000000.0,
+        attention_bias=False,
+        attention_dropout=0.0,
+        use_sliding_window=False,
+        tie_word_embeddings=True,
+        bos_token_id=151643,
+        eos_token_id=151645,
     )
 
 

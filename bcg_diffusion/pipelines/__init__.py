@@ -53,8 +53,8 @@ def adapter_for(pipe: Any) -> PipelineAdapter:
             f"pipelines ({', '.join(a.name for a in ADAPTERS)} are tested)"
         )
     warnings.warn(
-        f"bcg-diffusion has no adapter for {type(pipe).__name__}; using the generic one (transformer forward and "
-        "VAE decode as graphs, any capture failure falls back to eager). Images should still be exact: check with "
+        f"bcg-diffusion has no adapter for {type(pipe).__name__}; using the generic one (transformer forward, "
+        "VAE decode and T5, CLIP or Qwen3 text encoders as graphs, any capture failure falls back to eager). Images should still be exact: check with "
         "debug=True and stats().",
         BCGWarning,
         stacklevel=3,

@@ -93,8 +93,18 @@ class PipelineAdapter:
         "text_encoder_2": "forward",  # FLUX.1's T5, SD3's second CLIP
         "text_encoder_3": "forward",  # SD3's T5
     }
-    # What ``components=None`` accelerates: the components this family was measured faster with.
-    default_components: tuple[str, ...] = ("transformer", "transformer_2", "vae")
+    # What ``components=None`` accelerates: the components this family was measured faster with. A text encoder
+    # among them is taken only if its class is in ``default_text_encoders``.
+    default_components: tuple[str, ...] = (
+        "transformer", "transformer_2", "vae", "text_encoder", "text_encoder_2", "text_encoder_3"
+    )  # fmt: skip
+    # Text encoders captured by default, by class: those whose prompts the pipelines pad to a fixed length (one
+    # capture serves every prompt), tested byte-equal to eager and measured faster (docs/coverage.md): Qwen3 (FLUX.2
+    # klein, Z-Image), T5 and CLIP (FLUX.1, SD3, Chroma...), UMT5 (Wan). Others stay eager unless named.
+    default_text_encoders: tuple[str, ...] = (
+        "Qwen3Model", "Qwen3ForCausalLM", "T5EncoderModel", "UMT5EncoderModel", "CLIPTextModel",
+        "CLIPTextModelWithProjection",
+    )  # fmt: skip
     patches: tuple[FunctionPatch, ...] = ()
     # Fast mode only: patches that compile better but round differently, scoped to the accelerated model. Each
     # applies to the processors of its class wherever they are: FLUX.1's and FLUX.2's for any pipeline.
