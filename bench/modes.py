@@ -80,10 +80,10 @@ def weight_sharing_copy(module: torch.nn.Module) -> torch.nn.Module:
 
 def pipeline_copy(pipe: Any) -> Any:
     """A new pipeline of the same class sharing all weights, with its own transformer(s), VAE, text
-    encoder and scheduler objects (the parts that modes patch or that hold per-call state), and the
+    encoders and scheduler objects (the parts that modes patch or that hold per-call state), and the
     pipeline's own settings (``boundary_ratio`` of Wan 2.2...)."""
     components = dict(pipe.components)
-    for name in ("transformer", "transformer_2", "vae", "text_encoder"):
+    for name in ("transformer", "transformer_2", "vae", "text_encoder", "text_encoder_2", "text_encoder_3"):
         if components.get(name) is not None:
             components[name] = weight_sharing_copy(components[name])
     components["scheduler"] = copy.deepcopy(components["scheduler"])

@@ -74,6 +74,9 @@
 #   bench-klein      FLUX.2 klein 4B 1024², 4 steps: eager, bcg, fast, fast-fp8, fast-fp8-attn
 #   bench-wan        Wan 2.1 T2V 14B 832x480x81, 3 steps, CFG 5: eager, fast-fp8-attn, one timed run (per-step time)
 #   bench-qwen-edit  Qwen-Image-Edit-2511 1024², 8 steps, true CFG 4: eager, fast, fast-fp8, fast-fp8-attn
+#   bench-text-encoders  FLUX.2 klein (eager, bcg, bcg-no-te, fast, fast-no-te, fast-fp8-attn; TE_KLEIN_MODES) and FLUX.1-dev
+#                    (eager, bcg, bcg-no-te, fast, fast-no-te; TE_FLUX_MODES) at 1024² with --text-encoders: their
+#                    text encoders built with random weights, a prompt encoded in every call
 #   flux-prologue    FLUX's attention prologue kernel against its reference at FLUX.1's shapes, then FLUX.1-dev 1024²,
 #                    28 steps, each fast mode with our prologue and with inductor's (FLUX_PROLOGUE_MODES, PUBLISHED_RUNS)
 #   probe-flux       FLUX.1-dev 1024²: each product of a step (bf16, FP8, fused), and a fast / fast-fp8 / fast-fp8-attn
@@ -148,7 +151,7 @@
 #                    for `python scripts/screenshot_replay.py DIR OUT.png` here (the GPU machine has no browser)
 # Everything it writes is under $OUT (logs, results.json/.md/.png); copy it to bench/results/<date>-h200/.
 set -uo pipefail
-[ $# -gt 0 ] || { echo "usage: scripts/gpu_session.sh tests-published|probe-flux|bench-flux|bench-klein|bench-wan|bench-qwen-edit|probe-wan-vae|bench-stacked-qwen-512|tests-fp8-output|bench-fp8-output-qwen|bench-fp8-output-z|fp8-prologue|probe-stacked|bench-fp8-prologue-qwen|bench-stacked-qwen|bench-fp8-prologue-z|qwen-block-glue|bench-block-glue-qwen|probe-attention|probe-cudnn-fp8|tests-vae-fused|bench-fused-qkv-z|tests-fused-qkv|tests-cudnn-fp8|bench-cudnn-fp8-z|bench-cudnn-fp8-qwen|tests-kernels|probe-fp8-ff|bench-fp8-ff-qwen|bench-kernels-qwen|bench-kernels-z|bench-cachedit-qwen|tests-state|bench-state|tests|tests-full|tests-fast|tests-coexist|tests-shared|tests-cache|bench-cache-qwen-1024|bench-cache-qwen-512|bench-cache-z|bench-cfg-cache-qwen|bench-cfg-cache-qwen-1024|bench-cfg-cache-qwen-512|tests-quant|tests-auto|probe-hand-patches|bench-auto|coverage|bench-fp8-z|bench-fp8-qwen|warm-start-fp8-z|probe-fp8-groups|probe-fp8-block|hotswap-z|tests-z|te-z|fast-check|profile-qwen|profile-z|fast-qwen-50|ab-attention|probe-floor|probe-outside|probe-norms|probe-blocks|compile-max-qwen|memory-z|bench-z|warm-start-z|first-call-qwen-none|first-call-qwen-magcache|first-call-qwen-cachedit|first-call-qwen-fp8|bench-qwen|bench-qwen-512|bench-qwen-1024|issue2|parallel|parallel-cfg|serving|demo ..." >&2; exit 2; }
+[ $# -gt 0 ] || { echo "usage: scripts/gpu_session.sh bench-text-encoders|tests-published|probe-flux|bench-flux|bench-klein|bench-wan|bench-qwen-edit|probe-wan-vae|bench-stacked-qwen-512|tests-fp8-output|bench-fp8-output-qwen|bench-fp8-output-z|fp8-prologue|probe-stacked|bench-fp8-prologue-qwen|bench-stacked-qwen|bench-fp8-prologue-z|qwen-block-glue|bench-block-glue-qwen|probe-attention|probe-cudnn-fp8|tests-vae-fused|bench-fused-qkv-z|tests-fused-qkv|tests-cudnn-fp8|bench-cudnn-fp8-z|bench-cudnn-fp8-qwen|tests-kernels|probe-fp8-ff|bench-fp8-ff-qwen|bench-kernels-qwen|bench-kernels-z|bench-cachedit-qwen|tests-state|bench-state|tests|tests-full|tests-fast|tests-coexist|tests-shared|tests-cache|bench-cache-qwen-1024|bench-cache-qwen-512|bench-cache-z|bench-cfg-cache-qwen|bench-cfg-cache-qwen-1024|bench-cfg-cache-qwen-512|tests-quant|tests-auto|probe-hand-patches|bench-auto|coverage|bench-fp8-z|bench-fp8-qwen|warm-start-fp8-z|probe-fp8-groups|probe-fp8-block|hotswap-z|tests-z|te-z|fast-check|profile-qwen|profile-z|fast-qwen-50|ab-attention|probe-floor|probe-outside|probe-norms|probe-blocks|compile-max-qwen|memory-z|bench-z|warm-start-z|first-call-qwen-none|first-call-qwen-magcache|first-call-qwen-cachedit|first-call-qwen-fp8|bench-qwen|bench-qwen-512|bench-qwen-1024|issue2|parallel|parallel-cfg|serving|demo ..." >&2; exit 2; }
 out=${OUT:-/tmp/bcg-out}
 mkdir -p "$out"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -177,6 +180,16 @@ case "$phase" in
     timeout "${PUBLISHED_TIMEOUT:-560}" python3 -m bench --pipeline "$pipeline" --weights random-full \
       --modes "${PUBLISHED_MODES:-$modes}" --runs "${PUBLISHED_RUNS:-$runs}" --warmup 0 --no-progress \
       --out "$out/$phase" 2>&1 | grep -v "Warning\|warnings.warn" | tee "$out/$phase.log" | tail -25
+    ;;
+  bench-text-encoders)
+    # The published pipelines with their text encoders built (random weights) and a prompt encoded each call:
+    # klein's Qwen3-4B, then FLUX.1's CLIP and T5-XXL; -no-te: the same without the encoders' graphs
+    timeout "${TE_KLEIN_TIMEOUT:-240}" python3 -m bench --pipeline flux2-klein --weights random-full --text-encoders \
+      --modes "${TE_KLEIN_MODES:-eager,bcg,bcg-no-te,fast,fast-no-te,fast-fp8-attn}" --runs 3 --warmup 0 --no-progress \
+      --out "$out/klein-te" 2>&1 | grep -v "Warning\|warnings.warn\|^DEBUG" | tee "$out/bench-klein-te.log" | tail -16
+    timeout "${TE_FLUX_TIMEOUT:-300}" python3 -m bench --pipeline flux --weights random-full --text-encoders \
+      --modes "${TE_FLUX_MODES:-eager,bcg,bcg-no-te,fast,fast-no-te}" --runs 2 --warmup 0 --no-progress \
+      --out "$out/flux-te" 2>&1 | grep -v "Warning\|warnings.warn\|^DEBUG" | tee "$out/bench-flux-te.log" | tail -16
     ;;
   flux-prologue)
     timeout 120 python3 -m pytest -m cuda -q -rs -p no:cacheprovider --tb=short -k "flux or qk_prologue" \

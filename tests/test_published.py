@@ -290,6 +290,59 @@ def test_bench_times_a_published_pipeline_on_the_cpu(tmp_path, capsys):
     assert "| bcg |" in out and "yes (md5)" in out
 
 
+def test_bench_encodes_prompts_with_the_published_pipelines_text_encoders(tmp_path, capsys):
+    import json
+
+    code = cli.main(
+        ["--pipeline", "flux", "--weights", "tiny", "--text-encoders", "--resolutions", "64x64", "--steps", "2"]
+        + ["--runs", "1", "--warmup", "0", "--modes", "eager,bcg,bcg-no-te", "--no-progress", "--out", str(tmp_path)]
+    )
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "flux 64x64, 2 steps, no cfg, text encoders" in out
+    [case] = json.loads((tmp_path / "results.json").read_text())["cases"]
+    modes = case["modes"]
+    assert all(modes[name]["identical"] for name in ("bcg", "bcg-no-te")), modes
+    # CLIP and T5 captured by default (transformer, VAE, text_encoder, text_encoder_2); -no-te leaves them eager
+    assert (modes["bcg"]["graphs"]["captures"], modes["bcg-no-te"]["graphs"]["captures"]) == (4, 2), modes
+
+
+@pytest.mark.parametrize("pipeline", ["qwen-image-edit", "z-image"])
+def test_bench_refuses_text_encoders_it_cannot_build(pipeline, capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.parse_args(["--pipeline", pipeline, "--weights", "tiny", "--text-encoders"])
+    assert exc.value.code == 2
+    assert "--text-encoders is for" in capsys.readouterr().err
+
+
+@pytest.mark.filterwarnings("ignore:.*has no adapter")
+def test_a_text_encoder_outside_the_default_classes_is_captured_only_when_named(caplog):
+    """The generic adapter captures by default only the encoder classes it was tested and measured with; another
+    class stays eager, with a log line saying how to opt in, and named in ``components`` it is captured."""
+    from transformers import CLIPTextModel
+
+    class OtherTextModel(CLIPTextModel):  # a class the defaults do not know
+        pass
+
+    pipe, inputs = _with_text_encoder("FLUX.1")
+    pipe.text_encoder.__class__ = OtherTextModel
+    with torch.no_grad():
+        expected = _call(pipe, inputs)
+    for components in (None, ("transformer", "vae", "text_encoder", "text_encoder_2")):
+        with caplog.at_level("INFO", logger="bcg_diffusion"):
+            accelerate(pipe, components=components, debug=True)
+        try:
+            assert torch.equal(_call(pipe, inputs), expected)
+            captured = set(stats(pipe)["components"])
+        finally:
+            restore(pipe)
+        if components is None:
+            assert captured == {"transformer", "vae", "text_encoder_2"}, captured
+            assert "text_encoder stays eager: OtherTextModel is not captured by default" in caplog.text
+        else:
+            assert captured == {"transformer", "vae", "text_encoder", "text_encoder_2"}, captured
+
+
 @pytest.mark.parametrize("cache", ["magcache", "first-block"])
 def test_step_caches_on_both_experts_of_wan22_run_inside_their_graphs(cache):
     from bcg_diffusion.features.step_caching import enable_cache
@@ -313,54 +366,24 @@ def test_step_caches_on_both_experts_of_wan22_run_inside_their_graphs(cache):
         restore(pipe)
 
 
-def _with_text_encoder(name: str) -> tuple[Any, dict[str, Any]]:
-    """The tiny pipeline ``name`` with a tiny text encoder of its family and the offline tokenizer (a stand-in
-    for its own: the pipelines only tokenize, pad and call): FLUX.2 klein's Qwen3 (tiny Z-Image's, both its
-    layers read, as klein reads three of Qwen3-4B's), Wan's UMT5 encoder, FLUX.1's CLIP and T5 (its
-    ``text_encoder_2``)."""
-    from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel, UMT5Config, UMT5EncoderModel
+_BENCH_NAMES = {"FLUX.1": "flux", "FLUX.2 klein": "flux2-klein", "Wan 2.1 T2V": "wan"}
 
-    from bcg_diffusion.models import build_pipeline
-    from bcg_diffusion.models.builders import _tiny_vocab_size
+
+def _with_text_encoder(name: str) -> tuple[Any, dict[str, Any]]:
+    """The tiny pipeline ``name`` with tiny text encoders of its family and the offline tokenizer, as
+    ``python -m bench --text-encoders`` builds them (:mod:`bench.published_text`): FLUX.2 klein's Qwen3 (two
+    layers read, as klein reads three of Qwen3-4B's), Wan's UMT5 encoder (with a negative prompt), FLUX.1's
+    CLIP and T5 (its ``text_encoder_2``)."""
+    from bench.published_text import encoder_call_inputs, with_text_encoders
 
     pipe, inputs = TINY[name]()
-    z_image = build_pipeline("z-image", "tiny")  # its Qwen3 and the offline tokenizer
-    tokenizer = z_image.tokenizer
+    bench_name = _BENCH_NAMES[name]
     torch.manual_seed(0)
-    calls = {"prompt": "a red fox in the snow", "max_sequence_length": 24}
-    if name == "FLUX.2 klein":
-        encoder = z_image.text_encoder
-        layers = encoder.config.num_hidden_layers
-        width = layers * encoder.config.hidden_size  # the layers read, side by side
-        transformer = type(pipe.transformer).from_config({**pipe.transformer.config, "joint_attention_dim": width})
-        pipe = type(pipe)(scheduler=pipe.scheduler, vae=pipe.vae, text_encoder=encoder, tokenizer=tokenizer,
-                          transformer=transformer, is_distilled=True)  # fmt: skip
-        calls["text_encoder_out_layers"] = tuple(range(1, layers + 1))
-    elif name == "FLUX.1":
-        vocab, config = _tiny_vocab_size(tokenizer), pipe.transformer.config
-        clip = CLIPTextModel(
-            CLIPTextConfig(
-                vocab_size=vocab,
-                hidden_size=config.pooled_projection_dim,
-                num_hidden_layers=2,
-                num_attention_heads=2,
-                intermediate_size=32,
-                max_position_embeddings=16,
-            )
-        )
-        t5 = T5EncoderModel(T5Config(vocab_size=vocab, d_model=config.joint_attention_dim, d_kv=8, d_ff=32, num_layers=2,
-                                     num_heads=2, relative_attention_num_buckets=8))  # fmt: skip
-        pipe = type(pipe)(scheduler=pipe.scheduler, vae=pipe.vae, text_encoder=clip.eval(), tokenizer=tokenizer,
-                          text_encoder_2=t5.eval(), tokenizer_2=tokenizer, transformer=pipe.transformer)  # fmt: skip
-        pipe.tokenizer_max_length = 16  # CLIP's 77 tokens, shortened with the tiny model's positions
-        calls["max_sequence_length"] = 16
-    else:
-        config = UMT5Config(vocab_size=_tiny_vocab_size(tokenizer), d_model=pipe.transformer.config.text_dim, d_kv=8,
-                            d_ff=32, num_layers=2, num_heads=2, relative_attention_num_buckets=8)  # fmt: skip
-        pipe = type(pipe)(tokenizer=tokenizer, text_encoder=UMT5EncoderModel(config).eval(), vae=pipe.vae,
-                          scheduler=pipe.scheduler, transformer=pipe.transformer)  # fmt: skip
+    pipe = with_text_encoders(pipe, bench_name, "tiny", torch.device("cpu"))
+    calls = {"prompt": "a red fox in the snow", **encoder_call_inputs(bench_name, "tiny")}
+    if name.startswith("Wan"):
         calls["negative_prompt"] = "blurry"
-    kept = {key: value for key, value in inputs.items() if not key.endswith("prompt_embeds")}
+    kept = {key: value for key, value in inputs.items() if "prompt" not in key}
     return pipe, {**kept, **calls}
 
 
@@ -370,9 +393,8 @@ def test_text_encoders_of_the_published_families_are_captured_and_exact(name):
     pipe, inputs = _with_text_encoder(name)
     with torch.no_grad():
         expected = _call(pipe, inputs)
-    # opt in: the generic adapter leaves text encoders eager by default (no measurement has paid for it yet)
     encoders = ("text_encoder", "text_encoder_2") if name == "FLUX.1" else ("text_encoder",)
-    accelerate(pipe, components=("transformer", "vae", *encoders), debug=True)
+    accelerate(pipe, debug=True)  # the generic adapter's defaults: T5, UMT5, CLIP and Qwen3 encoders captured
     try:
         assert all(torch.equal(_call(pipe, inputs), expected) for _ in range(2))
         report = stats(pipe)
