@@ -41,9 +41,9 @@ class AccelerateConfig:
             are always padded to 512 tokens: one capture serves every prompt; byte-equal to eager on an
             H200), and ``"text_encoder_2"``, ``"text_encoder_3"`` (the pipeline's other text encoders:
             FLUX.1's T5, SD3's). None (default): what the pipeline's adapter was measured faster with,
-            byte-equal to eager: transformer (and a second expert), VAE, and the text encoders of the classes
-            that pad every prompt to one length (Qwen3, T5, UMT5, CLIP: Z-Image, FLUX.1, FLUX.2 klein, Wan,
-            SD3...); Qwen-Image's Qwen2.5-VL and other encoder classes stay eager unless named here.
+            byte-equal to eager: transformer (and a second expert), VAE, and a Qwen3 text encoder (Z-Image's,
+            FLUX.2 klein's: every prompt padded to 512 tokens); other encoders (T5, UMT5, CLIP, Qwen-Image's
+            Qwen2.5-VL...) stay eager unless named here.
         warmup_runs: eager runs on the capture stream before each capture (cuBLAS workspaces,
             lazily built caches such as RoPE tables). At least 1.
         capture_error_mode: ``cudaStreamCaptureMode`` for captures: ``"thread_local"`` (default)

@@ -10,9 +10,11 @@ MODES: tuple[str, ...] = (
     "eager",
     "bcg",
     "bcg-no-te",
+    "bcg-te",
     "bcg-no-auto",
     "fast",
     "fast-no-te",
+    "fast-te",
     "fast-no-auto",
     "fast-unbatched",
     "compile",
@@ -91,6 +93,7 @@ FP8_MODES: tuple[str, ...] = (
 # Ablations of what our defaults add: the text encoder's graphs, automatic breaks, fast mode's CFG batching,
 # Qwen-Image's stacked output projection and attention's fused prologue.
 ABLATIONS: tuple[str, ...] = ("bcg-no-te", "bcg-no-auto", "fast-no-te", "fast-no-auto", "fast-unbatched")
+ABLATIONS += ("bcg-te", "fast-te")
 ABLATIONS += ("fast-joined-output", "fast-inductor-prologue")
 # What a run without --modes compares on a GPU: ours as a user gets them, and the peers.
 DEFAULT_MODES: tuple[str, ...] = tuple(
@@ -130,9 +133,11 @@ DESCRIPTIONS = {
     "eager": "diffusers as is",
     "bcg": "bcg-diffusion accelerate(pipe), exact mode (debug mode on CPU: no graphs, timings not meaningful)",
     "bcg-no-te": "bcg without the text encoder's graphs (components transformer, vae; Z-Image has them by default)",
+    "bcg-te": "bcg with every text encoder's graphs (each named in components: T5, UMT5, CLIP... too)",
     "bcg-no-auto": "bcg with auto_breaks=False: only the marked breaks and hand patches (what automatic breaks cost)",
     "fast": 'bcg-diffusion accelerate(pipe, mode="fast"): compiled repeated blocks inside breakable graphs',
     "fast-no-te": "fast without the text encoder's graphs (components transformer, vae)",
+    "fast-te": "fast with every text encoder's graphs, their layers compiled (each named in components)",
     "fast-no-auto": "fast with auto_breaks=False",
     "fast-unbatched": "fast with batch_cfg=False: true CFG's cond and uncond calls one by one (what batching adds)",
     "compile": "diffusers regional compile: transformer.compile_repeated_blocks(fullgraph=True)",
@@ -191,8 +196,8 @@ DESCRIPTIONS = {
     "bcg+cachedit": "bcg exact mode with the same Cache-DiT config, its cached blocks inside the graphs",
     "fast+cachedit": "fast mode with the same Cache-DiT config, its cached blocks inside the graphs",
 }
-EXACT = {"eager": True, "bcg": True, "bcg-no-te": True, "bcg-no-auto": True}
-EXACT.update({"fast": False, "fast-no-te": False, "fast-no-auto": False, "fast-unbatched": False})
+EXACT = {"eager": True, "bcg": True, "bcg-no-te": True, "bcg-te": True, "bcg-no-auto": True}
+EXACT.update({"fast": False, "fast-no-te": False, "fast-te": False, "fast-no-auto": False, "fast-unbatched": False})
 EXACT.update({"compile": False, "compile-max": False})
 EXACT.update({"eager+cache": True, "bcg+cache": True, "fast+cache": False, "compile+cache": False})
 EXACT.update({"fast-unbatched+cache": False})
@@ -207,14 +212,14 @@ EXACT.update({"fast-joined-output": False, "fast-fp8-joined-output": False})
 EXACT.update({name: False for name in MODES if name.endswith("-inductor-prologue")})
 EXACT.update({name: False for name in MODES if "-all-linears" in name})
 EXACT.update({"eager+cachedit": True, "bcg+cachedit": True, "fast+cachedit": False})
-OURS = ("bcg", "bcg-no-te", "bcg-no-auto", "fast", "fast-no-te", "fast-no-auto", "fast-unbatched")
+OURS = ("bcg", "bcg-no-te", "bcg-te", "bcg-no-auto", "fast", "fast-no-te", "fast-te", "fast-no-auto", "fast-unbatched")
 OURS += ("bcg+cachedit", "fast+cachedit")
 OURS += ("bcg+cache", "fast+cache", "fast-unbatched+cache", "bcg-fp8", "fast-fp8", "fast-fp8-attn", "fast-fp8+cache")
 OURS += ("fast-fp8-torchao-ff", "fast-fp8-attn-triton", "fast-fp8-attn+cache", "fast-fp8-unfused-qkv")
 OURS += ("fast-fp8-uncompiled-te", "fast-fp8-compiled-vae", "fast-fp8-patched-vae", "fast-fp8-inductor-glue")
 OURS += ("fast-fp8-attn-bf16-prologue", "fast-joined-output", "fast-fp8-joined-output")
 OURS += tuple(name for name in MODES if "-all-linears" in name or name.endswith("-inductor-prologue"))
-FAST = ("fast", "fast-no-te", "fast-no-auto", "fast-unbatched", "fast+cache", "fast-fp8", "fast-fp8-attn")
+FAST = ("fast", "fast-no-te", "fast-te", "fast-no-auto", "fast-unbatched", "fast+cache", "fast-fp8", "fast-fp8-attn")
 FAST += ("fast-fp8-torchao-ff", "fast-fp8-attn-triton", "fast-fp8-attn+cache", "fast-fp8-unfused-qkv")
 FAST += ("fast-fp8-uncompiled-te", "fast-fp8-compiled-vae", "fast-fp8-patched-vae", "fast-fp8-inductor-glue")
 FAST += ("fast-fp8+cache", "fast+cachedit", "fast-unbatched+cache", "fast-fp8-attn-bf16-prologue")

@@ -45,6 +45,8 @@ from .catalog import (  # noqa: F401 - the names, re-exported for the modules th
 logger = logging.getLogger(__name__)
 
 WITHOUT_TEXT_ENCODER = ("transformer", "vae")
+# -te: every text encoder named, so that those accelerate leaves eager by default (T5, UMT5, CLIP...) are captured
+WITH_TEXT_ENCODERS = ("transformer", "transformer_2", "vae", "text_encoder", "text_encoder_2", "text_encoder_3")
 
 
 def _cloned(value: Any) -> Any:
@@ -135,7 +137,8 @@ class PreparedMode:
 
 
 # The modes that the options below modify: what is left of a mode's name once they are taken off
-BASES = ("eager", "bcg", "bcg-no-te", "bcg-no-auto", "fast", "fast-no-te", "fast-no-auto", "fast-unbatched")
+BASES = ("eager", "bcg", "bcg-no-te", "bcg-te", "bcg-no-auto", "fast", "fast-no-te", "fast-te", "fast-no-auto")
+BASES += ("fast-unbatched",)
 BASES += ("compile", "compile-max")
 
 
@@ -274,8 +277,10 @@ def _prepare(
     debug = device.type != "cuda"
     note = "debug mode (CPU)" if debug else ""
     components = WITHOUT_TEXT_ENCODER if name.endswith("-no-te") else None  # None: accelerate's default
+    if name.endswith("-te") and not name.endswith("-no-te"):
+        components = WITH_TEXT_ENCODERS
     auto_breaks = not name.endswith("-no-auto")
-    if name in ("bcg", "bcg-no-te", "bcg-no-auto"):
+    if name in ("bcg", "bcg-no-te", "bcg-te", "bcg-no-auto"):
         accelerate(
             pipe,
             components=components,

@@ -75,7 +75,7 @@
 #   bench-wan        Wan 2.1 T2V 14B 832x480x81, 3 steps, CFG 5: eager, fast-fp8-attn, one timed run (per-step time)
 #   bench-qwen-edit  Qwen-Image-Edit-2511 1024², 8 steps, true CFG 4: eager, fast, fast-fp8, fast-fp8-attn
 #   bench-text-encoders  FLUX.2 klein (eager, bcg, bcg-no-te, fast, fast-no-te, fast-fp8-attn; TE_KLEIN_MODES) and FLUX.1-dev
-#                    (eager, bcg, bcg-no-te, fast, fast-no-te; TE_FLUX_MODES) at 1024² with --text-encoders: their
+#                    (eager, bcg, bcg-te, fast, fast-te; TE_FLUX_MODES) at 1024² with --text-encoders: their
 #                    text encoders built with random weights, a prompt encoded in every call
 #   flux-prologue    FLUX's attention prologue kernel against its reference at FLUX.1's shapes, then FLUX.1-dev 1024²,
 #                    28 steps, each fast mode with our prologue and with inductor's (FLUX_PROLOGUE_MODES, PUBLISHED_RUNS)
@@ -183,12 +183,13 @@ case "$phase" in
     ;;
   bench-text-encoders)
     # The published pipelines with their text encoders built (random weights) and a prompt encoded each call:
-    # klein's Qwen3-4B, then FLUX.1's CLIP and T5-XXL; -no-te: the same without the encoders' graphs
+    # klein's Qwen3-4B (captured by default; -no-te: without its graphs), then FLUX.1's CLIP and T5-XXL (eager by
+    # default; -te: named, captured)
     timeout "${TE_KLEIN_TIMEOUT:-240}" python3 -m bench --pipeline flux2-klein --weights random-full --text-encoders \
       --modes "${TE_KLEIN_MODES:-eager,bcg,bcg-no-te,fast,fast-no-te,fast-fp8-attn}" --runs 3 --warmup 0 --no-progress \
       --out "$out/klein-te" 2>&1 | grep -v "Warning\|warnings.warn\|^DEBUG" | tee "$out/bench-klein-te.log" | tail -16
     timeout "${TE_FLUX_TIMEOUT:-300}" python3 -m bench --pipeline flux --weights random-full --text-encoders \
-      --modes "${TE_FLUX_MODES:-eager,bcg,bcg-no-te,fast,fast-no-te}" --runs 2 --warmup 0 --no-progress \
+      --modes "${TE_FLUX_MODES:-eager,bcg,bcg-te,fast,fast-te}" --runs 2 --warmup 0 --no-progress \
       --out "$out/flux-te" 2>&1 | grep -v "Warning\|warnings.warn\|^DEBUG" | tee "$out/bench-flux-te.log" | tail -16
     ;;
   flux-prologue)

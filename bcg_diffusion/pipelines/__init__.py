@@ -54,7 +54,7 @@ def adapter_for(pipe: Any) -> PipelineAdapter:
         )
     warnings.warn(
         f"bcg-diffusion has no adapter for {type(pipe).__name__}; using the generic one (transformer forward, "
-        "VAE decode and T5, CLIP or Qwen3 text encoders as graphs, any capture failure falls back to eager). "
+        "VAE decode and a Qwen3 text encoder as graphs, any capture failure falls back to eager). "
         "Images should still be exact: check with debug=True and stats().",
         BCGWarning,
         stacklevel=3,
