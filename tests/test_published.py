@@ -207,6 +207,44 @@ def test_step_caches_run_inside_the_graphs_of_every_family(name, cache):
         restore(pipe)
 
 
+@pytest.mark.parametrize("name", PIPELINES)
+def test_cache_dit_runs_inside_the_graphs_of_every_family(name):
+    """Cache-DiT's DBCache on a static computation mask (compute, reuse, ...), enabled before ``accelerate``: each
+    family's blocks run on the graphs with Cache-DiT's host logic in eager breaks, and every call gives the bytes
+    of eager with the same cache, reusing it on the same steps."""
+    cache_dit = pytest.importorskip("cache_dit")
+    from _caches import cachedit_options
+
+    def cached_pipe():  # the same weights and inputs each time
+        torch.manual_seed(0)
+        pipe, inputs = TINY[name]()
+        pipe.transformer = type(pipe.transformer).from_config({**pipe.transformer.config, **TWO_BLOCKS[name]})
+        cache_dit.enable_cache(pipe, **cachedit_options("static", steps=8))
+        return pipe, inputs
+
+    reference, inputs = cached_pipe()
+    with torch.no_grad():
+        expected = _call(reference, inputs, steps=8)
+    reused = _cachedit_reused(reference)
+    assert reused > 0, reused
+    pipe, _ = cached_pipe()
+    accelerate(pipe, debug=True)
+    try:
+        for _ in range(2):
+            assert torch.equal(_call(pipe, inputs, steps=8), expected)
+            assert _cachedit_reused(pipe) == reused
+        report = stats(pipe)
+        assert report["eager_fallbacks"] == 0 and report["components"]["transformer"]["replays"] > 0, report
+    finally:
+        restore(pipe)
+
+
+def _cachedit_reused(pipe: Any) -> int:
+    """How many transformer calls Cache-DiT served from its cache in the pipeline's last call."""
+    contexts = pipe.transformer._context_manager._cached_context_manager.values()
+    return sum(len(context.cached_steps) + len(context.cfg_cached_steps) for context in contexts)
+
+
 def _wan22_second_expert_only():
     """Wan 2.2 as diffusers' own test builds it without its first expert: boundary_ratio 1.0, so every step
     runs transformer_2."""
