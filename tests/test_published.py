@@ -181,6 +181,7 @@ TWO_BLOCKS = {
     "FLUX.1": {"num_layers": 2, "num_single_layers": 2},
     "FLUX.2 klein": {"num_layers": 2, "num_single_layers": 2},
     "Wan 2.1 T2V": {"num_layers": 2},
+    "Wan 2.2 T2V": {"num_layers": 2},
     "Qwen-Image Edit Plus": {"num_layers": 2},
 }
 
@@ -207,18 +208,20 @@ def test_step_caches_run_inside_the_graphs_of_every_family(name, cache):
         restore(pipe)
 
 
-@pytest.mark.parametrize("name", PIPELINES)
+@pytest.mark.parametrize("name", [*PIPELINES, "Wan 2.2 T2V"])
 def test_cache_dit_runs_inside_the_graphs_of_every_family(name):
     """Cache-DiT's DBCache on a static computation mask (compute, reuse, ...), enabled before ``accelerate``: each
-    family's blocks run on the graphs with Cache-DiT's host logic in eager breaks, and every call gives the bytes
-    of eager with the same cache, reusing it on the same steps."""
+    family's blocks run on the graphs (both of Wan 2.2's experts) with Cache-DiT's host logic in eager breaks, and
+    every call gives the bytes of eager with the same cache, reusing it on the same steps."""
     cache_dit = pytest.importorskip("cache_dit")
     from _caches import cachedit_options
 
     def cached_pipe():  # the same weights and inputs each time
         torch.manual_seed(0)
         pipe, inputs = TINY[name]()
-        pipe.transformer = type(pipe.transformer).from_config({**pipe.transformer.config, **TWO_BLOCKS[name]})
+        for expert in ("transformer", "transformer_2"):
+            if (model := getattr(pipe, expert, None)) is not None:
+                setattr(pipe, expert, type(model).from_config({**model.config, **TWO_BLOCKS[name]}))
         cache_dit.enable_cache(pipe, **cachedit_options("static", steps=8))
         return pipe, inputs
 
@@ -235,6 +238,8 @@ def test_cache_dit_runs_inside_the_graphs_of_every_family(name):
             assert _cachedit_reused(pipe) == reused
         report = stats(pipe)
         assert report["eager_fallbacks"] == 0 and report["components"]["transformer"]["replays"] > 0, report
+        if name.startswith("Wan 2.2"):
+            assert report["components"]["transformer_2"]["replays"] > 0, report
     finally:
         restore(pipe)
 
