@@ -13,9 +13,9 @@ the pipelines tokenize, pad to their fixed lengths and call, so the shapes and t
 Qwen-Image-Edit is not here: its encoder reads the input image through Qwen2.5-VL's processor, whose
 configuration comes with the checkpoint.
 
-Example::
+Example (what ``bench.published.build(name, weights, device, text_encoders=True)`` does)::
 
-    pipe = with_text_encoders(bench.published.build("flux2-klein", "tiny", "cpu"), "flux2-klein", "tiny", cpu)
+    pipe = with_text_encoders(bench.published.build("flux2-klein", "tiny", cpu), "flux2-klein", "tiny", cpu)
     image = pipe(prompt="a red fox", **encoder_call_inputs("flux2-klein", "tiny"), height=64, width=64).images[0]
 """
 
@@ -91,8 +91,9 @@ def _random(factory: Any, name: str, device: torch.device, full: bool) -> torch.
 
     if full:
         return _random_model(factory, name, device)
-    torch.manual_seed(0)
-    return factory().to(device).eval()
+    with torch.random.fork_rng():  # tiny weights of their own, whatever the caller's generator holds
+        torch.manual_seed(0)
+        return factory().to(device).eval()
 
 
 def _qwen3(full: bool, tokenizer: Any, device: torch.device) -> torch.nn.Module:
