@@ -276,8 +276,10 @@ def _prepare(
         return PreparedMode(name, pipe, lambda: None)
     debug = device.type != "cuda"
     note = "debug mode (CPU)" if debug else ""
-    components = WITHOUT_TEXT_ENCODER if name.endswith("-no-te") else None  # None: accelerate's default
-    if name.endswith("-te") and not name.endswith("-no-te"):
+    components = None  # accelerate's default
+    if name.endswith("-no-te"):
+        components = WITHOUT_TEXT_ENCODER
+    elif name.endswith("-te"):
         components = WITH_TEXT_ENCODERS
     auto_breaks = not name.endswith("-no-auto")
     if name in ("bcg", "bcg-no-te", "bcg-te", "bcg-no-auto"):

@@ -98,10 +98,10 @@ class PipelineAdapter:
     default_components: tuple[str, ...] = (
         "transformer", "transformer_2", "vae", "text_encoder", "text_encoder_2", "text_encoder_3"
     )  # fmt: skip
-    # Text encoders captured by default, by class: those measured faster captured and byte-equal to eager, whose
-    # prompts the pipelines pad to one length (one capture serves every prompt). Qwen3-4B: 44-65 ms eager, 17 ms
+    # Text encoders captured by default, by class: those measured faster as graphs (and byte-equal to eager) whose
+    # prompts the pipelines pad to one length, so one capture serves every prompt. Qwen3-4B: 44-65 ms eager, 17 ms
     # replayed, 11 ms in fast mode (Z-Image, runs 12, 29, 44; FLUX.2 klein's encoder is the same model). T5, UMT5,
-    # CLIP and the others stay eager unless named in ``components=`` until measured (``python -m bench
+    # CLIP and the others stay eager unless named in ``components=``, until measured (``python -m bench
     # --text-encoders``).
     default_text_encoders: tuple[str, ...] = ("Qwen3Model", "Qwen3ForCausalLM")
     patches: tuple[FunctionPatch, ...] = ()
