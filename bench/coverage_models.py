@@ -619,6 +619,16 @@ def _wan_vae(device: torch.device) -> nn.Module:
     ), "vae", device)  # fmt: skip
 
 
+def _full_qwen_vae(device: torch.device) -> nn.Module:
+    from diffusers import AutoencoderKLQwenImage
+
+    # Qwen/Qwen-Image-Edit-2511 vae/config.json (Qwen-Image's); latents_mean/std: the class defaults.
+    return _random_model(partial(
+        AutoencoderKLQwenImage, base_dim=96, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2, attn_scales=[],
+        temperal_downsample=[False, True, True], dropout=0.0,
+    ), "vae", device)  # fmt: skip
+
+
 def _unipc(flow_shift: float) -> Any:
     from diffusers import UniPCMultistepScheduler
 
@@ -693,7 +703,6 @@ def _full_cogvideox_inputs(device: torch.device, size: Size) -> dict[str, Any]:
 
 def _full_qwen_edit(device: torch.device, plus: bool) -> Any:
     from diffusers import (
-        AutoencoderKLQwenImage,
         FlowMatchEulerDiscreteScheduler,
         QwenImageEditPipeline,
         QwenImageEditPlusPipeline,
@@ -707,11 +716,7 @@ def _full_qwen_edit(device: torch.device, plus: bool) -> Any:
         attention_head_dim=128, num_attention_heads=24, joint_attention_dim=3584, guidance_embeds=False,
         axes_dims_rope=(16, 56, 56), zero_cond_t=plus,
     ), "transformer", device)  # fmt: skip
-    # Its vae/config.json (Qwen-Image's); latents_mean/std: the class defaults.
-    vae = _random_model(partial(
-        AutoencoderKLQwenImage, base_dim=96, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2, attn_scales=[],
-        temperal_downsample=[False, True, True], dropout=0.0,
-    ), "vae", device)  # fmt: skip
+    vae = _full_qwen_vae(device)
     pipeline_class = QwenImageEditPlusPipeline if plus else QwenImageEditPipeline
     return pipeline_class(
         scheduler=FlowMatchEulerDiscreteScheduler(**_QWEN_IMAGE_SCHEDULER), vae=vae, text_encoder=None,

@@ -94,7 +94,7 @@ def decoder_case() -> None:
     """A tiny VAE's decoder fused, the kernels forced on (the library runs them on CUDA only)."""
     from bcg_diffusion.core.hooks import MethodPatches
     from bcg_diffusion.models import build_pipeline
-    from bcg_diffusion.patches.vae_decoder import fuse_decoder
+    from bcg_diffusion.patches.vae import fuse_decoder
 
     group_norm.unavailable = vae_glue.triton_unavailable = lambda device: None
     vae = build_pipeline("z-image", "tiny").vae
@@ -134,7 +134,7 @@ def wan_decoder_case() -> None:
     from diffusers import AutoencoderKLWan
 
     from bcg_diffusion.core.hooks import MethodPatches
-    from bcg_diffusion.patches.wan_vae_decoder import fuse_decoder
+    from bcg_diffusion.patches.wan_vae import fuse_decoder
 
     vae_glue.triton_unavailable = lambda device: None
     torch.manual_seed(3)

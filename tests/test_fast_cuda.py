@@ -16,7 +16,7 @@ from bcg_diffusion import accelerate, eager, restore, stats
 from bcg_diffusion.features.compiled_text_encoder import COMPILED_TEXT_ENCODER
 from bcg_diffusion.features.vae_decoder import VAE_DECODER_COMPILED
 from bcg_diffusion.patches.attention import QWEN_ATTENTION_PATCH, ZIMAGE_ATTENTION_PATCH
-from bcg_diffusion.patches.vae_decoder import VAE_FUSED_PATCH
+from bcg_diffusion.patches.vae import VAE_FUSED_PATCH
 
 pytestmark = pytest.mark.cuda
 

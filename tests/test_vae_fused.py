@@ -1,4 +1,4 @@
-"""Fast mode's fused, channels-last VAE decoder (``patches/vae_decoder.py``) and its kernels, on the CPU.
+"""Fast mode's fused, channels-last VAE decoder (``patches/vae.py``) and its kernels, on the CPU.
 
 * The Triton kernels in Triton's interpreter (``_vae_fused_interpret.py``, a process of its own) against
   their references, and a tiny decoder with the kernels forced on against diffusers' own.
@@ -20,15 +20,15 @@ import torch
 import torch.nn.functional as F
 from _checks import needs_triton, run_interpreted
 
-from bcg_diffusion import accelerate, restore, stats
+from bcg_diffusion import accelerate, eager, restore, stats
 from bcg_diffusion.core.hooks import MethodPatches
-from bcg_diffusion.features import vae_decoder
+from bcg_diffusion.features import vae_decoder, vae_encoder
 from bcg_diffusion.kernels import group_norm as kernel
 from bcg_diffusion.kernels import vae_glue
 from bcg_diffusion.models import build_pipeline
-from bcg_diffusion.patches import vae_decoder as vae_decoder_patch
+from bcg_diffusion.patches import vae as vae_decoder_patch
 from bcg_diffusion.patches.group_norm import VAE_GROUP_NORM_PATCH
-from bcg_diffusion.patches.vae_decoder import VAE_FUSED_PATCH, fuse_decoder
+from bcg_diffusion.patches.vae import VAE_ENCODER_FUSED_PATCH, VAE_FUSED_PATCH, fuse_decoder, fuse_encoder
 
 
 @needs_triton
@@ -83,7 +83,7 @@ def test_residual_sum_and_upsampling_match_pytorch():
 def _vae():
     vae = build_pipeline("z-image", "tiny").vae.eval()
     torch.manual_seed(1)
-    for module in vae.decoder.modules():  # norms and biases away from their defaults: their use is checked
+    for module in vae.modules():  # norms and biases away from their defaults: their use is checked
         if isinstance(module, (torch.nn.GroupNorm, torch.nn.Conv2d)) and module.bias is not None:
             module.bias.data.normal_(0, 0.5)
         if isinstance(module, torch.nn.GroupNorm):
@@ -153,6 +153,48 @@ def test_fused_forwards_run_the_original_outside_their_plain_form(monkeypatch):
 def test_fuse_decoder_refuses_another_decoder():
     with pytest.raises(ValueError, match="2-D VAE Decoder"):
         fuse_decoder(torch.nn.Linear(2, 2), MethodPatches())
+    with pytest.raises(ValueError, match="2-D VAE Encoder"):
+        fuse_encoder(_vae().decoder, MethodPatches())
+
+
+def test_fused_encoder_encodes_as_diffusers_and_undo_gives_everything_back():
+    vae = _vae()
+    image = torch.randn(1, 3, 64, 64, generator=torch.Generator().manual_seed(0))
+    resnets = [m for m in vae.encoder.modules() if type(m).__name__ == "ResnetBlock2D"]
+    with torch.no_grad():
+        original = vae.encode(image).latent_dist.mode()
+        patches = MethodPatches()
+        counts = fuse_encoder(vae.encoder, patches)
+        fused = vae.encode(image).latent_dist.mode()
+        assert torch.equal(fused, vae.encode(image).latent_dist.mode())
+        patches.undo()
+        assert torch.equal(vae.encode(image).latent_dist.mode(), original)
+    assert counts == {"resnets": len(resnets), "upsamplers": 0, "norms": 2}, counts
+    torch.testing.assert_close(fused, original, atol=1e-5, rtol=1e-5)
+    assert not any("forward" in m.__dict__ for m in vae.encoder.modules())
+
+
+@pytest.mark.filterwarnings("ignore:.*falls back to graphs of the eager blocks")  # the VAE alone, on purpose
+def test_fast_mode_fuses_an_image_conditioned_pipelines_encoder(kernels_available, monkeypatch):
+    """FLUX.1 Kontext encodes its input image on every call, outside the decoder's graphs: fast mode fuses
+    the encoder, each call equal to the same fused code without graphs and near eager."""
+    from bench.coverage import _call
+    from bench.coverage_models import TINY
+
+    monkeypatch.setattr(vae_encoder, "triton_unavailable", lambda device: None)
+    pipe, inputs = TINY["FLUX.1 Kontext"]()
+    with torch.no_grad():
+        plain = _call(pipe, inputs)
+    accelerate(pipe, mode="fast", components=("vae",), debug=True)
+    try:
+        assert VAE_ENCODER_FUSED_PATCH in stats(pipe)["patches"] and "forward" in pipe.vae.encoder.conv_in.__dict__
+        fast = _call(pipe, inputs)
+        with eager(pipe):
+            assert torch.equal(fast, _call(pipe, inputs))
+        torch.testing.assert_close(fast, plain, atol=1e-4, rtol=1e-4)
+    finally:
+        restore(pipe)
+    assert not any("forward" in m.__dict__ for m in pipe.vae.encoder.modules())
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""Fast mode's fused, channels-last VAE decoder on a GPU (marker: cuda).
+"""Fast mode's fused, channels-last VAE decoders and encoders on a GPU (marker: cuda).
 
 * The kernels (``kernels/group_norm.py``, ``kernels/vae_glue.py``) against their references at the FLUX.1
   decoder's shapes and layouts, in float32 and bf16, and deterministic: the same bytes on every call.
@@ -6,7 +6,9 @@
   (PSNR printed), the same bytes replayed from a CUDA graph as called eagerly, and diffusers' bytes
   again once undone.
 * Wan's per-pixel RMS norm kernel against its reference, and the full-size Wan 2.1 decoder fused
-  (``patches/wan_vae_decoder.py``) the same way, over five latent frames.
+  (``patches/wan_vae.py``) the same way, over five latent frames; Qwen-Image's decoder on a 1024² image.
+* The encoders, fused: FLUX.1's 2-D encoder and Qwen-Image's causal one on a 1024² image, Wan's on 81 frames
+  at 832×480, each near diffusers' own and repeating its bytes.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from bcg_diffusion.core.hooks import MethodPatches
 from bcg_diffusion.kernels import group_norm as kernel
 from bcg_diffusion.kernels import vae_glue
 from bcg_diffusion.models import build_pipeline
-from bcg_diffusion.patches.vae_decoder import fuse_decoder
+from bcg_diffusion.patches.vae import fuse_decoder
 
 pytestmark = pytest.mark.cuda
 
@@ -143,7 +145,7 @@ def test_channel_rms_norm_kernel_matches_its_reference_and_repeats_its_bytes(dty
 
 
 def test_full_size_wan_decoder_fused_is_near_eager_and_replays_its_bytes():
-    from bcg_diffusion.patches.wan_vae_decoder import fuse_decoder as fuse_wan_decoder
+    from bcg_diffusion.patches.wan_vae import fuse_decoder as fuse_wan_decoder
     from bench.coverage_models import _wan_vae
 
     vae = _wan_vae(torch.device("cuda")).to(torch.bfloat16)
@@ -159,20 +161,69 @@ def test_full_size_wan_decoder_fused_is_near_eager_and_replays_its_bytes():
 def test_full_size_qwenimage_decoder_fused_is_near_eager_and_replays_its_bytes():
     """Qwen-Image's VAE (diffusers' copy of Wan 2.1's, its published config with random weights) decoding one
     1024² image, as Qwen-Image and its Edit variants do."""
-    from functools import partial
+    from bcg_diffusion.patches.wan_vae import fuse_decoder as fuse_causal_decoder
+    from bench.coverage_models import _full_qwen_vae
 
-    from diffusers import AutoencoderKLQwenImage
-
-    from bcg_diffusion.patches.wan_vae_decoder import fuse_decoder as fuse_causal_decoder
-    from bench.coverage_models import _random_model
-
-    vae = _random_model(partial(
-        AutoencoderKLQwenImage, base_dim=96, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2, attn_scales=[],
-        temperal_downsample=[False, True, True], dropout=0.0,
-    ), "vae", torch.device("cuda")).to(torch.bfloat16)  # fmt: skip
+    vae = _full_qwen_vae(torch.device("cuda")).to(torch.bfloat16)
     latents = torch.randn(1, 16, 1, 128, 128, device="cuda", dtype=torch.bfloat16)
     fused, eager_image, counts = _fused_near_eager_and_replayed(vae, latents, fuse_causal_decoder)
     psnr = _psnr(fused, eager_image)
     print(f"\nQwen-Image decoder fused {counts}: PSNR {psnr:.1f} dB against eager")
     assert counts["resnets"] == 14 and counts["upsamplers"] == 3
     assert psnr > 35.0, psnr
+
+
+@pytest.mark.parametrize("name", ["Qwen-Image 1024²", "Wan 81 frames"])
+def test_full_size_encoder_fused_is_near_eager_and_repeats_its_bytes(name):
+    """Qwen-Image-Edit encodes a 1024² image (one frame: every convolution in 2-D), Wan's image-to-video 81 frames
+    at 832×480: fused, each near diffusers' own encoder (SNR of the latents printed), the same bytes on a
+    second call, and diffusers' bytes again once undone."""
+    from bcg_diffusion.patches.wan_vae import fuse_encoder
+    from bench.coverage_models import _full_qwen_vae, _wan_vae
+
+    qwen = name.startswith("Qwen")
+    vae = (_full_qwen_vae if qwen else _wan_vae)(torch.device("cuda")).to(torch.bfloat16)
+    shape = (1, 3, 1, 1024, 1024) if qwen else (1, 3, 81, 480, 832)
+    video = torch.rand(shape, device="cuda", generator=torch.Generator("cuda").manual_seed(0)) * 2 - 1
+    video = video.to(torch.bfloat16)
+    patches = MethodPatches()
+    with torch.no_grad():
+        expected = vae.encode(video).latent_dist.mode()
+        try:
+            counts = fuse_encoder(vae.encoder, patches)
+            fused = vae.encode(video).latent_dist.mode()
+            assert torch.equal(fused, vae.encode(video).latent_dist.mode())
+        finally:
+            patches.undo()
+        assert torch.equal(vae.encode(video).latent_dist.mode(), expected)
+    snr = 10 * math.log10(
+        expected.float().pow(2).sum().item() / (fused.float() - expected.float()).pow(2).sum().item()
+    )
+    print(f"\n{name} encoder fused {counts}: SNR of the latents {snr:.1f} dB against eager")
+    assert counts["resnets"] == 10 and fused.shape == expected.shape
+    assert snr > 30.0, snr
+
+
+def test_full_size_2d_encoder_fused_is_near_eager_and_repeats_its_bytes(flux_vae):
+    """FLUX.1 Kontext encodes a 1024² image through FLUX.1's 2-D encoder: fused, near diffusers' own (SNR of the
+    latents printed), the same bytes on a second call, diffusers' bytes again once undone."""
+    from bcg_diffusion.patches.vae import fuse_encoder
+
+    image = torch.rand(1, 3, 1024, 1024, device="cuda", generator=torch.Generator("cuda").manual_seed(0)) * 2 - 1
+    image = image.to(torch.bfloat16)
+    patches = MethodPatches()
+    with torch.no_grad():
+        expected = flux_vae.encode(image).latent_dist.mode()
+        try:
+            counts = fuse_encoder(flux_vae.encoder, patches)
+            fused = flux_vae.encode(image).latent_dist.mode()
+            assert torch.equal(fused, flux_vae.encode(image).latent_dist.mode())
+        finally:
+            patches.undo()
+        assert torch.equal(flux_vae.encode(image).latent_dist.mode(), expected)
+    snr = 10 * math.log10(
+        expected.float().pow(2).sum().item() / (fused.float() - expected.float()).pow(2).sum().item()
+    )
+    print(f"\nFLUX.1 encoder 1024² fused {counts}: SNR of the latents {snr:.1f} dB against eager")
+    assert counts["resnets"] == 10 and fused.shape == expected.shape
+    assert snr > 30.0, snr

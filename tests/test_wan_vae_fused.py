@@ -1,4 +1,4 @@
-"""Fast mode's Wan VAE decoder (``patches/wan_vae_decoder.py``) and its norm kernel's reference, on the CPU.
+"""Fast mode's Wan VAE decoder (``patches/wan_vae.py``) and its norm kernel's reference, on the CPU.
 
 * The reference of the per-pixel RMS norm against diffusers' ``WanRMS_norm`` and SiLU, in float64.
 * The fused decoder against diffusers' own on tiny Wan 2.1 and Wan 2.2 (residual, patchified) VAEs,
@@ -21,7 +21,7 @@ from bcg_diffusion import accelerate, eager, restore, stats
 from bcg_diffusion.core.hooks import MethodPatches
 from bcg_diffusion.features import vae_decoder
 from bcg_diffusion.kernels import vae_glue
-from bcg_diffusion.patches.wan_vae_decoder import WAN_VAE_FUSED_PATCH, fusable, fuse_decoder
+from bcg_diffusion.patches.wan_vae import WAN_VAE_FUSED_PATCH, fusable, fuse_decoder
 
 WAN21 = {"base_dim": 8, "z_dim": 4, "dim_mult": [1, 2, 2, 2], "num_res_blocks": 1}
 # Wan 2.2 TI2V's VAE: residual up blocks (DupUp3D shortcuts), patch size 2, its own decoder width
@@ -156,7 +156,7 @@ def _qwen_vae() -> torch.nn.Module:
 @pytest.mark.parametrize("frames", [1, 3], ids=["an image", "a video"])
 def test_fused_qwenimage_decoder_decodes_as_diffusers_and_undo_gives_everything_back(frames):
     """Qwen-Image decodes one latent frame (an image); the cache paths of several frames run too."""
-    from bcg_diffusion.patches.wan_vae_decoder import qwenimage_fusable
+    from bcg_diffusion.patches.wan_vae import qwenimage_fusable
 
     vae = _qwen_vae()
     latents = torch.randn(1, QWEN["z_dim"], frames, 4, 6, generator=torch.Generator().manual_seed(1))
@@ -183,7 +183,7 @@ def test_fused_qwenimage_decoder_decodes_as_diffusers_and_undo_gives_everything_
 def test_fast_mode_fuses_a_qwenimage_pipelines_decoder_and_replays_its_bytes(monkeypatch):
     from _cases import tiny_pipeline
 
-    from bcg_diffusion.patches.wan_vae_decoder import QWENIMAGE_VAE_FUSED_PATCH
+    from bcg_diffusion.patches.wan_vae import QWENIMAGE_VAE_FUSED_PATCH
 
     monkeypatch.setattr(vae_decoder, "triton_unavailable", lambda device: None)  # the references run
     pipe = tiny_pipeline("qwen-image")
@@ -203,3 +203,117 @@ def test_fast_mode_fuses_a_qwenimage_pipelines_decoder_and_replays_its_bytes(mon
     finally:
         restore(pipe)
     assert not any("forward" in module.__dict__ for module in pipe.vae.decoder.modules())
+
+
+# -- a single frame convolved in 2-D; the encoder ---------------------------------------------------------
+
+
+def _time_taps(monkeypatch) -> list[int]:
+    """The time extent of every 3-D convolution's kernel from now on (diffusers' and ours)."""
+    taps: list[int] = []
+    conv3d = F.conv3d
+
+    def counting(x, weight, *args, **kwargs):
+        taps.append(weight.shape[2])
+        return conv3d(x, weight, *args, **kwargs)
+
+    monkeypatch.setattr(F, "conv3d", counting)
+    return taps
+
+
+def test_a_single_frame_after_the_causal_zeros_convolves_in_2d(monkeypatch):
+    """An image meets only each kernel's last time tap: no 3-D convolution with three taps runs for it, and the
+    decode still equals diffusers'; a video's later chunks (cached frames before them) stay 3-D."""
+    vae = _qwen_vae()
+    image = torch.randn(1, QWEN["z_dim"], 1, 4, 6, generator=torch.Generator().manual_seed(1))
+    video = torch.randn(1, QWEN["z_dim"], 3, 4, 6, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = vae.decode(image).sample
+        fuse_decoder(vae.decoder, MethodPatches())
+        taps = _time_taps(monkeypatch)
+        got = vae.decode(image).sample
+        assert 3 not in taps
+        torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-4)
+        vae.decode(video)
+        assert 3 in taps
+
+
+ENCODERS = {"Wan 2.1": ("wan", WAN21), "Wan 2.2 TI2V": ("wan", WAN22), "Qwen-Image": ("qwen", QWEN)}
+
+
+def _any_vae(kind: str, config: dict) -> torch.nn.Module:
+    return _vae(config) if kind == "wan" else _qwen_vae()
+
+
+@pytest.mark.parametrize("frames", [1, 5, 9], ids=["an image", "two chunks", "three chunks"])
+@pytest.mark.parametrize("name", list(ENCODERS))
+def test_fused_encoder_encodes_as_diffusers_and_undo_gives_everything_back(name, frames):
+    from bcg_diffusion.patches.wan_vae import encoder_fusable, fuse_encoder, qwenimage_encoder_fusable
+
+    kind, config = ENCODERS[name]
+    vae = _any_vae(kind, config)
+    assert (encoder_fusable if kind == "wan" else qwenimage_encoder_fusable)(vae.encoder)
+    assert not (qwenimage_encoder_fusable if kind == "wan" else encoder_fusable)(vae.encoder)
+    video = torch.randn(1, 3, frames, 32, 48, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = vae.encode(video).latent_dist.mode()
+        patches = MethodPatches()
+        counts = fuse_encoder(vae.encoder, patches)
+        got = vae.encode(video).latent_dist.mode()
+        torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-4)  # float32, rounded elsewhere
+        with torch.enable_grad():  # the originals under autograd
+            assert torch.equal(vae.encode(video).latent_dist.mode(), expected)
+        patches.undo()
+        assert torch.equal(vae.encode(video).latent_dist.mode(), expected)
+    assert counts == {"resnets": 6, "norms": 1, "convs": 17}  # the mid block's attention norm; its 2 + 4 resnets
+    assert not any("forward" in module.__dict__ for module in vae.encoder.modules())
+
+
+def test_fuse_encoder_refuses_another_encoder_or_a_changed_one():
+    from bcg_diffusion.patches.wan_vae import encoder_fusable, fuse_encoder
+
+    with pytest.raises(ValueError, match="not diffusers' WanEncoder3d"):
+        fuse_encoder(_vae(WAN21).decoder, MethodPatches())
+    vae = _vae(WAN21)
+    vae.encoder.down_blocks[0].forward = lambda *args, **kwargs: None
+    assert not encoder_fusable(vae.encoder)
+
+
+@pytest.mark.filterwarnings("ignore:.*falls back to graphs of the eager blocks")  # the VAE alone, on purpose
+@pytest.mark.filterwarnings("ignore:.*outside the tested set")
+def test_fast_mode_fuses_an_edit_pipelines_encoder_and_restore_gives_it_back(monkeypatch):
+    """Qwen-Image-Edit encodes its input image on every call: fast mode's encoder is fused (the decoder's
+    graphs do not serve that call), each call equal to the same fused code without graphs."""
+    from bcg_diffusion.features import vae_encoder
+    from bcg_diffusion.patches.wan_vae import QWENIMAGE_VAE_ENCODER_FUSED_PATCH
+    from bench.coverage import _call
+    from bench.coverage_models import TINY
+
+    monkeypatch.setattr(vae_decoder, "triton_unavailable", lambda device: None)  # the references run
+    monkeypatch.setattr(vae_encoder, "triton_unavailable", lambda device: None)
+    pipe, inputs = TINY["Qwen-Image Edit Plus"]()
+    with torch.no_grad():
+        plain = _call(pipe, inputs)
+    accelerate(pipe, mode="fast", components=("vae",), debug=True)
+    try:
+        assert QWENIMAGE_VAE_ENCODER_FUSED_PATCH in stats(pipe)["patches"]
+        assert "forward" in pipe.vae.encoder.__dict__ and "forward" in pipe.vae.encoder.conv_in.__dict__
+        fast = _call(pipe, inputs)
+        with eager(pipe):
+            assert torch.equal(fast, _call(pipe, inputs))
+        torch.testing.assert_close(fast, plain, atol=1e-4, rtol=1e-4)
+    finally:
+        restore(pipe)
+    assert not any("forward" in module.__dict__ for module in pipe.vae.encoder.modules())
+    for options in ({"mode": "exact"}, {"mode": "fast", "components": ("transformer",)}):
+        accelerate(pipe, debug=True, **options)
+        try:  # exact mode, and fast mode without the VAE, leave the encoder alone
+            assert "forward" not in pipe.vae.encoder.__dict__
+        finally:
+            restore(pipe)
+    vae_decoder.choose(pipe.vae, "patched")  # the encoder follows the decoder's choice
+    accelerate(pipe, mode="fast", components=("vae",), debug=True)
+    try:
+        assert "forward" not in pipe.vae.encoder.__dict__
+    finally:
+        restore(pipe)

@@ -7,7 +7,8 @@ the weights before they compile (and before the fused query, key and value proje
 from its originals, and before the GELU epilogue looks for plain projections and the
 FP8 feed-forward for FP8 ones; the FP8 block glue needs the last two), FP8 attention marks the attention modules before they compile,
 compiled blocks patch the attention processors before CFG batching asks what they accept; the text
-encoder's layers compile after text trimming wraps its forward, as the VAE decoder does; CFG across
+encoder's layers compile after text trimming wraps its forward, as the VAE decoder does (the encoder follows
+the decoder's choice); CFG across
 GPUs wraps the transformer's call last, outside everything else; CFG batch hints wrap the prompt
 encoder after text buckets pad its results).
 """
@@ -30,6 +31,7 @@ from .step_caching import StepCaching
 from .text_buckets import TextBuckets
 from .text_trimming import TextTrimming
 from .vae_decoder import FastVaeDecoder
+from .vae_encoder import FastVaeEncoder
 
 __all__ = ["EXPERTS", "FEATURES", "Feature", "Setup", "Target", "defaults", "expert_target", "expert_view"]
 
@@ -48,6 +50,7 @@ FEATURES: list[type[Feature]] = [
     TextTrimming,
     *TEXT_ENCODER_FEATURES,
     FastVaeDecoder,
+    FastVaeEncoder,
     TextBuckets,
     CfgBatchHints,
 ]

@@ -20,12 +20,12 @@ What fast mode does to the decoder is a choice (:func:`choose`, before ``acceler
 
 * ``"fused"``, the default: the decoder's activations channels-last, its group norms with their SiLU
   and the convolutions' biases, and each resnet block's residual, in kernels of our own
-  (:mod:`bcg_diffusion.patches.vae_decoder`). Nothing is compiled by inductor; its first use builds
+  (:mod:`bcg_diffusion.patches.vae`). Nothing is compiled by inductor; its first use builds
   about two dozen small Triton kernels, which Triton's cache keeps. Where the decoder is diffusers'
   2-D ``Decoder`` on a CUDA device with Triton. Wan's causal 3-D ``WanDecoder3d`` (Wan 2.1 and 2.2) and
   Qwen-Image's copy of it (``QwenImageDecoder3d``: Qwen-Image and its Edit variants) get their own:
   channels-last, each RMS norm with its SiLU one kernel, convolutions padding for themselves
-  (:mod:`bcg_diffusion.patches.wan_vae_decoder`). Elsewhere (another decoder, a CPU) fast mode takes
+  (:mod:`bcg_diffusion.patches.wan_vae`). Elsewhere (another decoder, a CPU) fast mode takes
   ``"patched"``.
 * ``"patched"``: the group norms of :mod:`bcg_diffusion.patches.group_norm` (moments from one parallel
   reduction), everything else eager.
@@ -54,10 +54,10 @@ from ..core.hooks import MethodPatches
 from ..kernels import triton_unavailable
 from ..patches.followed import installable
 from ..patches.group_norm import VAE_GROUP_NORM_PATCH, patch_group_norms
-from ..patches.vae_decoder import VAE_FUSED_PATCH, fusable, fuse_decoder
-from ..patches.wan_vae_decoder import QWENIMAGE_VAE_FUSED_PATCH, WAN_VAE_FUSED_PATCH, qwenimage_fusable
-from ..patches.wan_vae_decoder import fusable as wan_fusable
-from ..patches.wan_vae_decoder import fuse_decoder as fuse_wan_decoder
+from ..patches.vae import VAE_FUSED_PATCH, fusable, fuse_decoder
+from ..patches.wan_vae import QWENIMAGE_VAE_FUSED_PATCH, WAN_VAE_FUSED_PATCH, qwenimage_fusable
+from ..patches.wan_vae import fusable as wan_fusable
+from ..patches.wan_vae import fuse_decoder as fuse_wan_decoder
 from .base import Feature, Setup
 from .compiled_blocks import BlockCompiles, compile_forward, private_copy
 

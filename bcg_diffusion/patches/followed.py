@@ -131,6 +131,10 @@ FOLLOWED: dict[str, dict[str, str]] = {
         "diffusers.models.upsampling.Upsample2D.forward": "3c0e13df5e4ac796",
         "diffusers.models.autoencoders.vae.Decoder.forward": "be96bf1aec1d895a",
     },
+    "vae encoder (fused)": {
+        "diffusers.models.resnet.ResnetBlock2D.forward": "e3f38e1722955caf",
+        "diffusers.models.autoencoders.vae.Encoder.forward": "cf4410532c9ebdd5",
+    },
     "wan vae decoder (fused)": {
         f"{_WAN_VAE}.WanCausalConv3d.forward": "afffb99acd515ba2",
         f"{_WAN_VAE}.WanRMS_norm.forward": "fc44101b65138738",
@@ -146,6 +150,21 @@ FOLLOWED: dict[str, dict[str, str]] = {
         f"{_QWEN_VAE}.QwenImageResample.forward": "a9353b4101ae915c",
         f"{_QWEN_VAE}.QwenImageResidualBlock.forward": "fbb57ee09695bcd6",
         f"{_QWEN_VAE}.QwenImageDecoder3d.forward": "15e80f12b5d26379",
+    },
+    # the encoders: the decoders' residual blocks, convolutions and norms; diffusers' downsampling around them
+    "wan vae encoder (fused)": {
+        f"{_WAN_VAE}.WanCausalConv3d.forward": "afffb99acd515ba2",
+        f"{_WAN_VAE}.WanRMS_norm.forward": "fc44101b65138738",
+        f"{_WAN_VAE}.WanResample.forward": "3c0b8933703e5d76",
+        f"{_WAN_VAE}.WanResidualBlock.forward": "82e9104df2acf11a",
+        f"{_WAN_VAE}.WanEncoder3d.forward": "9bea31452fb7d0f6",
+    },
+    "qwenimage vae encoder (fused)": {
+        f"{_QWEN_VAE}.QwenImageCausalConv3d.forward": "afffb99acd515ba2",
+        f"{_QWEN_VAE}.QwenImageRMS_norm.forward": "fc44101b65138738",
+        f"{_QWEN_VAE}.QwenImageResample.forward": "a9353b4101ae915c",
+        f"{_QWEN_VAE}.QwenImageResidualBlock.forward": "fbb57ee09695bcd6",
+        f"{_QWEN_VAE}.QwenImageEncoder3d.forward": "6635b9fc9393b650",
     },
     # both modes: Z-Image's captions padded to buckets of 32 tokens, the pad masks passed through patchify
     "zimage caption buckets": {

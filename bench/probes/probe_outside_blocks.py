@@ -7,7 +7,7 @@ and text encoding about 11 ms (run 110). This probe measures what fast mode coul
   the reference of the differences), fast mode's group norms patched (``patched``, ``patches.group_norm``),
   channels-last eager (group norm's moments over NHWC), the decoder's resnet and upsampling blocks
   compiled by inductor with dynamic shapes (one compiled graph per block class and width, as fast mode
-  compiles repeated blocks), channels-last with fused kernels (``fused``, ``patches.vae_decoder``, fast
+  compiles repeated blocks), channels-last with fused kernels (``fused``, ``patches.vae``, fast
   mode's default), and the whole decoder compiled with static shapes; each with its kernel
   time by kind, compile time, largest difference from eager's and PSNR against it (``--vae-variants``
   picks some);
@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from bcg_diffusion.core.hooks import MethodPatches
 from bcg_diffusion.features import compiled_blocks as fast
 from bcg_diffusion.patches.group_norm import patch_group_norms
-from bcg_diffusion.patches.vae_decoder import fuse_decoder
+from bcg_diffusion.patches.vae import fuse_decoder
 from bench.probes.probe_fast_floor import graph_replay_ms, kernel_table, section
 
 

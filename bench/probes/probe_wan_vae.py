@@ -11,7 +11,7 @@ load it) eagerly, and variants that change the kernels but not the weights:
 * ``channels-last``: the decoder's convolution weights and the latents channels-last (``channels_last_3d``),
   so cuDNN runs its NDHWC kernels;
 * both together;
-* ``fused``: fast mode's decoder (:mod:`bcg_diffusion.patches.wan_vae_decoder`: channels-last, each RMS norm
+* ``fused``: fast mode's decoder (:mod:`bcg_diffusion.patches.wan_vae`: channels-last, each RMS norm
   with its SiLU one kernel, the convolutions padding for themselves), and with ``+cudnn-benchmark``;
 
 each with its largest difference from eager and the kernel time by kind (convolution, elementwise...).
@@ -29,7 +29,7 @@ from collections.abc import Iterator
 import torch
 
 from bcg_diffusion.core.hooks import MethodPatches
-from bcg_diffusion.patches.wan_vae_decoder import fuse_decoder
+from bcg_diffusion.patches.wan_vae import fuse_decoder
 from bench.coverage_models import _wan_vae
 from bench.measure import kernel_kind
 

@@ -1,5 +1,5 @@
-"""Fast mode's Wan VAE decoder, and Qwen-Image's copy of it: channels-last activations, each norm with its
-SiLU one pass.
+"""Fast mode's Wan VAE decoder and encoder, and Qwen-Image's copy of them: channels-last activations, each norm
+with its SiLU one pass, a single frame convolved in 2-D.
 
 Wan's causal 3-D VAE (``AutoencoderKLWan``: Wan 2.1, Wan 2.2 and the pipelines built on them) decodes a video one
 latent frame at a time, each convolution taking the last frames of the previous one from a cache. At 832×480,
@@ -21,9 +21,17 @@ back around every convolution, and each upsampling goes through float32 at four 
   bias in a pass of its own. Every other ``WanRMS_norm`` (the mid block's attention's) is the norm
   without the SiLU, and the head's norm and SiLU are one pass;
 * each ``WanCausalConv3d`` joins the cached frames (or the causal zeros) before its input in one
-  channels-last copy and leaves the spatial zero padding to the convolution itself;
+  channels-last copy and leaves the spatial zero padding to the convolution itself. A single frame after
+  the causal zeros (an image: every convolution of Qwen-Image's VAE; the first chunk of a video) meets
+  only its kernel's last time tap, every other tap multiplying zeros: it runs as that tap's 2-D
+  convolution, a third of the 3-D convolution's work;
 * each ``WanResample`` upsampling interleaves the time convolution's two halves in one channels-last
   copy and upsamples by two in bf16 (nearest: the same bytes as eager's round trip through float32).
+
+The encoder (:func:`fuse_encoder`: ``WanEncoder3d``) gets the same residual blocks, causal convolutions and
+norms, its head's norm and SiLU in one pass; its downsampling stays diffusers' own. Image-to-image, edit and
+image-to-video pipelines encode their input with it on every call (Qwen-Image-Edit a 1024² image; Wan's
+image-to-video the first frame and 80 frames of zeros).
 
 Qwen-Image's VAE (``AutoencoderKLQwenImage``: Qwen-Image and its Edit variants) is diffusers' copy of Wan 2.1's
 under other names (``QwenImageDecoder3d``, ``QwenImageResidualBlock``...), decoding an image as one latent
@@ -50,10 +58,23 @@ import torch.nn.functional as F
 from ..core.hooks import MethodPatches
 from ..kernels.vae_glue import channel_rms_norm, residual_sum, upsample_nearest2x
 
-__all__ = ["QWENIMAGE_VAE_FUSED_PATCH", "WAN_VAE_FUSED_PATCH", "fusable", "fuse_decoder", "qwenimage_fusable"]
+__all__ = [
+    "QWENIMAGE_VAE_ENCODER_FUSED_PATCH",
+    "QWENIMAGE_VAE_FUSED_PATCH",
+    "WAN_VAE_ENCODER_FUSED_PATCH",
+    "WAN_VAE_FUSED_PATCH",
+    "encoder_fusable",
+    "fusable",
+    "fuse_decoder",
+    "fuse_encoder",
+    "qwenimage_encoder_fusable",
+    "qwenimage_fusable",
+]
 
 WAN_VAE_FUSED_PATCH = "wan vae decoder fused (channels-last)"  # its name in stats()["patches"]
 QWENIMAGE_VAE_FUSED_PATCH = "qwen-image vae decoder fused (channels-last)"
+WAN_VAE_ENCODER_FUSED_PATCH = "wan vae encoder fused (channels-last)"
+QWENIMAGE_VAE_ENCODER_FUSED_PATCH = "qwen-image vae encoder fused (channels-last)"
 _CL = torch.channels_last_3d
 
 
@@ -67,6 +88,7 @@ class _Family(NamedTuple):
     resample: type
     residual: type
     decoder: type
+    encoder: type
     first_chunk: bool  # whether the decoder's up blocks take ``first_chunk`` (Wan's: Wan 2.2's residual blocks)
 
 
@@ -77,14 +99,18 @@ def _families() -> tuple[_Family, _Family]:
 
     return (
         _Family(wan, wan.WanCausalConv3d, wan.WanRMS_norm, wan.WanUpsample, wan.WanResample, wan.WanResidualBlock,
-                wan.WanDecoder3d, True),
+                wan.WanDecoder3d, wan.WanEncoder3d, True),
         _Family(qwen, qwen.QwenImageCausalConv3d, qwen.QwenImageRMS_norm, qwen.QwenImageUpsample,
-                qwen.QwenImageResample, qwen.QwenImageResidualBlock, qwen.QwenImageDecoder3d, False),
+                qwen.QwenImageResample, qwen.QwenImageResidualBlock, qwen.QwenImageDecoder3d, qwen.QwenImageEncoder3d, False),
     )  # fmt: skip
 
 
 def _family_of(decoder: Any) -> _Family | None:
     return next((family for family in _families() if type(decoder) is family.decoder), None)
+
+
+def _encoder_family_of(encoder: Any) -> _Family | None:
+    return next((family for family in _families() if type(encoder) is family.encoder), None)
 
 
 def _own_forward(module: Any) -> bool:
@@ -94,18 +120,29 @@ def _own_forward(module: Any) -> bool:
 def fusable(decoder: Any) -> bool:
     """Whether ``decoder`` is diffusers' ``WanDecoder3d`` with its own forwards, SiLU as its activation and
     upsampling by nearest-exact ×2 then a convolution (every released Wan VAE)."""
-    return type(decoder) is _families()[0].decoder and _fits(decoder, _families()[0])
+    return type(decoder) is _families()[0].decoder and _fits(decoder, _families()[0], encoder=False)
 
 
 def qwenimage_fusable(decoder: Any) -> bool:
     """:func:`fusable` for Qwen-Image's ``QwenImageDecoder3d`` (Qwen-Image's VAE and its Edit variants')."""
-    return type(decoder) is _families()[1].decoder and _fits(decoder, _families()[1])
+    return type(decoder) is _families()[1].decoder and _fits(decoder, _families()[1], encoder=False)
 
 
-def _fits(decoder: Any, family: _Family) -> bool:
-    if type(decoder.nonlinearity) is not torch.nn.SiLU:
+def encoder_fusable(encoder: Any) -> bool:
+    """Whether ``encoder`` is diffusers' ``WanEncoder3d`` with its own forwards, SiLU as its activation and
+    its causal convolutions padded as every released Wan VAE's (Wan 2.1's, Wan 2.2's)."""
+    return type(encoder) is _families()[0].encoder and _fits(encoder, _families()[0], encoder=True)
+
+
+def qwenimage_encoder_fusable(encoder: Any) -> bool:
+    """:func:`encoder_fusable` for Qwen-Image's ``QwenImageEncoder3d``."""
+    return type(encoder) is _families()[1].encoder and _fits(encoder, _families()[1], encoder=True)
+
+
+def _fits(coder: Any, family: _Family, encoder: bool) -> bool:
+    if type(coder.nonlinearity) is not torch.nn.SiLU:
         return False
-    for module in decoder.modules():
+    for module in coder.modules():
         if not _own_forward(module):
             return False
         if isinstance(module, family.residual) and type(module.nonlinearity) is not torch.nn.SiLU:
@@ -114,11 +151,17 @@ def _fits(decoder: Any, family: _Family) -> bool:
             module.channel_first and (isinstance(module.bias, torch.Tensor) or module.bias == 0.0)
         ):
             return False
-        if isinstance(module, family.resample) and not _plain_resample(module, family):
+        if isinstance(module, family.resample) and not _resample_fits(module, family, encoder):
             return False
         if isinstance(module, family.conv) and not _plain_conv(module):
             return False
     return True
+
+
+def _resample_fits(block: Any, family: _Family, encoder: bool) -> bool:
+    """The encoder's downsampling keeps diffusers' forward (its convolutions patched); the decoder's upsampling
+    is patched where it is :func:`_plain_resample`."""
+    return block.mode in ("downsample2d", "downsample3d") if encoder else _plain_resample(block, family)
 
 
 def _plain_resample(block: Any, family: _Family) -> bool:
@@ -194,9 +237,18 @@ def _causal_conv(conv: Any, x: torch.Tensor, cache_x: torch.Tensor | None, bias:
     if cache_x is not None and time_pad > 0:
         parts.insert(0, cache_x.to(x.device))
         time_pad = max(time_pad - cache_x.shape[2], 0)
+    if len(parts) == 1 and _last_tap_only(conv, x, time_pad):
+        return F.conv2d(_channels_last(x)[:, :, 0], conv.weight[:, :, -1], conv.bias if bias else None,
+                        conv.stride[1:], (height_pad, width_pad), conv.dilation[1:], conv.groups).unsqueeze(2)  # fmt: skip
     x = _join_frames(parts, time_pad) if len(parts) > 1 or time_pad > 0 else _channels_last(x)
     return F.conv3d(x, conv.weight, conv.bias if bias else None, conv.stride, (0, height_pad, width_pad),
                     conv.dilation, conv.groups)  # fmt: skip
+
+
+def _last_tap_only(conv: Any, x: torch.Tensor, zeros: int) -> bool:
+    """Whether ``conv`` over ``zeros`` frames of zeros then the one frame of ``x`` gives one frame, reading
+    ``x`` with its kernel's last time tap alone (its other taps read the zeros, so add nothing)."""
+    return x.shape[2] == 1 and zeros == conv.kernel_size[0] - 1 and conv.stride[0] == 1 and conv.dilation[0] == 1
 
 
 def _causal_conv_forward(conv: Any) -> Callable[..., torch.Tensor]:
@@ -325,6 +377,29 @@ def _decoder_forward(decoder: Any, family: _Family) -> Callable[..., torch.Tenso
     return forward
 
 
+def _patch_parts(coder: Any, family: _Family, patches: MethodPatches, resamplers: bool) -> dict[str, int]:
+    """Patch the residual blocks, causal convolutions, the norms outside the residual blocks but the head's (its
+    coder's forward fuses it with its SiLU) and, with ``resamplers``, the upsamplers of ``coder``; count them."""
+    counts = {"resnets": 0, **({"upsamplers": 0} if resamplers else {}), "norms": 0, "convs": 0}
+    in_blocks = {id(coder.norm_out)}
+    for module in coder.modules():
+        if isinstance(module, family.residual):
+            patches.replace(module, "forward", _residual_forward(module, family))
+            in_blocks.update((id(module.norm1), id(module.norm2)))
+            counts["resnets"] += 1
+        elif resamplers and isinstance(module, family.resample):
+            patches.replace(module, "forward", _resample_forward(module, family))
+            counts["upsamplers"] += 1
+        elif isinstance(module, family.conv):
+            patches.replace(module, "forward", _causal_conv_forward(module))
+            counts["convs"] += 1
+    for module in coder.modules():
+        if isinstance(module, family.norm) and id(module) not in in_blocks:
+            patches.replace(module, "forward", _norm_forward(module))
+            counts["norms"] += 1
+    return counts
+
+
 def fuse_decoder(decoder: torch.nn.Module, patches: MethodPatches) -> dict[str, int]:
     """Patch the forwards of ``decoder``'s parts as the module docstring says (each recorded in
     ``patches``); returns how many of each were patched (``resnets``, ``upsamplers``, ``norms``,
@@ -334,26 +409,45 @@ def fuse_decoder(decoder: torch.nn.Module, patches: MethodPatches) -> dict[str, 
     {'resnets': 14, 'upsamplers': 3, 'norms': 1, 'convs': 33}
     """
     family = _family_of(decoder)
-    if family is None or not _fits(decoder, family):
+    if family is None or not _fits(decoder, family, encoder=False):
         raise ValueError(
             f"not diffusers' WanDecoder3d or QwenImageDecoder3d with its own forwards: {type(decoder).__name__}"
         )
-    counts = {"resnets": 0, "upsamplers": 0, "norms": 0, "convs": 0}
-    in_blocks = {id(decoder.norm_out)}
-    for module in decoder.modules():
-        if isinstance(module, family.residual):
-            patches.replace(module, "forward", _residual_forward(module, family))
-            in_blocks.update((id(module.norm1), id(module.norm2)))
-            counts["resnets"] += 1
-        elif isinstance(module, family.resample):
-            patches.replace(module, "forward", _resample_forward(module, family))
-            counts["upsamplers"] += 1
-        elif isinstance(module, family.conv):
-            patches.replace(module, "forward", _causal_conv_forward(module))
-            counts["convs"] += 1
-    for module in decoder.modules():
-        if isinstance(module, family.norm) and id(module) not in in_blocks:
-            patches.replace(module, "forward", _norm_forward(module))
-            counts["norms"] += 1
+    counts = _patch_parts(decoder, family, patches, resamplers=True)
     patches.replace(decoder, "forward", _decoder_forward(decoder, family))
+    return counts
+
+
+def _encoder_forward(encoder: Any, family: _Family) -> Callable[..., torch.Tensor]:
+    original = type(encoder).forward
+
+    @functools.wraps(original)
+    def forward(x: torch.Tensor, feat_cache: list | None = None, feat_idx: list[int] = [0]) -> torch.Tensor:  # noqa: B006 - diffusers' signature
+        if _grad_or_training(encoder):
+            return original(encoder, x, feat_cache, feat_idx)
+        x = _cached_conv(encoder.conv_in, _channels_last(x), feat_cache, feat_idx, family)
+        for layer in encoder.down_blocks:  # as diffusers calls them: the cache only where there is one
+            x = layer(x) if feat_cache is None else layer(x, feat_cache=feat_cache, feat_idx=feat_idx)
+        x = encoder.mid_block(x, feat_cache=feat_cache, feat_idx=feat_idx)
+        x = _cached_conv(encoder.conv_out, _norm(encoder.norm_out, x, silu=True), feat_cache, feat_idx, family)
+        return x.contiguous()
+
+    return forward
+
+
+def fuse_encoder(encoder: torch.nn.Module, patches: MethodPatches) -> dict[str, int]:
+    """Patch the forwards of ``encoder``'s parts as the module docstring says (each recorded in ``patches``);
+    returns how many of each were patched (``resnets``, ``norms``, ``convs``). Needs :func:`encoder_fusable`
+    or :func:`qwenimage_encoder_fusable` ``(encoder)``; raises ValueError otherwise.
+
+    >>> fuse_encoder(pipe.vae.encoder, patches)  # Qwen-Image's VAE  # doctest: +SKIP
+    {'resnets': 10, 'norms': 1, 'convs': 26}
+    """
+    family = _encoder_family_of(encoder)
+    if family is None or not _fits(encoder, family, encoder=True):
+        raise ValueError(
+            f"not diffusers' WanEncoder3d or QwenImageEncoder3d with its own forwards: {type(encoder).__name__}"
+        )
+    counts = _patch_parts(encoder, family, patches, resamplers=False)
+    patches.replace(encoder, "forward", _encoder_forward(encoder, family))
     return counts

@@ -1,4 +1,5 @@
-"""Fast mode's VAE decoder in the channels-last layout, its elementwise work fused into a few kernels.
+"""Fast mode's 2-D VAE decoder and encoder in the channels-last layout, their elementwise work fused into a
+few kernels.
 
 diffusers' 2-D ``Decoder`` (FLUX.1's, SD's, Z-Image's VAE) is convolutions with elementwise work
 between them, which eagerly costs more than the convolutions: cuDNN's convolutions run channels-last
@@ -23,6 +24,10 @@ and weights, and changes the forwards of its parts:
 * ``conv_norm_out`` and ``conv_act`` become one group norm with SiLU, and every other ``GroupNorm``
   (the mid block's attention's) the kernel's group norm.
 
+diffusers' 2-D ``Encoder`` (the same VAEs', which image-to-image, inpainting and FLUX.1 Kontext run on their
+input image every call) is built of the same parts under the same names: :func:`fuse_encoder` patches its
+resnet blocks, norms, ``conv_in`` and ``conv_out`` alike, its downsamplers left to diffusers.
+
 Each patched forward checks its module's form when called and runs the original forward otherwise (a
 time embedding passed, training mode, autograd on, a module replaced since): the kernels have no
 backward. The arithmetic changes rounding only:
@@ -43,9 +48,10 @@ from ..core.hooks import MethodPatches
 from ..kernels.group_norm import group_norm
 from ..kernels.vae_glue import residual_sum, upsample_nearest2x
 
-__all__ = ["VAE_FUSED_PATCH", "fusable", "fuse_decoder"]
+__all__ = ["VAE_ENCODER_FUSED_PATCH", "VAE_FUSED_PATCH", "encoder_fusable", "fusable", "fuse_decoder", "fuse_encoder"]
 
 VAE_FUSED_PATCH = "vae decoder fused (channels-last)"  # its name in stats()["patches"]
+VAE_ENCODER_FUSED_PATCH = "vae encoder fused (channels-last)"
 
 
 def fusable(decoder: Any) -> bool:
@@ -53,6 +59,13 @@ def fusable(decoder: Any) -> bool:
     from diffusers.models.autoencoders.vae import Decoder
 
     return type(decoder) is Decoder and "forward" not in decoder.__dict__
+
+
+def encoder_fusable(encoder: Any) -> bool:
+    """Whether ``encoder`` is diffusers' 2-D VAE ``Encoder`` with its own forward."""
+    from diffusers.models.autoencoders.vae import Encoder
+
+    return type(encoder) is Encoder and "forward" not in encoder.__dict__
 
 
 def _plain_conv(conv: Any) -> bool:
@@ -181,9 +194,23 @@ def fuse_decoder(decoder: torch.nn.Module, patches: MethodPatches) -> dict[str, 
     :func:`fusable` ``(decoder)``; raises ValueError otherwise."""
     if not fusable(decoder):
         raise ValueError(f"not diffusers' 2-D VAE Decoder with its own forward: {type(decoder).__name__}")
+    return _fuse(decoder, patches)
+
+
+def fuse_encoder(encoder: torch.nn.Module, patches: MethodPatches) -> dict[str, int]:
+    """:func:`fuse_decoder` for diffusers' 2-D ``Encoder`` (:func:`encoder_fusable`; ValueError otherwise): its
+    resnet blocks, norms, ``conv_in`` and ``conv_out`` (it has no upsamplers: ``upsamplers`` is 0)."""
+    if not encoder_fusable(encoder):
+        raise ValueError(f"not diffusers' 2-D VAE Encoder with its own forward: {type(encoder).__name__}")
+    return _fuse(encoder, patches)
+
+
+def _fuse(coder: torch.nn.Module, patches: MethodPatches) -> dict[str, int]:
+    """Patch the parts of a ``Decoder`` or ``Encoder``: both name them alike (``conv_in``, ``conv_norm_out``,
+    ``conv_act``, ``conv_out``) and run them in the same order."""
     counts = {"resnets": 0, "upsamplers": 0, "norms": 0}
     in_resnets: set[int] = set()
-    for module in decoder.modules():
+    for module in coder.modules():
         if "forward" in module.__dict__:
             continue
         if _plain_resnet(module):
@@ -193,17 +220,17 @@ def fuse_decoder(decoder: torch.nn.Module, patches: MethodPatches) -> dict[str, 
         elif _plain_upsampler(module):
             patches.replace(module, "forward", _upsampler_forward(module))
             counts["upsamplers"] += 1
-    out_norm, out_act = decoder.conv_norm_out, decoder.conv_act
+    out_norm, out_act = coder.conv_norm_out, coder.conv_act
     if _plain_norm(out_norm) and type(out_act) is torch.nn.SiLU:
         patches.replace(out_norm, "forward", _norm_forward(out_norm, silu=True))
         patches.replace(out_act, "forward", _identity)
         counts["norms"] += 1
-    for module in decoder.modules():
+    for module in coder.modules():
         if _plain_norm(module) and id(module) not in in_resnets:
             patches.replace(module, "forward", _norm_forward(module))
             counts["norms"] += 1
-    if _plain_conv(decoder.conv_in) and "forward" not in decoder.conv_in.__dict__:
-        patches.replace(decoder.conv_in, "forward", _channels_last_input(decoder.conv_in))
-    if _plain_conv(decoder.conv_out) and "forward" not in decoder.conv_out.__dict__:
-        patches.replace(decoder.conv_out, "forward", _contiguous_output(decoder.conv_out))
+    if _plain_conv(coder.conv_in) and "forward" not in coder.conv_in.__dict__:
+        patches.replace(coder.conv_in, "forward", _channels_last_input(coder.conv_in))
+    if _plain_conv(coder.conv_out) and "forward" not in coder.conv_out.__dict__:
+        patches.replace(coder.conv_out, "forward", _contiguous_output(coder.conv_out))
     return counts
