@@ -100,9 +100,10 @@ class PipelineAdapter:
     )  # fmt: skip
     # Text encoders captured by default, by class: those measured faster as graphs (and byte-equal to eager) whose
     # prompts the pipelines pad to one length, so one capture serves every prompt. Qwen3-4B: 44-65 ms eager, 17 ms
-    # replayed, 11 ms in fast mode (Z-Image, runs 12, 29, 44; FLUX.2 klein's encoder is the same model). T5, UMT5,
-    # CLIP and the others stay eager unless named in ``components=``, until measured (``python -m bench
-    # --text-encoders``).
+    # replayed, 11 ms in fast mode (Z-Image, runs 12, 29, 44; on FLUX.2 klein, the same model, 5.5% / 8.7% of a call
+    # in exact / fast mode, run 185). T5, UMT5, CLIP and the others stay eager unless named in ``components=``: FLUX.1's
+    # CLIP and T5-XXL captured gained 0.15% / 0.05% (run 185, ``python -m bench --text-encoders``), their encode being
+    # GPU work at 512 tokens, not launches.
     default_text_encoders: tuple[str, ...] = ("Qwen3Model", "Qwen3ForCausalLM")
     patches: tuple[FunctionPatch, ...] = ()
     # Fast mode only: patches that compile better but round differently, scoped to the accelerated model. Each
