@@ -85,6 +85,8 @@
 #                    without cuDNN's benchmark), bf16 and fp32, the longest kernels of each (bench/probes/probe_wan_vae.py)
 #   probe-vae-coders the VAEs' encode and decode (Qwen-Image 1024² and 512², FLUX.1's 1024², Wan 81 frames at 832x480):
 #                    eager, fused with a single frame in 3-D, fused as fast mode runs it (bench/probes/probe_vae_coders.py)
+#   probe-cfg-batch-gain  what one batch of FLUX.1's true-CFG pair saves against two calls (512², 1024²; transformer
+#                    replayed from a CUDA graph, bench/probes/probe_cfg_batch_gain.py)
 #   tests-state Python state read by captures and object arguments, exact and fast (tiny)
 #   bench-state the per-call check of the Python state: Z-Image-Turbo 512² and Qwen-Image 512² 10 steps CFG 4
 #   tests       core + reliability + tiny-pipeline GPU tests (incl. LoRA re-capture, warm-up, buckets, eviction)
@@ -153,7 +155,7 @@
 #                    for `python scripts/screenshot_replay.py DIR OUT.png` here (the GPU machine has no browser)
 # Everything it writes is under $OUT (logs, results.json/.md/.png); copy it to bench/results/<date>-h200/.
 set -uo pipefail
-[ $# -gt 0 ] || { echo "usage: scripts/gpu_session.sh probe-vae-coders|bench-text-encoders|tests-published|probe-flux|bench-flux|bench-klein|bench-wan|bench-qwen-edit|probe-wan-vae|bench-stacked-qwen-512|tests-fp8-output|bench-fp8-output-qwen|bench-fp8-output-z|fp8-prologue|probe-stacked|bench-fp8-prologue-qwen|bench-stacked-qwen|bench-fp8-prologue-z|qwen-block-glue|bench-block-glue-qwen|probe-attention|probe-cudnn-fp8|tests-vae-fused|bench-fused-qkv-z|tests-fused-qkv|tests-cudnn-fp8|bench-cudnn-fp8-z|bench-cudnn-fp8-qwen|tests-kernels|probe-fp8-ff|bench-fp8-ff-qwen|bench-kernels-qwen|bench-kernels-z|bench-cachedit-qwen|tests-state|bench-state|tests|tests-full|tests-fast|tests-coexist|tests-shared|tests-cache|bench-cache-qwen-1024|bench-cache-qwen-512|bench-cache-z|bench-cfg-cache-qwen|bench-cfg-cache-qwen-1024|bench-cfg-cache-qwen-512|tests-quant|tests-auto|probe-hand-patches|bench-auto|coverage|bench-fp8-z|bench-fp8-qwen|warm-start-fp8-z|probe-fp8-groups|probe-fp8-block|hotswap-z|tests-z|te-z|fast-check|profile-qwen|profile-z|fast-qwen-50|ab-attention|probe-floor|probe-outside|probe-norms|probe-blocks|compile-max-qwen|memory-z|bench-z|warm-start-z|first-call-qwen-none|first-call-qwen-magcache|first-call-qwen-cachedit|first-call-qwen-fp8|bench-qwen|bench-qwen-512|bench-qwen-1024|issue2|parallel|parallel-cfg|serving|demo ..." >&2; exit 2; }
+[ $# -gt 0 ] || { echo "usage: scripts/gpu_session.sh probe-cfg-batch-gain|probe-vae-coders|bench-text-encoders|tests-published|probe-flux|bench-flux|bench-klein|bench-wan|bench-qwen-edit|probe-wan-vae|bench-stacked-qwen-512|tests-fp8-output|bench-fp8-output-qwen|bench-fp8-output-z|fp8-prologue|probe-stacked|bench-fp8-prologue-qwen|bench-stacked-qwen|bench-fp8-prologue-z|qwen-block-glue|bench-block-glue-qwen|probe-attention|probe-cudnn-fp8|tests-vae-fused|bench-fused-qkv-z|tests-fused-qkv|tests-cudnn-fp8|bench-cudnn-fp8-z|bench-cudnn-fp8-qwen|tests-kernels|probe-fp8-ff|bench-fp8-ff-qwen|bench-kernels-qwen|bench-kernels-z|bench-cachedit-qwen|tests-state|bench-state|tests|tests-full|tests-fast|tests-coexist|tests-shared|tests-cache|bench-cache-qwen-1024|bench-cache-qwen-512|bench-cache-z|bench-cfg-cache-qwen|bench-cfg-cache-qwen-1024|bench-cfg-cache-qwen-512|tests-quant|tests-auto|probe-hand-patches|bench-auto|coverage|bench-fp8-z|bench-fp8-qwen|warm-start-fp8-z|probe-fp8-groups|probe-fp8-block|hotswap-z|tests-z|te-z|fast-check|profile-qwen|profile-z|fast-qwen-50|ab-attention|probe-floor|probe-outside|probe-norms|probe-blocks|compile-max-qwen|memory-z|bench-z|warm-start-z|first-call-qwen-none|first-call-qwen-magcache|first-call-qwen-cachedit|first-call-qwen-fp8|bench-qwen|bench-qwen-512|bench-qwen-1024|issue2|parallel|parallel-cfg|serving|demo ..." >&2; exit 2; }
 out=${OUT:-/tmp/bcg-out}
 mkdir -p "$out"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -216,6 +218,10 @@ case "$phase" in
     # VAE_CODERS_ARGS: the probe's arguments (e.g. --cases qwen-1024 --runs 5)
     timeout "${VAE_CODERS_TIMEOUT:-300}" python3 -m bench.probes.probe_vae_coders ${VAE_CODERS_ARGS:-} 2>&1 \
       | grep -v "Warning\|warnings.warn\|_warn_once" | tee "$out/probe-vae-coders.log" | tail -20
+    ;;
+  probe-cfg-batch-gain)
+    timeout 200 python3 -m bench.probes.probe_cfg_batch_gain 2>&1 | grep -v "Warning\|warnings.warn\|_warn_once" \
+      | tee "$out/probe-cfg-batch-gain.log" | tail -8
     ;;
   tests-state)
     # Python state read by captures (module attributes, globals, in-place constants; processors, non-plain
