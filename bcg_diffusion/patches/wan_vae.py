@@ -43,7 +43,7 @@ is diffusers' own, copied; :mod:`~bcg_diffusion.patches.followed` checks that co
 Each patched forward runs the original where it cannot serve a call (autograd on, training mode). The
 norms round once instead of after every operator and the convolutions may pick other algorithms, so the
 result differs from eager by rounding only: fast mode's kind of change, tested against diffusers' own
-decoder in ``tests/test_wan_vae_fused.py``.
+decoder and encoder in ``tests/test_wan_vae_fused.py``.
 """
 
 from __future__ import annotations
@@ -101,7 +101,8 @@ def _families() -> tuple[_Family, _Family]:
         _Family(wan, wan.WanCausalConv3d, wan.WanRMS_norm, wan.WanUpsample, wan.WanResample, wan.WanResidualBlock,
                 wan.WanDecoder3d, wan.WanEncoder3d, True),
         _Family(qwen, qwen.QwenImageCausalConv3d, qwen.QwenImageRMS_norm, qwen.QwenImageUpsample,
-                qwen.QwenImageResample, qwen.QwenImageResidualBlock, qwen.QwenImageDecoder3d, qwen.QwenImageEncoder3d, False),
+                qwen.QwenImageResample, qwen.QwenImageResidualBlock, qwen.QwenImageDecoder3d,
+                qwen.QwenImageEncoder3d, False),
     )  # fmt: skip
 
 
