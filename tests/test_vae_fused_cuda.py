@@ -173,57 +173,45 @@ def test_full_size_qwenimage_decoder_fused_is_near_eager_and_replays_its_bytes()
     assert psnr > 35.0, psnr
 
 
-@pytest.mark.parametrize("name", ["Qwen-Image 1024²", "Wan 81 frames"])
-def test_full_size_encoder_fused_is_near_eager_and_repeats_its_bytes(name):
-    """Qwen-Image-Edit encodes a 1024² image (one frame: every convolution in 2-D), Wan's image-to-video 81 frames
-    at 832×480: fused, each near diffusers' own encoder (SNR of the latents printed), the same bytes on a
-    second call, and diffusers' bytes again once undone."""
-    from bcg_diffusion.patches.wan_vae import fuse_encoder
-    from bench.coverage_models import _full_qwen_vae, _wan_vae
-
-    qwen = name.startswith("Qwen")
-    vae = (_full_qwen_vae if qwen else _wan_vae)(torch.device("cuda")).to(torch.bfloat16)
-    shape = (1, 3, 1, 1024, 1024) if qwen else (1, 3, 81, 480, 832)
-    video = torch.rand(shape, device="cuda", generator=torch.Generator("cuda").manual_seed(0)) * 2 - 1
-    video = video.to(torch.bfloat16)
+def _encoder_near_eager(vae, video: torch.Tensor, fuse, name: str) -> None:
+    """Encode ``video`` eagerly, then with ``fuse(vae.encoder, patches)``: the fused latents equal on a second
+    call and near eager's (SNR printed, over 30 dB), diffusers' bytes again once undone."""
     patches = MethodPatches()
     with torch.no_grad():
         expected = vae.encode(video).latent_dist.mode()
         try:
-            counts = fuse_encoder(vae.encoder, patches)
+            counts = fuse(vae.encoder, patches)
             fused = vae.encode(video).latent_dist.mode()
             assert torch.equal(fused, vae.encode(video).latent_dist.mode())
         finally:
             patches.undo()
         assert torch.equal(vae.encode(video).latent_dist.mode(), expected)
-    snr = 10 * math.log10(
-        expected.float().pow(2).sum().item() / (fused.float() - expected.float()).pow(2).sum().item()
-    )
+    noise = (fused.float() - expected.float()).pow(2).sum().item()
+    snr = 10 * math.log10(expected.float().pow(2).sum().item() / noise)
     print(f"\n{name} encoder fused {counts}: SNR of the latents {snr:.1f} dB against eager")
     assert counts["resnets"] == 10 and fused.shape == expected.shape
     assert snr > 30.0, snr
 
 
+def _pixels(*shape: int) -> torch.Tensor:
+    return (torch.rand(shape, device="cuda", generator=torch.Generator("cuda").manual_seed(0)) * 2 - 1).bfloat16()
+
+
+@pytest.mark.parametrize("name", ["Qwen-Image 1024²", "Wan 81 frames"])
+def test_full_size_encoder_fused_is_near_eager_and_repeats_its_bytes(name):
+    """Qwen-Image-Edit encodes a 1024² image (one frame: every convolution in 2-D), Wan's image-to-video 81 frames
+    at 832×480: fused, each near diffusers' own encoder, repeating its bytes."""
+    from bcg_diffusion.patches.wan_vae import fuse_encoder
+    from bench.coverage_models import _full_qwen_vae, _wan_vae
+
+    qwen = name.startswith("Qwen")
+    vae = (_full_qwen_vae if qwen else _wan_vae)(torch.device("cuda")).to(torch.bfloat16)
+    _encoder_near_eager(vae, _pixels(1, 3, 1, 1024, 1024) if qwen else _pixels(1, 3, 81, 480, 832), fuse_encoder, name)
+
+
 def test_full_size_2d_encoder_fused_is_near_eager_and_repeats_its_bytes(flux_vae):
-    """FLUX.1 Kontext encodes a 1024² image through FLUX.1's 2-D encoder: fused, near diffusers' own (SNR of the
-    latents printed), the same bytes on a second call, diffusers' bytes again once undone."""
+    """FLUX.1 Kontext encodes a 1024² image through FLUX.1's 2-D encoder: fused, near diffusers' own, repeating
+    its bytes."""
     from bcg_diffusion.patches.vae import fuse_encoder
 
-    image = torch.rand(1, 3, 1024, 1024, device="cuda", generator=torch.Generator("cuda").manual_seed(0)) * 2 - 1
-    image = image.to(torch.bfloat16)
-    patches = MethodPatches()
-    with torch.no_grad():
-        expected = flux_vae.encode(image).latent_dist.mode()
-        try:
-            counts = fuse_encoder(flux_vae.encoder, patches)
-            fused = flux_vae.encode(image).latent_dist.mode()
-            assert torch.equal(fused, flux_vae.encode(image).latent_dist.mode())
-        finally:
-            patches.undo()
-        assert torch.equal(flux_vae.encode(image).latent_dist.mode(), expected)
-    snr = 10 * math.log10(
-        expected.float().pow(2).sum().item() / (fused.float() - expected.float()).pow(2).sum().item()
-    )
-    print(f"\nFLUX.1 encoder 1024² fused {counts}: SNR of the latents {snr:.1f} dB against eager")
-    assert counts["resnets"] == 10 and fused.shape == expected.shape
-    assert snr > 30.0, snr
+    _encoder_near_eager(flux_vae, _pixels(1, 3, 1024, 1024), fuse_encoder, "FLUX.1 1024²")
