@@ -1,4 +1,5 @@
-"""Fast mode's fused, channels-last VAE decoder (``patches/vae.py``) and its kernels, on the CPU.
+"""Fast mode's fused, channels-last 2-D VAE decoder and encoder (``patches/vae.py``) and their kernels, on the
+CPU.
 
 * The Triton kernels in Triton's interpreter (``_vae_fused_interpret.py``, a process of its own) against
   their references, and a tiny decoder with the kernels forced on against diffusers' own.
@@ -6,7 +7,8 @@
 * The patched forwards against diffusers' original forwards (the references run on the CPU), their
   fallbacks to the original, and ``undo``.
 * The feature: fast mode's default where the kernels can run (forced here), leaving the weights and a
-  module sharing them as they were, and the other choices.
+  module sharing them as they were, and the other choices; the encoder of an image-conditioned pipeline
+  (FLUX.1 Kontext) fused too.
 
 The kernels on a GPU: ``test_vae_fused_cuda.py``.
 """

@@ -1,9 +1,13 @@
-"""Fast mode's Wan VAE decoder (``patches/wan_vae.py``) and its norm kernel's reference, on the CPU.
+"""Fast mode's Wan and Qwen-Image VAE decoders and encoders (``patches/wan_vae.py``) and their norm kernel's
+reference, on the CPU.
 
 * The reference of the per-pixel RMS norm against diffusers' ``WanRMS_norm`` and SiLU, in float64.
 * The fused decoder against diffusers' own on tiny Wan 2.1 and Wan 2.2 (residual, patchified) VAEs,
-  several chunks so that every cache path runs; its fallbacks; ``undo``.
-* The feature: fast mode's default for a Wan pipeline's VAE where the kernels can run (forced here).
+  several chunks so that every cache path runs; its fallbacks; ``undo``. Qwen-Image's the same.
+* A single frame after the causal zeros convolved in 2-D (no three-tap 3-D convolution runs for an image).
+* The fused encoders (Wan 2.1, Wan 2.2, Qwen-Image) against diffusers' own at one, two and three chunks.
+* The features: fast mode's default for a Wan or Qwen-Image pipeline's VAE where the kernels can run (forced
+  here), the encoder of an edit pipeline included, and what leaves the encoder alone.
 
 The kernels in Triton's interpreter: ``_vae_fused_interpret.py`` (``test_vae_fused.py`` runs it); on a GPU:
 ``test_vae_fused_cuda.py``.
