@@ -7,13 +7,17 @@ reference, on the CPU.
 * A single frame after the causal zeros convolved in 2-D (no three-tap 3-D convolution runs for an image).
 * The fused encoders (Wan 2.1, Wan 2.2, Qwen-Image) against diffusers' own at one, two and three chunks.
 * The features: fast mode's default for a Wan or Qwen-Image pipeline's VAE where the kernels can run (forced
-  here), the encoder of an edit pipeline included, and what leaves the encoder alone.
+  here), the encoder of an edit pipeline included, and what leaves the encoder alone; Wan's image-to-video
+  exact in exact mode, its encoder and decoder fused in fast mode.
 
 The kernels in Triton's interpreter: ``_vae_fused_interpret.py`` (``test_vae_fused.py`` runs it); on a GPU:
 ``test_vae_fused_cuda.py``.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -319,5 +323,64 @@ def test_fast_mode_fuses_an_edit_pipelines_encoder_and_restore_gives_it_back(mon
     accelerate(pipe, mode="fast", components=("vae",), debug=True)
     try:
         assert "forward" not in pipe.vae.encoder.__dict__
+    finally:
+        restore(pipe)
+
+
+def _wan_image_to_video() -> tuple[Any, Callable[[], torch.Tensor]]:
+    """A tiny Wan image-to-video pipeline (Wan 2.2 A14B's kind: the image conditions through the latents' channels,
+    no image encoder) and a call of it on a fixed image and fixed prompt embeddings."""
+    import numpy as np
+    import PIL.Image
+    from diffusers import FlowMatchEulerDiscreteScheduler, WanImageToVideoPipeline, WanTransformer3DModel
+
+    torch.manual_seed(0)
+    transformer = WanTransformer3DModel(
+        num_attention_heads=2, attention_head_dim=8, in_channels=12, out_channels=4, text_dim=32, freq_dim=16,
+        ffn_dim=32, num_layers=1, rope_max_seq_len=32,
+    )  # fmt: skip
+    vae = AutoencoderKLWan(**{**WAN21, "dim_mult": [1, 1, 1, 1], "latents_mean": [0.0] * 4, "latents_std": [1.0] * 4})
+    pipe = WanImageToVideoPipeline(
+        tokenizer=None, text_encoder=None, image_encoder=None, image_processor=None, vae=vae, transformer=transformer,
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
+    )  # fmt: skip
+    pipe.set_progress_bar_config(disable=True)
+    image = PIL.Image.fromarray(np.random.default_rng(0).integers(0, 256, (32, 32, 3), dtype=np.uint8))
+
+    def call() -> torch.Tensor:
+        embeds = [torch.randn(1, 8, 32, generator=torch.Generator().manual_seed(seed)) for seed in (1, 2)]
+        return pipe(image=image, prompt_embeds=embeds[0], negative_prompt_embeds=embeds[1], height=32, width=32,
+                    num_frames=5, num_inference_steps=2, guidance_scale=4.0, output_type="pt",
+                    generator=torch.Generator().manual_seed(0)).frames  # fmt: skip
+
+    return pipe, call
+
+
+@pytest.mark.filterwarnings("ignore:.*no adapter for WanImageToVideoPipeline")
+@pytest.mark.filterwarnings("ignore:.*falls back to graphs of the eager blocks")  # the VAE alone, on purpose
+def test_wan_image_to_video_is_exact_and_fast_mode_fuses_its_encoder(monkeypatch):
+    """Wan's image-to-video encodes the first frame and the zeros after it on every call: exact mode replays
+    eager's bytes with the encode left eager, and fast mode fuses the encoder as well as the decoder."""
+    from bcg_diffusion.features import vae_encoder
+    from bcg_diffusion.patches.wan_vae import WAN_VAE_ENCODER_FUSED_PATCH
+
+    pipe, call = _wan_image_to_video()
+    with torch.no_grad():
+        plain = call()
+    accelerate(pipe, debug=True)
+    try:
+        assert torch.equal(call(), plain) and stats(pipe)["replays"] > 0
+        assert "forward" not in pipe.vae.encoder.__dict__
+    finally:
+        restore(pipe)
+    monkeypatch.setattr(vae_decoder, "triton_unavailable", lambda device: None)  # the references run
+    monkeypatch.setattr(vae_encoder, "triton_unavailable", lambda device: None)
+    accelerate(pipe, mode="fast", components=("vae",), debug=True)
+    try:
+        assert {WAN_VAE_FUSED_PATCH, WAN_VAE_ENCODER_FUSED_PATCH} <= set(stats(pipe)["patches"])
+        fast = call()
+        with eager(pipe):
+            assert torch.equal(fast, call())
+        torch.testing.assert_close(fast, plain, atol=1e-4, rtol=1e-4)
     finally:
         restore(pipe)
