@@ -409,14 +409,7 @@ def fuse_decoder(decoder: torch.nn.Module, patches: MethodPatches) -> dict[str, 
     >>> fuse_decoder(pipe.vae.decoder, patches)  # Wan 2.1's VAE  # doctest: +SKIP
     {'resnets': 14, 'upsamplers': 3, 'norms': 1, 'convs': 33}
     """
-    family = _family_of(decoder)
-    if family is None or not _fits(decoder, family, encoder=False):
-        raise ValueError(
-            f"not diffusers' WanDecoder3d or QwenImageDecoder3d with its own forwards: {type(decoder).__name__}"
-        )
-    counts = _patch_parts(decoder, family, patches, resamplers=True)
-    patches.replace(decoder, "forward", _decoder_forward(decoder, family))
-    return counts
+    return _fuse(decoder, patches, encoder=False)
 
 
 def _encoder_forward(encoder: Any, family: _Family) -> Callable[..., torch.Tensor]:
@@ -444,11 +437,16 @@ def fuse_encoder(encoder: torch.nn.Module, patches: MethodPatches) -> dict[str, 
     >>> fuse_encoder(pipe.vae.encoder, patches)  # Qwen-Image's VAE  # doctest: +SKIP
     {'resnets': 10, 'norms': 1, 'convs': 26}
     """
-    family = _encoder_family_of(encoder)
-    if family is None or not _fits(encoder, family, encoder=True):
-        raise ValueError(
-            f"not diffusers' WanEncoder3d or QwenImageEncoder3d with its own forwards: {type(encoder).__name__}"
-        )
-    counts = _patch_parts(encoder, family, patches, resamplers=False)
-    patches.replace(encoder, "forward", _encoder_forward(encoder, family))
+    return _fuse(encoder, patches, encoder=True)
+
+
+def _fuse(coder: torch.nn.Module, patches: MethodPatches, encoder: bool) -> dict[str, int]:
+    """:func:`fuse_decoder` or :func:`fuse_encoder`: the parts (:func:`_patch_parts`), then the coder's own forward."""
+    family = _encoder_family_of(coder) if encoder else _family_of(coder)
+    if family is None or not _fits(coder, family, encoder):
+        kinds = "WanEncoder3d or QwenImageEncoder3d" if encoder else "WanDecoder3d or QwenImageDecoder3d"
+        raise ValueError(f"not diffusers' {kinds} with its own forwards: {type(coder).__name__}")
+    counts = _patch_parts(coder, family, patches, resamplers=not encoder)
+    forward = _encoder_forward if encoder else _decoder_forward
+    patches.replace(coder, "forward", forward(coder, family))
     return counts

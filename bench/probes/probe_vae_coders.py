@@ -48,7 +48,7 @@ def _variant(vae: torch.nn.Module, name: str) -> Iterator[None]:
     patches = MethodPatches()
     try:
         if name.startswith("fused"):
-            fusing = wan_vae if hasattr(vae.encoder, "down_blocks") and hasattr(vae, "clear_cache") else fused_2d
+            fusing = fused_2d if fused_2d.encoder_fusable(vae.encoder) else wan_vae
             fusing.fuse_encoder(vae.encoder, patches)
             fusing.fuse_decoder(vae.decoder, patches)
         if name == "fused-3d":
@@ -58,7 +58,8 @@ def _variant(vae: torch.nn.Module, name: str) -> Iterator[None]:
         patches.undo()
 
 
-def _median_ms(fn: Callable[[], torch.Tensor], runs: int) -> tuple[float, torch.Tensor]:
+def median_ms(fn: Callable[[], torch.Tensor], runs: int) -> tuple[float, torch.Tensor]:
+    """``fn()``'s median wall time over ``runs`` calls after one untimed call, each waited for, and its last output."""
     out = fn()  # warm-up: cuDNN's choices, the allocator
     torch.cuda.synchronize()
     times = []
@@ -111,8 +112,8 @@ def _timed(
 ) -> tuple[tuple[float, torch.Tensor], tuple[float, torch.Tensor]]:
     """``name``'s encode of ``video`` and decode of ``latents``: each (median ms, output)."""
     with torch.no_grad(), _variant(vae, name):
-        encoded = _median_ms(lambda: vae.encode(video).latent_dist.mode(), runs)
-        decoded = _median_ms(lambda: vae.decode(latents, return_dict=False)[0], runs)
+        encoded = median_ms(lambda: vae.encode(video).latent_dist.mode(), runs)
+        decoded = median_ms(lambda: vae.decode(latents, return_dict=False)[0], runs)
     return encoded, decoded
 
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import time
 from collections.abc import Iterator
 
 import torch
@@ -32,6 +31,7 @@ from bcg_diffusion.core.hooks import MethodPatches
 from bcg_diffusion.patches.wan_vae import fuse_decoder
 from bench.coverage_models import _wan_vae
 from bench.measure import kernel_kind
+from bench.probes.probe_vae_coders import median_ms
 
 VARIANTS = ("eager", "channels-last", "fused", "fused+cudnn-benchmark")
 
@@ -60,15 +60,7 @@ def _variant(vae: torch.nn.Module, name: str) -> Iterator[None]:
 
 def _decode_ms(vae: torch.nn.Module, latents: torch.Tensor, runs: int) -> tuple[float, torch.Tensor]:
     with torch.no_grad():
-        out = vae.decode(latents, return_dict=False)[0]  # warm-up: cuDNN's choices, allocator
-        torch.cuda.synchronize()
-        times = []
-        for _ in range(runs):
-            start = time.perf_counter()
-            out = vae.decode(latents, return_dict=False)[0]
-            torch.cuda.synchronize()
-            times.append((time.perf_counter() - start) * 1e3)
-    return sorted(times)[len(times) // 2], out
+        return median_ms(lambda: vae.decode(latents, return_dict=False)[0], runs)
 
 
 def _kernel_ms(vae: torch.nn.Module, latents: torch.Tensor, top: list[str]) -> dict[str, float]:
