@@ -36,6 +36,7 @@ MODES: tuple[str, ...] = (
     "fast-fp8-compiled-vae",
     "fast-fp8-patched-vae",
     "fast-fp8-inductor-glue",
+    "fast-inductor-glue",
     "fast-inductor-prologue",
     "fast-fp8-inductor-prologue",
     "fast-fp8-attn-inductor-prologue",
@@ -94,7 +95,7 @@ FP8_MODES: tuple[str, ...] = (
 # Qwen-Image's stacked output projection and attention's fused prologue.
 ABLATIONS: tuple[str, ...] = ("bcg-no-te", "bcg-no-auto", "fast-no-te", "fast-no-auto", "fast-unbatched")
 ABLATIONS += ("bcg-te", "fast-te")
-ABLATIONS += ("fast-joined-output", "fast-inductor-prologue")
+ABLATIONS += ("fast-joined-output", "fast-inductor-prologue", "fast-inductor-glue")
 # What a run without --modes compares on a GPU: ours as a user gets them, and the peers.
 DEFAULT_MODES: tuple[str, ...] = tuple(
     m for m in MODES if m not in ABLATIONS and m not in CACHED and m not in FP8_MODES and m not in CACHEDIT
@@ -171,6 +172,9 @@ DESCRIPTIONS = {
     'its group norms patched (features.vae_decoder.choose(pipe.vae, "patched"))',
     "fast-fp8-inductor-glue": "fast-fp8 with the Z-Image or Qwen-Image block glue (norms, modulation, gated "
     "residuals, FP8 input scales) compiled by inductor, not in our three kernels (patches.block_glue.choose)",
+    "fast-inductor-glue": "fast with FLUX.1's single blocks as the class runs them: the MLP's GELU and the join of "
+    "its output with attention's compiled by inductor, one output projection over the joined row, not two products "
+    "(patches.block_glue.choose)",
     "fast-inductor-prologue": "fast with attention's prologue (query and key norms, RoPE, the joint text-and-image "
     'tensors) compiled by inductor, not in our kernel (patches.attention.choose_qk_prologue(..., "compiled"))',
     "fast-fp8-inductor-prologue": "fast-fp8 with attention's prologue compiled by inductor, as fast-inductor-prologue",
@@ -208,7 +212,7 @@ EXACT.update({"eager-fp8+cache": True, "fast-fp8+cache": False, "fast-fp8-attn+c
 EXACT.update({"fast-fp8-attn-triton": False, "fast-fp8-unfused-qkv": False, "fast-fp8-uncompiled-te": False})
 EXACT.update({"fast-fp8-attn-bf16-prologue": False})
 EXACT.update({"fast-fp8-compiled-vae": False, "fast-fp8-patched-vae": False, "fast-fp8-inductor-glue": False})
-EXACT.update({"fast-joined-output": False, "fast-fp8-joined-output": False})
+EXACT.update({"fast-joined-output": False, "fast-fp8-joined-output": False, "fast-inductor-glue": False})
 EXACT.update({name: False for name in MODES if name.endswith("-inductor-prologue")})
 EXACT.update({name: False for name in MODES if "-all-linears" in name})
 EXACT.update({"eager+cachedit": True, "bcg+cachedit": True, "fast+cachedit": False})
@@ -217,13 +221,13 @@ OURS += ("bcg+cachedit", "fast+cachedit")
 OURS += ("bcg+cache", "fast+cache", "fast-unbatched+cache", "bcg-fp8", "fast-fp8", "fast-fp8-attn", "fast-fp8+cache")
 OURS += ("fast-fp8-torchao-ff", "fast-fp8-attn-triton", "fast-fp8-attn+cache", "fast-fp8-unfused-qkv")
 OURS += ("fast-fp8-uncompiled-te", "fast-fp8-compiled-vae", "fast-fp8-patched-vae", "fast-fp8-inductor-glue")
-OURS += ("fast-fp8-attn-bf16-prologue", "fast-joined-output", "fast-fp8-joined-output")
+OURS += ("fast-fp8-attn-bf16-prologue", "fast-joined-output", "fast-fp8-joined-output", "fast-inductor-glue")
 OURS += tuple(name for name in MODES if "-all-linears" in name or name.endswith("-inductor-prologue"))
 FAST = ("fast", "fast-no-te", "fast-te", "fast-no-auto", "fast-unbatched", "fast+cache", "fast-fp8", "fast-fp8-attn")
 FAST += ("fast-fp8-torchao-ff", "fast-fp8-attn-triton", "fast-fp8-attn+cache", "fast-fp8-unfused-qkv")
 FAST += ("fast-fp8-uncompiled-te", "fast-fp8-compiled-vae", "fast-fp8-patched-vae", "fast-fp8-inductor-glue")
 FAST += ("fast-fp8+cache", "fast+cachedit", "fast-unbatched+cache", "fast-fp8-attn-bf16-prologue")
-FAST += ("fast-joined-output", "fast-fp8-joined-output")
+FAST += ("fast-joined-output", "fast-fp8-joined-output", "fast-inductor-glue")
 FAST += tuple(name for name in MODES if "-all-linears" in name or name.endswith("-inductor-prologue"))
 
 

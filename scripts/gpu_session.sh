@@ -69,8 +69,10 @@
 #                    with its launch settings; then the bf16 blocks (probe section prologue-blocks)
 #   bench-fp8-ff-qwen  Qwen-Image 1024², 50 steps, true CFG 4: eager, fast-fp8, fast-fp8-torchao-ff (our kernel off)
 #   tests-published  FP8 attention through diffusers' dispatcher on tiny FLUX.1, FLUX.2 klein, Wan, Qwen-Image-Edit
-#                    (128-wide heads), graphs equal to their compiled blocks; Wan 2.2 with only transformer_2
-#   bench-flux       FLUX.1-dev 1024², 28 steps: eager, fast, fast-fp8, fast-fp8-attn (PUBLISHED_MODES, PUBLISHED_RUNS)
+#                    (128-wide heads), graphs equal to their compiled blocks; Wan 2.2 with only transformer_2; FLUX.1's
+#                    single blocks with their output projection split (PUBLISHED_TESTS_K=split for those only)
+#   bench-flux       FLUX.1-dev 1024², 28 steps: eager, fast, fast-inductor-glue (the single blocks' output projection
+#                    joined), fast-fp8, fast-fp8-attn (PUBLISHED_MODES, PUBLISHED_RUNS)
 #   bench-klein      FLUX.2 klein 4B 1024², 4 steps: eager, bcg, fast, fast-fp8, fast-fp8-attn
 #   bench-wan        Wan 2.1 T2V 14B 832x480x81, 3 steps, CFG 5: eager, fast-fp8-attn, one timed run (per-step time)
 #   bench-qwen-edit  Qwen-Image-Edit-2511 1024², 8 steps, true CFG 4: eager, fast, fast-fp8, fast-fp8-attn
@@ -87,6 +89,8 @@
 #                    eager, fused with a single frame in 3-D, fused as fast mode runs it (bench/probes/probe_vae_coders.py)
 #   probe-cfg-batch-gain  what one batch of FLUX.1's true-CFG pair saves against two calls (512², 1024²; transformer
 #                    replayed from a CUDA graph, bench/probes/probe_cfg_batch_gain.py)
+#   readme-rows      Z-Image-Turbo 512² and 1024², 8 steps (eager, bcg, fast, fast-fp8, fast-fp8-attn; 3 runs) and
+#                    Qwen-Image 1024², 50 steps, true CFG 4 (eager, fast, fast-fp8, fast-fp8-attn; 2 runs): the README's rows
 #   tests-state Python state read by captures and object arguments, exact and fast (tiny)
 #   bench-state the per-call check of the Python state: Z-Image-Turbo 512² and Qwen-Image 512² 10 steps CFG 4
 #   tests       core + reliability + tiny-pipeline GPU tests (incl. LoRA re-capture, warm-up, buckets, eviction)
@@ -155,7 +159,7 @@
 #                    for `python scripts/screenshot_replay.py DIR OUT.png` here (the GPU machine has no browser)
 # Everything it writes is under $OUT (logs, results.json/.md/.png); copy it to bench/results/<date>-h200/.
 set -uo pipefail
-[ $# -gt 0 ] || { echo "usage: scripts/gpu_session.sh probe-cfg-batch-gain|probe-vae-coders|bench-text-encoders|tests-published|probe-flux|bench-flux|bench-klein|bench-wan|bench-qwen-edit|probe-wan-vae|bench-stacked-qwen-512|tests-fp8-output|bench-fp8-output-qwen|bench-fp8-output-z|fp8-prologue|probe-stacked|bench-fp8-prologue-qwen|bench-stacked-qwen|bench-fp8-prologue-z|qwen-block-glue|bench-block-glue-qwen|probe-attention|probe-cudnn-fp8|tests-vae-fused|bench-fused-qkv-z|tests-fused-qkv|tests-cudnn-fp8|bench-cudnn-fp8-z|bench-cudnn-fp8-qwen|tests-kernels|probe-fp8-ff|bench-fp8-ff-qwen|bench-kernels-qwen|bench-kernels-z|bench-cachedit-qwen|tests-state|bench-state|tests|tests-full|tests-fast|tests-coexist|tests-shared|tests-cache|bench-cache-qwen-1024|bench-cache-qwen-512|bench-cache-z|bench-cfg-cache-qwen|bench-cfg-cache-qwen-1024|bench-cfg-cache-qwen-512|tests-quant|tests-auto|probe-hand-patches|bench-auto|coverage|bench-fp8-z|bench-fp8-qwen|warm-start-fp8-z|probe-fp8-groups|probe-fp8-block|hotswap-z|tests-z|te-z|fast-check|profile-qwen|profile-z|fast-qwen-50|ab-attention|probe-floor|probe-outside|probe-norms|probe-blocks|compile-max-qwen|memory-z|bench-z|warm-start-z|first-call-qwen-none|first-call-qwen-magcache|first-call-qwen-cachedit|first-call-qwen-fp8|bench-qwen|bench-qwen-512|bench-qwen-1024|issue2|parallel|parallel-cfg|serving|demo ..." >&2; exit 2; }
+[ $# -gt 0 ] || { echo "usage: scripts/gpu_session.sh readme-rows|probe-cfg-batch-gain|probe-vae-coders|bench-text-encoders|tests-published|probe-flux|bench-flux|bench-klein|bench-wan|bench-qwen-edit|probe-wan-vae|bench-stacked-qwen-512|tests-fp8-output|bench-fp8-output-qwen|bench-fp8-output-z|fp8-prologue|probe-stacked|bench-fp8-prologue-qwen|bench-stacked-qwen|bench-fp8-prologue-z|qwen-block-glue|bench-block-glue-qwen|probe-attention|probe-cudnn-fp8|tests-vae-fused|bench-fused-qkv-z|tests-fused-qkv|tests-cudnn-fp8|bench-cudnn-fp8-z|bench-cudnn-fp8-qwen|tests-kernels|probe-fp8-ff|bench-fp8-ff-qwen|bench-kernels-qwen|bench-kernels-z|bench-cachedit-qwen|tests-state|bench-state|tests|tests-full|tests-fast|tests-coexist|tests-shared|tests-cache|bench-cache-qwen-1024|bench-cache-qwen-512|bench-cache-z|bench-cfg-cache-qwen|bench-cfg-cache-qwen-1024|bench-cfg-cache-qwen-512|tests-quant|tests-auto|probe-hand-patches|bench-auto|coverage|bench-fp8-z|bench-fp8-qwen|warm-start-fp8-z|probe-fp8-groups|probe-fp8-block|hotswap-z|tests-z|te-z|fast-check|profile-qwen|profile-z|fast-qwen-50|ab-attention|probe-floor|probe-outside|probe-norms|probe-blocks|compile-max-qwen|memory-z|bench-z|warm-start-z|first-call-qwen-none|first-call-qwen-magcache|first-call-qwen-cachedit|first-call-qwen-fp8|bench-qwen|bench-qwen-512|bench-qwen-1024|issue2|parallel|parallel-cfg|serving|demo ..." >&2; exit 2; }
 out=${OUT:-/tmp/bcg-out}
 mkdir -p "$out"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -172,11 +176,11 @@ case "$phase" in
     ;;
   tests-published)
     timeout "${PUBLISHED_TESTS_TIMEOUT:-300}" python3 -m pytest -m cuda -q -rs -p no:cacheprovider --tb=short \
-      tests/test_published_cuda.py 2>&1 | grep -v "Warning\|warnings.warn" | tee "$out/pytest-published.log" | tail -30
+      -k "${PUBLISHED_TESTS_K:-}" tests/test_published_cuda.py 2>&1 | grep -v "Warning\|warnings.warn" | tee "$out/pytest-published.log" | tail -30
     ;;
   bench-flux|bench-klein|bench-wan|bench-qwen-edit)
     case "$phase" in
-      bench-flux) pipeline=flux; modes=eager,fast,fast-fp8,fast-fp8-attn; runs=2 ;;
+      bench-flux) pipeline=flux; modes=eager,fast,fast-inductor-glue,fast-fp8,fast-fp8-attn; runs=2 ;;
       bench-klein) pipeline=flux2-klein; modes=eager,bcg,fast,fast-fp8,fast-fp8-attn; runs=5 ;;
       bench-wan) pipeline=wan; modes=eager,fast-fp8-attn; runs=1 ;;
       bench-qwen-edit) pipeline=qwen-image-edit; modes=eager,fast,fast-fp8,fast-fp8-attn; runs=2 ;;
@@ -601,6 +605,18 @@ case "$phase" in
   tests-full)
     BCG_TEST_WEIGHTS=random-full timeout 330 python3 -m pytest -q -s -p no:cacheprovider --tb=short \
       tests/test_pipelines_cuda.py 2>&1 | tee "$out/pytest-cuda-random-full.log" | grep -v "^INFO" | tail -15
+    ;;
+  readme-rows)
+    # Issue 56's check that Qwen-Image and Z-Image keep the README's figures (within 2%): the README's bf16 and
+    # FP8 rows at 1024² and Z-Image's at 512², our modes only (the rows' eager is timed again in the same run)
+    timeout "${README_Z_TIMEOUT:-200}" python3 -m bench --pipeline z-image --weights random-full \
+      --resolutions 512x512,1024x1024 --steps 8 --guidance 0 --modes "${README_Z_MODES:-eager,bcg,fast,fast-fp8,fast-fp8-attn}" \
+      --runs 3 --warmup 0 --no-progress --out "$out/readme-z" 2>&1 | grep -v "Warning\|warnings.warn" \
+      | tee "$out/readme-z.log" | tail -16
+    timeout "${README_QWEN_TIMEOUT:-380}" python3 -m bench --pipeline qwen-image --weights random-full \
+      --resolutions 1024x1024 --steps 50 --guidance 4 --modes "${README_QWEN_MODES:-eager,fast,fast-fp8,fast-fp8-attn}" \
+      --runs 2 --warmup 0 --no-progress --out "$out/readme-qwen-1024" 2>&1 | grep -v "Warning\|warnings.warn" \
+      | tee "$out/readme-qwen-1024.log" | tail -14
     ;;
   bench-z)
     timeout "${BENCH_Z_TIMEOUT:-560}" python3 -m bench --pipeline z-image --weights random-full --resolutions 512x512,1024x1024 \

@@ -138,3 +138,109 @@ def test_the_block_glue_feature_patches_flux_single_blocks_and_undoes():
     finally:
         patches.undo()
     assert all("forward" not in block.__dict__ for block in model.blocks)
+
+
+# bf16 fast mode: the MLP's GELU in its product's epilogue and the output projection split at the join. The
+# forward takes CUDA weights only; on a CPU these tests let it take them and give the epilogue product its tanh
+# GELU (a CPU's _addmm_activation computes the erf one), then hold it, in float64, to the class's forward.
+
+
+def _split_on_cpu(monkeypatch):
+    monkeypatch.setattr(flux_block, "_plain_half_linear", lambda module: type(module) is torch.nn.Linear)
+
+    def tanh_epilogue(bias, rows, weight, use_gelu=False):
+        product = torch.addmm(bias, rows, weight)
+        return torch.nn.functional.gelu(product, approximate="tanh") if use_gelu else product
+
+    monkeypatch.setattr(torch, "_addmm_activation", tanh_epilogue)
+
+
+def _float64(tensors: tuple) -> tuple:
+    image, text, temb, (cos, sin) = tensors
+    return image.double(), text.double(), temb.double(), (cos.double(), sin.double())
+
+
+def test_the_split_output_is_the_joined_products_sum(monkeypatch):
+    _split_on_cpu(monkeypatch)
+    block = _block(quantized=False).double()
+    inputs = _float64(_inputs())
+    patches = MethodPatches()
+    with torch.no_grad():
+        expected = block(*inputs)
+        assert flux_block.patch_flux_split_outputs(torch.nn.Sequential(block), patches) == 1
+        try:
+            got = block(*inputs)
+        finally:
+            patches.undo()
+    for g, w in zip(got, expected, strict=True):  # the same sum, added in another order
+        torch.testing.assert_close(g, w)
+    assert "forward" not in block.__dict__
+
+
+def test_the_split_forward_falls_back_where_the_block_no_longer_fits(monkeypatch):
+    _split_on_cpu(monkeypatch)
+    block = _block(quantized=False)
+    inputs = _inputs()
+    patches = MethodPatches()
+    products = []
+    epilogue = torch._addmm_activation
+    monkeypatch.setattr(torch, "_addmm_activation", lambda *a, **k: products.append(1) or epilogue(*a, **k))
+    with torch.no_grad():
+        flux_block.patch_flux_split_outputs(block, patches)
+        try:
+            block(*inputs)
+            assert products == [1]
+            original = FluxSingleTransformerBlock.forward
+            block.proj_out = torch.nn.Sequential(block.proj_out)  # as a LoRA layer wraps it
+            assert _equal(block(*inputs), original(block, *inputs)) and products == [1]
+            block.proj_out = block.proj_out[0]
+            block.act_mlp = torch.nn.GELU()
+            assert _equal(block(*inputs), original(block, *inputs)) and products == [1]
+        finally:
+            patches.undo()
+
+
+def test_blocks_the_split_forward_does_not_take_are_left_with_the_reason():
+    block = _block(quantized=False)
+    assert "on a CUDA GPU" in flux_block.unfit_split(block)  # a CPU block
+    assert "on a CUDA GPU" in flux_block.unfit_split(_block())  # FP8 weights: the FP8 forward's
+    assert "not diffusers' FluxSingleTransformerBlock" in flux_block.unfit_split(torch.nn.Linear(2, 2))
+    block.proj_out = torch.nn.Sequential(block.proj_out)
+    assert "proj_out is not a plain nn.Linear" in flux_block.unfit_split(block)
+    block = _block(quantized=False)
+    block_glue.choose(torch.nn.Sequential(block), False)
+    assert "chosen off" in flux_block.unfit_split(block)
+
+
+def test_the_split_forward_is_traced_whole_by_dynamo(monkeypatch):
+    _split_on_cpu(monkeypatch)
+    block = _block(quantized=False).float()
+    image, text, temb, rotary = (t.float() if torch.is_tensor(t) else t for t in _inputs())
+    patches = MethodPatches()
+    try:
+        assert flux_block.patch_flux_split_outputs(block, patches) == 1
+        torch._dynamo.reset()
+        compiled = torch.compile(block, backend="aot_eager", fullgraph=True)
+        with torch.no_grad():
+            for g, w in zip(compiled(image, text, temb, rotary), block(image, text, temb, rotary), strict=True):
+                torch.testing.assert_close(g, w)
+    finally:
+        patches.undo()
+        torch._dynamo.reset()
+
+
+def test_the_gelu_epilogue_feature_splits_flux_single_blocks_and_undoes(monkeypatch):
+    from bcg_diffusion.features.gelu_epilogue import GeluEpilogue
+
+    _split_on_cpu(monkeypatch)
+    model = torch.nn.Module()
+    model.blocks = torch.nn.ModuleList([_block(quantized=False), _block(1, quantized=False)])
+    feature = GeluEpilogue()
+    patches = MethodPatches()
+    feature.prepare(types.SimpleNamespace(modules={"transformer": model}), patches)
+    try:
+        assert feature.split_blocks == 2
+        assert feature.patch_names() == [flux_block.FLUX_SPLIT_OUTPUT_PATCH]
+    finally:
+        patches.undo()
+    assert all("forward" not in block.__dict__ for block in model.blocks)

@@ -112,3 +112,53 @@ def test_wan22_fast_mode_compiles_both_experts_and_replays_their_compiled_bytes(
     finally:
         restore(pipe)
         torch._dynamo.reset()
+
+
+def test_flux_single_block_split_output_stays_near_the_class_forward():
+    """A full-width FLUX.1 single block at 1024²'s tokens: the MLP's GELU in its product's epilogue and the
+    output projection as two products against diffusers' forward (rounding only), the same bytes twice."""
+    from diffusers.models.transformers.transformer_flux import FluxSingleTransformerBlock
+
+    from bcg_diffusion.core.hooks import MethodPatches
+    from bcg_diffusion.patches import flux_block
+
+    torch.manual_seed(0)
+    block = FluxSingleTransformerBlock(3072, 24, 128).to("cuda", torch.bfloat16).eval()
+    image = torch.randn(1, 4096, 3072, device="cuda", dtype=torch.bfloat16)
+    text = torch.randn(1, 512, 3072, device="cuda", dtype=torch.bfloat16)
+    temb = torch.randn(1, 3072, device="cuda", dtype=torch.bfloat16)
+    angles = torch.randn(4608, 128, device="cuda")
+    rotary = (angles.cos(), angles.sin())
+    patches = MethodPatches()
+    with torch.no_grad():
+        expected = block(image, text, temb, rotary)
+        assert flux_block.patch_flux_split_outputs(torch.nn.Sequential(block), patches) == 1
+        try:
+            first, second = block(image, text, temb, rotary), block(image, text, temb, rotary)
+        finally:
+            patches.undo()
+    for got, again, want in zip(first, second, expected, strict=True):
+        assert torch.equal(got, again)
+        assert not torch.equal(got, want)  # the patched products ran
+        error = (got.float() - want.float()).norm() / want.float().norm()
+        assert error < 5e-3, error
+
+
+def test_flux_bf16_fast_mode_splits_its_single_blocks_and_replays_their_compiled_bytes():
+    from bcg_diffusion.patches.flux_block import FLUX_SPLIT_OUTPUT_PATCH
+
+    pipe, inputs = _pipeline("FLUX.1")
+    expected = _call(pipe, inputs, device="cuda")
+    accelerate(pipe, mode="fast")
+    try:
+        assert FLUX_SPLIT_OUTPUT_PATCH in stats(pipe)["patches"]
+        first, second = (_call(pipe, inputs, device="cuda") for _ in range(2))
+        with eager(pipe):
+            reference = _call(pipe, inputs, device="cuda")
+        report = stats(pipe)
+        assert report["replays"] > 0 and report["compile_failure"] is None, report
+        assert torch.equal(first, reference) and torch.equal(second, reference)
+        assert psnr(first.float().cpu(), expected.float().cpu()) > 30
+    finally:
+        restore(pipe)
+        torch._dynamo.reset()

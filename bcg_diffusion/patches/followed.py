@@ -125,6 +125,7 @@ FOLLOWED: dict[str, dict[str, str]] = {
         _DISPATCH: "cd20137f05eb6b2b",
     },
     "flux fp8 single block": {f"{_FLUX}.FluxSingleTransformerBlock.forward": "57350a6dab842b40"},
+    "flux split single block": {f"{_FLUX}.FluxSingleTransformerBlock.forward": "57350a6dab842b40"},
     "gelu epilogue": {_GELU[0]: "538b05d6963a325c", _GELU[1]: "d203f2720ee05f35"},
     "vae decoder (fused)": {
         "diffusers.models.resnet.ResnetBlock2D.forward": "e3f38e1722955caf",
