@@ -70,9 +70,10 @@
 #   bench-fp8-ff-qwen  Qwen-Image 1024², 50 steps, true CFG 4: eager, fast-fp8, fast-fp8-torchao-ff (our kernel off)
 #   tests-published  FP8 attention through diffusers' dispatcher on tiny FLUX.1, FLUX.2 klein, Wan, Qwen-Image-Edit
 #                    (128-wide heads), graphs equal to their compiled blocks; Wan 2.2 with only transformer_2; FLUX.1's
-#                    single blocks with their output projection split (PUBLISHED_TESTS_K=split for those only)
+#                    single blocks with their output projection split, FLUX.1's FP8 block glue (PUBLISHED_TESTS_K="split or glue")
 #   bench-flux       FLUX.1-dev 1024², 28 steps: eager, fast, fast-inductor-glue (the single blocks' output projection
-#                    joined), fast-fp8, fast-fp8-attn (PUBLISHED_MODES, PUBLISHED_RUNS)
+#                    joined), fast-fp8, fast-fp8-inductor-glue (the blocks' glue compiled by inductor), fast-fp8-attn
+#                    (PUBLISHED_MODES, PUBLISHED_RUNS)
 #   bench-klein      FLUX.2 klein 4B 1024², 4 steps: eager, bcg, fast, fast-fp8, fast-fp8-attn
 #   bench-wan        Wan 2.1 T2V 14B 832x480x81, 3 steps, CFG 5: eager, fast-fp8-attn, one timed run (per-step time)
 #   bench-qwen-edit  Qwen-Image-Edit-2511 1024², 8 steps, true CFG 4: eager, fast, fast-fp8, fast-fp8-attn
@@ -180,7 +181,7 @@ case "$phase" in
     ;;
   bench-flux|bench-klein|bench-wan|bench-qwen-edit)
     case "$phase" in
-      bench-flux) pipeline=flux; modes=eager,fast,fast-inductor-glue,fast-fp8,fast-fp8-attn; runs=2 ;;
+      bench-flux) pipeline=flux; modes=eager,fast,fast-inductor-glue,fast-fp8,fast-fp8-inductor-glue,fast-fp8-attn; runs=2 ;;
       bench-klein) pipeline=flux2-klein; modes=eager,bcg,fast,fast-fp8,fast-fp8-attn; runs=5 ;;
       bench-wan) pipeline=wan; modes=eager,fast-fp8-attn; runs=1 ;;
       bench-qwen-edit) pipeline=qwen-image-edit; modes=eager,fast,fast-fp8,fast-fp8-attn; runs=2 ;;

@@ -1,5 +1,6 @@
-"""Fast mode's FLUX single block under FP8: its attention output and MLP GELU joined in the output
-projection's FP8 input by one kernel (``patches/flux_block.py``).
+"""Fast mode's FLUX blocks (``patches/flux_block.py``): under FP8, the single block's attention output and MLP
+GELU joined in the output projection's FP8 input by one kernel, its norm and the double block's glue in the
+block-glue kernels; in bf16, the single block's output projection split at the join.
 
 On a CPU the kernel runs its PyTorch reference, so the patched block must give the unpatched block's bytes.
 torchao refuses to quantize on a CPU, so the weights are made as its config makes them
@@ -14,10 +15,16 @@ import pytest
 import torch
 
 from bcg_diffusion.core.hooks import MethodPatches
+from bcg_diffusion.kernels import block_glue as block_glue_kernels
 from bcg_diffusion.patches import block_glue, flux_block
+from bcg_diffusion.patches import fp8_feed_forward as ff
+from bcg_diffusion.patches.flux_attention import FLUX_ATTENTION_PATCHES
 
 pytest.importorskip("torchao")
-from diffusers.models.transformers.transformer_flux import FluxSingleTransformerBlock  # noqa: E402
+from diffusers.models.transformers.transformer_flux import (  # noqa: E402
+    FluxSingleTransformerBlock,
+    FluxTransformerBlock,
+)
 from test_fp8_feed_forward import _fp8  # noqa: E402
 
 WIDTH, HEADS, IMAGE, TEXT = 64, 2, 8, 6
@@ -244,3 +251,133 @@ def test_the_gelu_epilogue_feature_splits_flux_single_blocks_and_undoes(monkeypa
     finally:
         patches.undo()
     assert all("forward" not in block.__dict__ for block in model.blocks)
+
+
+# FP8 with fast mode's processor (it takes FP8 rows): the single block's norm and the double block's glue in the
+# block-glue kernels, whose PyTorch references run on a CPU, so the bytes must be the unpatched block's with the
+# same processor and FP8 feed-forwards.
+
+
+def _with_fast_processor(block: torch.nn.Module, patches: MethodPatches) -> None:
+    flux_processor = next(patch for patch in FLUX_ATTENTION_PATCHES if patch.processor_class == "FluxAttnProcessor")
+    assert flux_processor.apply(block, patches) == 1
+    ff.patch_fp8_feed_forwards(block, patches)
+
+
+def _double(seed: int = 0, text_fp8: bool = True) -> FluxTransformerBlock:
+    """A FLUX double block as ``quantize="fp8"`` leaves it: the image's query, key and value and both
+    feed-forwards FP8 (the text's feed-forward too unless ``text_fp8`` is false), the rest bf16."""
+    torch.manual_seed(seed)
+    block = FluxTransformerBlock(WIDTH, HEADS, WIDTH // HEADS).to(torch.bfloat16).eval()
+    linears = [block.attn.to_q, block.attn.to_k, block.attn.to_v, block.ff.net[0].proj, block.ff.net[2]]
+    if text_fp8:
+        linears += [block.ff_context.net[0].proj, block.ff_context.net[2]]
+    for linear in linears:
+        _fp8(linear)
+    return block
+
+
+def _counting_kernels(monkeypatch) -> list[str]:
+    calls: list[str] = []
+    for name in ("modulated_layer_norm_fp8", "gated_add_layer_norm_fp8", "gated_add"):
+        original = getattr(block_glue_kernels, name)
+        monkeypatch.setattr(
+            block_glue_kernels, name, lambda *a, o=original, n=name, **k: calls.append(n) or o(*a, **k)
+        )
+    return calls
+
+
+@pytest.mark.parametrize("text_fp8", [True, False])
+def test_the_patched_double_block_gives_the_unpatched_blocks_bytes(text_fp8, monkeypatch):
+    block = _double(text_fp8=text_fp8)
+    image, text, temb, rotary = _inputs()
+    patches = MethodPatches()
+    _with_fast_processor(block, patches)
+    calls = _counting_kernels(monkeypatch)
+    with torch.no_grad():
+        expected = block(image, text, temb, image_rotary_emb=rotary)
+        assert flux_block.patch_flux_double_blocks(torch.nn.Sequential(block), patches) == 1
+        try:
+            got = block(image, text, temb, image_rotary_emb=rotary)
+        finally:
+            patches.undo()
+    assert _equal(got, expected)
+    image_stream = ["modulated_layer_norm_fp8", "gated_add_layer_norm_fp8", "gated_add"]
+    assert calls == image_stream + (["gated_add_layer_norm_fp8", "gated_add"] if text_fp8 else [])
+    assert "forward" not in block.__dict__
+
+
+def test_the_single_block_enters_attention_as_fp8_rows_with_fast_modes_processor(monkeypatch):
+    block = _block()
+    image, text, temb, rotary = _inputs()
+    patches = MethodPatches()
+    _with_fast_processor(block, patches)
+    calls = _counting_kernels(monkeypatch)
+    with torch.no_grad():
+        expected = block(image, text, temb, image_rotary_emb=rotary)
+        assert flux_block.patch_flux_single_blocks(torch.nn.Sequential(block), patches) == 1
+        try:
+            got = block(image, text, temb, image_rotary_emb=rotary)
+        finally:
+            patches.undo()
+    assert _equal(got, expected)
+    assert calls == ["modulated_layer_norm_fp8"]
+
+
+def test_a_double_block_call_that_does_not_fit_runs_the_class_forward(monkeypatch):
+    block = _double()
+    inputs = _inputs()
+    patches = MethodPatches()
+    _with_fast_processor(block, patches)
+    calls = _counting_kernels(monkeypatch)
+    original = FluxTransformerBlock.forward
+    with torch.no_grad():
+        flux_block.patch_flux_double_blocks(block, patches)
+        try:
+            block(*inputs)
+            assert calls
+            calls.clear()
+            to_q = block.attn.to_q
+            block.attn.to_q = torch.nn.Sequential(to_q)  # as a LoRA layer wraps it: its own forward must run
+            assert _equal(block(*inputs), original(block, *inputs)) and calls == []
+            block.attn.to_q = to_q
+            block.ff.net[1].p, block.ff.net[1].training = 0.5, True  # a dropout that drops: the class's forward
+            torch.manual_seed(0)
+            want = original(block, *inputs)
+            torch.manual_seed(0)
+            assert _equal(block(*inputs), want) and calls == []
+        finally:
+            patches.undo()
+
+
+def test_double_blocks_that_do_not_fit_are_left_with_the_reason():
+    assert "not diffusers' FluxTransformerBlock" in flux_block.unfit_double(_block())
+    assert "not a torchao Float8Tensor" in flux_block.unfit_double(_double_bf16())
+    block = _double()
+    assert flux_block.unfit_double(block) is None
+    ff.choose(block, "torchao")
+    assert "chose 'torchao'" in flux_block.unfit_double(block)
+    block = _double()
+    assert block_glue.choose(torch.nn.Sequential(block), False) == 1
+    assert "chosen off" in flux_block.unfit_double(block)
+
+
+def _double_bf16() -> FluxTransformerBlock:
+    torch.manual_seed(0)
+    return FluxTransformerBlock(WIDTH, HEADS, WIDTH // HEADS).to(torch.bfloat16).eval()
+
+
+def test_the_patched_double_block_is_traced_whole_by_dynamo():
+    block = _double()
+    image, text, temb, rotary = _inputs()
+    patches = MethodPatches()
+    _with_fast_processor(block, patches)
+    try:
+        assert flux_block.patch_flux_double_blocks(block, patches) == 1
+        torch._dynamo.reset()
+        compiled = torch.compile(block, backend="aot_eager", fullgraph=True)
+        with torch.no_grad():
+            assert _equal(compiled(image, text, temb, rotary), block(image, text, temb, rotary))
+    finally:
+        patches.undo()
+        torch._dynamo.reset()

@@ -162,3 +162,36 @@ def test_flux_bf16_fast_mode_splits_its_single_blocks_and_replays_their_compiled
     finally:
         restore(pipe)
         torch._dynamo.reset()
+
+
+def test_flux_fp8_fast_mode_runs_its_block_glue_in_our_kernels_and_replays_their_compiled_bytes():
+    """Tiny FLUX.1 under ``quantize="fp8"``: every double block's glue and every single block's norm in the
+    block-glue kernels (the image entering attention as FP8 rows), the graphs giving the same compiled blocks'
+    bytes without graphs, and the image near the same mode with inductor's glue."""
+    from bcg_diffusion.patches import block_glue
+    from bcg_diffusion.patches.flux_block import FLUX_DOUBLE_BLOCK_PATCH, FLUX_SINGLE_BLOCK_PATCH
+
+    pipe, inputs = _pipeline("FLUX.1")
+    block_glue.choose(pipe.transformer, False)
+    accelerate(pipe, mode="fast", quantize="fp8")
+    try:
+        inductor_glue = _call(pipe, inputs, device="cuda")
+    finally:
+        restore(pipe)
+    torch._dynamo.reset()
+    blocks = block_glue.choose(pipe.transformer, True)
+    accelerate(pipe, mode="fast", quantize="fp8")
+    try:
+        report = stats(pipe)
+        assert report["fused_blocks"] == blocks, report["fused_blocks"]
+        assert {FLUX_DOUBLE_BLOCK_PATCH, FLUX_SINGLE_BLOCK_PATCH} <= set(report["patches"])
+        first, second = (_call(pipe, inputs, device="cuda") for _ in range(2))
+        with eager(pipe):
+            reference = _call(pipe, inputs, device="cuda")
+        after = stats(pipe)
+        assert after["replays"] > 0 and after["compile_failure"] is None, after
+        assert torch.equal(first, reference) and torch.equal(second, reference)
+        assert psnr(first.float().cpu(), inductor_glue.float().cpu()) > 30
+    finally:
+        restore(pipe)
+        torch._dynamo.reset()

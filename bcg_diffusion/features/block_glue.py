@@ -1,6 +1,7 @@
-"""Fast mode under FP8: a Z-Image or Qwen-Image block's glue in three kernels of ours
-(:mod:`bcg_diffusion.patches.zimage_block`, :mod:`bcg_diffusion.patches.qwenimage_block`), and a FLUX single
-block's joined FP8 input in one (:mod:`bcg_diffusion.patches.flux_block`).
+"""Fast mode under FP8: a Z-Image, Qwen-Image or FLUX double block's glue in three kernels of ours
+(:mod:`bcg_diffusion.patches.zimage_block`, :mod:`bcg_diffusion.patches.qwenimage_block`,
+:mod:`bcg_diffusion.patches.flux_block`), and a FLUX single block's norm and joined FP8 input in kernels of ours
+(:mod:`bcg_diffusion.patches.flux_block`).
 
 Applied to the accelerated transformer after quantization, the fused query, key and value product and the FP8
 feed-forward's choice (the patches need them), and before the blocks compile. Exact mode never applies
@@ -13,7 +14,12 @@ from __future__ import annotations
 import logging
 
 from ..core.hooks import MethodPatches
-from ..patches.flux_block import FLUX_SINGLE_BLOCK_PATCH, patch_flux_single_blocks
+from ..patches.flux_block import (
+    FLUX_DOUBLE_BLOCK_PATCH,
+    FLUX_SINGLE_BLOCK_PATCH,
+    patch_flux_double_blocks,
+    patch_flux_single_blocks,
+)
 from ..patches.qwenimage_block import QWENIMAGE_BLOCK_PATCH, patch_qwenimage_blocks
 from ..patches.zimage_block import ZIMAGE_BLOCK_PATCH, patch_zimage_blocks
 from .base import Feature, Setup
@@ -26,6 +32,7 @@ logger = logging.getLogger(__name__)
 _PATCHES = (
     (ZIMAGE_BLOCK_PATCH, patch_zimage_blocks),
     (QWENIMAGE_BLOCK_PATCH, patch_qwenimage_blocks),
+    (FLUX_DOUBLE_BLOCK_PATCH, patch_flux_double_blocks),
     (FLUX_SINGLE_BLOCK_PATCH, patch_flux_single_blocks),
 )
 

@@ -18,7 +18,12 @@ __all__ = ["BLOCK_CLASSES", "FUSED_BLOCK_CHOICE", "choose", "chosen_off", "patch
 # Set False on a block (:func:`choose`) to keep inductor's glue for it.
 FUSED_BLOCK_CHOICE = "_bcg_fused_block"
 # the blocks the kernels know
-BLOCK_CLASSES = ("ZImageTransformerBlock", "QwenImageTransformerBlock", "FluxSingleTransformerBlock")
+BLOCK_CLASSES = (
+    "ZImageTransformerBlock",
+    "QwenImageTransformerBlock",
+    "FluxSingleTransformerBlock",
+    "FluxTransformerBlock",
+)
 
 
 def chosen_off(block: torch.nn.Module) -> bool:
@@ -27,7 +32,7 @@ def chosen_off(block: torch.nn.Module) -> bool:
 
 
 def choose(model: torch.nn.Module, fused: bool) -> int:
-    """Let (``fused=True``, the default) or keep (False) the Z-Image, Qwen-Image and FLUX single blocks of ``model`` from
+    """Let (``fused=True``, the default) or keep (False) the Z-Image, Qwen-Image and FLUX blocks of ``model`` from
     running their glue in the kernels, before ``accelerate``. Returns how many blocks it set; raises
     TypeError when ``fused`` is not a bool.
 

@@ -35,8 +35,9 @@ from typing import Any
 import torch
 
 from ..kernels import cudnn_fp8_attention, qk_prologue
-from .attention import _default_backend_active, _fused_prologue, fp8_prologue_chosen
+from .attention import TAKES_FP8_ROWS, _default_backend_active, _fused_prologue, fp8_prologue_chosen
 from .dispatched_attention import DISPATCH_NAME, KERNEL_OF_CLASS
+from .fp8_feed_forward import Fp8Rows, linear_on_fp8
 from .scoped import ProcessorPatch
 
 __all__ = ["FLUX_ATTENTION_PATCHES", "FLUX_PROCESSORS"]
@@ -245,30 +246,53 @@ def _flux2_outputs(attn: torch.nn.Module, hidden_states: torch.Tensor, encoder_h
     return hidden_states if encoder_hidden_states is None else (hidden_states, encoder_hidden_states)
 
 
+def _projections_of_fp8_rows(
+    attn: torch.nn.Module, rows: Fp8Rows, encoder_hidden_states: torch.Tensor | None
+) -> tuple[torch.Tensor | None, ...]:
+    """diffusers' ``_get_projections`` (FLUX, 0.42) for an image stream quantized already (:class:`Fp8Rows`,
+    from fast mode's FLUX block, :mod:`bcg_diffusion.patches.flux_block`): the image's query, key and value
+    by torchao's products on those rows, the text's by its own projections. Raises ValueError where the
+    module projects in one fused product (``fuse_projections``), which the rows were not made for."""
+    if attn.fused_projections:
+        raise ValueError("a FLUX attention with fused projections cannot take an input quantized already")
+    query, key, value = (linear_on_fp8(linear, *rows) for linear in (attn.to_q, attn.to_k, attn.to_v))
+    if encoder_hidden_states is None or attn.added_kv_proj_dim is None:
+        return query, key, value, None, None, None
+    text = tuple(linear(encoder_hidden_states) for linear in (attn.add_q_proj, attn.add_k_proj, attn.add_v_proj))
+    return query, key, value, *text
+
+
 def _two_stream_call(
-    call: Callable[..., Any], outputs: Callable[[torch.nn.Module, torch.Tensor, Any], Any]
+    call: Callable[..., Any],
+    outputs: Callable[[torch.nn.Module, torch.Tensor, Any], Any],
+    takes_fp8_rows: bool = False,
 ) -> Callable[..., Any]:
     """A ``__call__`` for ``FluxAttnProcessor`` or ``Flux2AttnProcessor`` (``outputs``: its end): diffusers'
-    (0.42), with attention from the projections through :func:`_attention`."""
+    (0.42), with attention from the projections through :func:`_attention`; with ``takes_fp8_rows``, its image
+    stream may come quantized already (:class:`Fp8Rows`, :func:`_projections_of_fp8_rows`)."""
     attention, get_qkv_projections = _attention(call), call.__globals__["_get_qkv_projections"]
 
     def __call__(
         self: Any,
         attn: torch.nn.Module,
-        hidden_states: torch.Tensor,
+        hidden_states: torch.Tensor | Fp8Rows,
         encoder_hidden_states: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
         image_rotary_emb: Any = None,
     ) -> Any:
-        query, key, value, encoder_query, encoder_key, encoder_value = get_qkv_projections(
-            attn, hidden_states, encoder_hidden_states
-        )
+        if isinstance(hidden_states, Fp8Rows):
+            projections = _projections_of_fp8_rows(attn, hidden_states, encoder_hidden_states)
+        else:
+            projections = get_qkv_projections(attn, hidden_states, encoder_hidden_states)
+        query, key, value, encoder_query, encoder_key, encoder_value = projections
         image = _heads(attn, query, key, value)
         joint = attn.added_kv_proj_dim is not None
         text = _heads(attn, encoder_query, encoder_key, encoder_value) if joint else None
         out = attention(self, attn, image, text, attention_mask, image_rotary_emb)
         return outputs(attn, out.flatten(2, 3).to(image[0].dtype), encoder_hidden_states)
 
+    if takes_fp8_rows:
+        setattr(__call__, TAKES_FP8_ROWS, True)
     return __call__
 
 
@@ -299,7 +323,7 @@ def _parallel_call(call: Callable[..., Any]) -> Callable[..., Any]:
 
 
 _CALLS = {
-    "FluxAttnProcessor": lambda call: _two_stream_call(call, _flux_outputs),
+    "FluxAttnProcessor": lambda call: _two_stream_call(call, _flux_outputs, takes_fp8_rows=True),
     "Flux2AttnProcessor": lambda call: _two_stream_call(call, _flux2_outputs),
     "Flux2ParallelSelfAttnProcessor": _parallel_call,
 }

@@ -42,22 +42,41 @@ from typing import Any
 import torch
 
 from ..core.hooks import MethodPatches
+from ..kernels import block_glue
 from ..kernels.activation_fp8 import gelu_fp8, unsupported
+from .attention import TAKES_FP8_ROWS
 from .block_glue import chosen_off, patch_blocks
-from .fp8_feed_forward import linear_on_fp8, plain_fp8_linear, unfit_weight
+from .fp8_feed_forward import (
+    FP8_FEED_FORWARD_ATTRIBUTE,
+    FP8_FEED_FORWARD_DEFAULT,
+    Fp8Rows,
+    gelu_feed_forward_on_fp8,
+    gelu_feed_forward_ready,
+    linear_on_fp8,
+    plain_fp8_linear,
+    unfit_weight,
+)
+from .fp8_feed_forward import unfit as unfit_feed_forward
 
 __all__ = [
+    "FLUX_DOUBLE_BLOCK_PATCH",
     "FLUX_SINGLE_BLOCK_PATCH",
     "FLUX_SPLIT_OUTPUT_PATCH",
+    "fused_double_block_forward",
     "fused_single_block_forward",
+    "patch_flux_double_blocks",
     "patch_flux_single_blocks",
     "patch_flux_split_outputs",
     "split_output_single_block_forward",
     "unfit",
+    "unfit_double",
     "unfit_split",
 ]
 
-FLUX_SINGLE_BLOCK_PATCH = "FLUX FP8 single block: attention output and MLP GELU joined in one FP8 kernel"
+FLUX_SINGLE_BLOCK_PATCH = (
+    "FLUX FP8 single block: its norm and modulation, and its attention output and MLP GELU joined, in FP8 kernels"
+)
+FLUX_DOUBLE_BLOCK_PATCH = "FLUX FP8 double block: norms, modulation, gated residuals and FP8 inputs in three kernels"
 FLUX_SPLIT_OUTPUT_PATCH = "FLUX single block: MLP GELU in its product's epilogue, output projection split at the join"
 _FLUX = "diffusers.models.transformers.transformer_flux"
 
@@ -90,6 +109,61 @@ def _unfit_block(block: torch.nn.Module) -> str | None:
         if type(getattr(block, name, None)) is not torch.nn.Linear:
             return f"its {name} is not a plain nn.Linear (LoRA or another wrapper)"
     return None
+
+
+def _plain_layer_norm(norm: Any) -> bool:
+    """Whether ``norm`` is a LayerNorm over the last dimension without weight or bias (FLUX's)."""
+    return (
+        type(norm) is torch.nn.LayerNorm
+        and norm.weight is None
+        and norm.bias is None
+        and len(norm.normalized_shape) == 1
+    )
+
+
+def _plain_ada_norm(norm: Any) -> bool:
+    """Whether ``norm`` is diffusers' ``AdaLayerNormZero`` (without its own timestep embedding) or
+    ``AdaLayerNormZeroSingle``, normalizing with a plain LayerNorm: the modulation our kernels apply."""
+    name = type(norm).__name__
+    if name not in ("AdaLayerNormZero", "AdaLayerNormZeroSingle"):
+        return False
+    return (name == "AdaLayerNormZeroSingle" or norm.emb is None) and _plain_layer_norm(getattr(norm, "norm", None))
+
+
+def _rows_ready(
+    norm: torch.nn.Module,
+    linears: tuple[torch.nn.Module, ...],
+    attn: torch.nn.Module,
+    x: torch.Tensor,
+    temb: torch.Tensor,
+    float8_tensor: type,
+) -> bool:
+    """Whether a stream ``x`` can enter attention as FP8 rows from our norm kernel in this call: its ``norm``
+    FLUX's modulated LayerNorm, ``linears`` (beside attention's query, key and value, which read the same rows)
+    and those projections plain FP8 linears, the processor one that takes rows, and the kernels taking ``x``
+    and ``temb`` (``[B, C]`` in ``x``'s dtype). Types, identities, attributes and tensor properties only
+    (dynamo guards on them)."""
+    projections = (attn.to_q, attn.to_k, attn.to_v, *linears)
+    return (
+        _plain_ada_norm(norm)
+        and all(plain_fp8_linear(linear, float8_tensor) for linear in projections)
+        and not attn.fused_projections
+        and getattr(type(attn.processor).__call__, TAKES_FP8_ROWS, False)
+        and temb.dim() == 2
+        and temb.dtype == x.dtype
+        and temb.shape[0] == x.shape[0]
+        and block_glue.unsupported(x, (), ()) is None
+    )
+
+
+def _feed_forward_ready(feed_forward: torch.nn.Module, norm: Any, float8_tensor: type) -> bool:
+    """Whether a stream's feed-forward can run on FP8 rows from our residual kernel: it chose fast mode's FP8
+    kernel and still is diffusers' tanh-GELU ``FeedForward`` of plain FP8 linears, its norm FLUX's."""
+    return (
+        getattr(feed_forward, FP8_FEED_FORWARD_ATTRIBUTE, FP8_FEED_FORWARD_DEFAULT) == "fused"
+        and gelu_feed_forward_ready(feed_forward, float8_tensor)
+        and _plain_layer_norm(norm)
+    )
 
 
 def unfit(block: torch.nn.Module) -> str | None:
@@ -134,12 +208,17 @@ def fused_single_block_forward(
     hidden_states = torch.cat([encoder_hidden_states, hidden_states], dim=1)
 
     residual = hidden_states
-    norm_hidden_states, gate = self.norm(hidden_states, emb=temb)
-    mlp_hidden_states = self.proj_mlp(norm_hidden_states)
+    if _rows_ready(self.norm, (self.proj_mlp,), self.attn, hidden_states, temb, Float8Tensor):
+        shift, scale, gate = self.norm.linear(self.norm.silu(temb)).chunk(3, dim=1)
+        rows = Fp8Rows(
+            *block_glue.modulated_layer_norm_fp8(hidden_states, self.norm.norm.eps, scale, shift), hidden_states.dtype
+        )
+        mlp_hidden_states = linear_on_fp8(self.proj_mlp, *rows)
+    else:
+        rows, gate = self.norm(hidden_states, emb=temb)
+        mlp_hidden_states = self.proj_mlp(rows)
     joint_attention_kwargs = joint_attention_kwargs or {}
-    attn_output = self.attn(
-        hidden_states=norm_hidden_states, image_rotary_emb=image_rotary_emb, **joint_attention_kwargs
-    )
+    attn_output = self.attn(hidden_states=rows, image_rotary_emb=image_rotary_emb, **joint_attention_kwargs)
 
     fp8_dtype = self.proj_out.weight.qdata.dtype
     if unsupported(mlp_hidden_states, fp8_dtype, head=attn_output) is None:
@@ -206,3 +285,118 @@ def patch_flux_split_outputs(model: torch.nn.Module, patches: MethodPatches) -> 
     :func:`split_output_single_block_forward`, recorded in ``patches``; returns how many
     (:func:`bcg_diffusion.patches.block_glue.patch_blocks`)."""
     return patch_blocks(model, patches, unfit_split, split_output_single_block_forward, "flux split single block")
+
+
+def unfit_double(block: torch.nn.Module) -> str | None:
+    """Why ``block`` does not take :func:`fused_double_block_forward` (None: it does)."""
+    if type(block).__name__ != "FluxTransformerBlock" or type(block).__module__ != _FLUX:
+        return "not diffusers' FluxTransformerBlock"
+    if chosen_off(block):
+        return "chosen off (patches.block_glue.choose)"
+    if "forward" in block.__dict__:
+        return "its forward was replaced already"
+    if not _plain_ada_norm(getattr(block, "norm1", None)) or not _plain_layer_norm(getattr(block, "norm2", None)):
+        return "its image norms are not FLUX's LayerNorms without weight or bias"
+    for name in ("to_q", "to_k", "to_v"):
+        projection = getattr(block.attn, name, None)
+        if type(projection) is not torch.nn.Linear:
+            return f"its attention's {name} is not a plain nn.Linear"
+        reason = unfit_weight(projection.weight)
+        if reason is not None:
+            return f"its attention's {name}: {reason}"
+    choice = getattr(block.ff, FP8_FEED_FORWARD_ATTRIBUTE, FP8_FEED_FORWARD_DEFAULT)
+    if choice != "fused":
+        return f"its ff chose {choice!r}"
+    reason = unfit_feed_forward(block.ff)
+    return None if reason is None else f"its ff: {reason}"
+
+
+def _context_half(
+    self: torch.nn.Module,
+    x: torch.Tensor,
+    attention_output: torch.Tensor,
+    gate: torch.Tensor,
+    shift: torch.Tensor,
+    scale: torch.Tensor,
+    mlp_gate: torch.Tensor,
+    kernels: bool,
+) -> torch.Tensor:
+    """The text stream after attention, in the kernels or, without ``kernels``, as the class computes it."""
+    if not kernels:
+        x = x + gate.unsqueeze(1) * attention_output
+        modulated = self.norm2_context(x) * (1 + scale[:, None]) + shift[:, None]
+        return x + mlp_gate.unsqueeze(1) * self.ff_context(modulated)
+    x, data, scales = block_glue.gated_add_layer_norm_fp8(
+        x, attention_output, gate, self.norm2_context.eps, scale, shift
+    )
+    feed_forward_output = gelu_feed_forward_on_fp8(self.ff_context, Fp8Rows(data, scales, x.dtype))
+    return block_glue.gated_add(x, feed_forward_output, mlp_gate)
+
+
+def fused_double_block_forward(
+    self: torch.nn.Module,
+    hidden_states: torch.Tensor,
+    encoder_hidden_states: torch.Tensor,
+    temb: torch.Tensor,
+    image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
+    joint_attention_kwargs: dict[str, Any] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """diffusers' ``FluxTransformerBlock.forward`` (0.42) with the image stream's glue in
+    :mod:`bcg_diffusion.kernels.block_glue`'s kernels (Qwen-Image's, the same arithmetic): its modulated
+    norm writing the FP8 rows that attention's query, key and value read, the attention's gated residual
+    with the feed-forward's norm and FP8 input, and the feed-forward's gated residual. The text stream's
+    norm before attention stays the class's (its projections are bf16 by default); after attention it runs in
+    the kernels where its feed-forward is FP8. Falls back to the class's forward where the block no longer
+    fits (checked by type and identity at each call)."""
+    from torchao.quantization.quantize_.workflows import Float8Tensor
+
+    if not (
+        _rows_ready(self.norm1, (), self.attn, hidden_states, temb, Float8Tensor)
+        and _feed_forward_ready(self.ff, self.norm2, Float8Tensor)
+        and block_glue.unsupported(encoder_hidden_states, (), ()) is None
+    ):
+        return type(self).forward(
+            self, hidden_states, encoder_hidden_states, temb, image_rotary_emb, joint_attention_kwargs
+        )
+    shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.norm1.linear(self.norm1.silu(temb)).chunk(
+        6, dim=1
+    )
+    data, scales = block_glue.modulated_layer_norm_fp8(hidden_states, self.norm1.norm.eps, scale_msa, shift_msa)
+    norm_encoder_hidden_states, c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp = self.norm1_context(
+        encoder_hidden_states, emb=temb
+    )
+    joint_attention_kwargs = joint_attention_kwargs or {}
+    attn_output, context_attn_output = self.attn(
+        hidden_states=Fp8Rows(data, scales, hidden_states.dtype),
+        encoder_hidden_states=norm_encoder_hidden_states,
+        image_rotary_emb=image_rotary_emb,
+        **joint_attention_kwargs,
+    )
+
+    hidden_states, data, scales = block_glue.gated_add_layer_norm_fp8(
+        hidden_states, attn_output, gate_msa, self.norm2.eps, scale_mlp, shift_mlp
+    )
+    ff_output = gelu_feed_forward_on_fp8(self.ff, Fp8Rows(data, scales, hidden_states.dtype))
+    hidden_states = block_glue.gated_add(hidden_states, ff_output, gate_mlp)
+
+    text_kernels = _feed_forward_ready(self.ff_context, self.norm2_context, Float8Tensor)
+    encoder_hidden_states = _context_half(
+        self,
+        encoder_hidden_states,
+        context_attn_output,
+        c_gate_msa,
+        c_shift_mlp,
+        c_scale_mlp,
+        c_gate_mlp,
+        text_kernels,
+    )
+    if encoder_hidden_states.dtype == torch.float16:
+        encoder_hidden_states = encoder_hidden_states.clip(-65504, 65504)
+    return encoder_hidden_states, hidden_states
+
+
+def patch_flux_double_blocks(model: torch.nn.Module, patches: MethodPatches) -> int:
+    """Give every block of ``model`` that fits (:func:`unfit_double`) the forward of
+    :func:`fused_double_block_forward`, recorded in ``patches``; returns how many
+    (:func:`bcg_diffusion.patches.block_glue.patch_blocks`)."""
+    return patch_blocks(model, patches, unfit_double, fused_double_block_forward, "flux fp8 double block")

@@ -110,6 +110,7 @@ FOLLOWED: dict[str, dict[str, str]] = {
     "flux attention (fused prologue)": {
         f"{_FLUX}.FluxAttnProcessor.__call__": "d5b36134887ebe45",
         f"{_FLUX}._get_qkv_projections": "418c2abca63c6225",
+        f"{_FLUX}._get_projections": "49221168b024c3c8",
         _ROTARY: "a25267d425f8c5ea",
         _DISPATCH: "cd20137f05eb6b2b",
     },
@@ -124,7 +125,17 @@ FOLLOWED: dict[str, dict[str, str]] = {
         _ROTARY: "a25267d425f8c5ea",
         _DISPATCH: "cd20137f05eb6b2b",
     },
-    "flux fp8 single block": {f"{_FLUX}.FluxSingleTransformerBlock.forward": "57350a6dab842b40"},
+    "flux fp8 single block": {
+        f"{_FLUX}.FluxSingleTransformerBlock.forward": "57350a6dab842b40",
+        "diffusers.models.normalization.AdaLayerNormZeroSingle.forward": "d48dfb2b1e75e64f",
+    },
+    "flux fp8 double block": {
+        f"{_FLUX}.FluxTransformerBlock.forward": "0b184cbe172708b6",
+        "diffusers.models.normalization.AdaLayerNormZero.forward": "93374820c014f812",
+        _FLUX_FEED_FORWARD: "dae2c9f53987c25a",
+        _GELU[0]: "538b05d6963a325c",
+        _GELU[1]: "d203f2720ee05f35",
+    },
     "flux split single block": {f"{_FLUX}.FluxSingleTransformerBlock.forward": "57350a6dab842b40"},
     "gelu epilogue": {_GELU[0]: "538b05d6963a325c", _GELU[1]: "d203f2720ee05f35"},
     "vae decoder (fused)": {

@@ -49,6 +49,8 @@ __all__ = [
     "Fp8Rows",
     "choose",
     "fused_forward",
+    "gelu_feed_forward_on_fp8",
+    "gelu_feed_forward_ready",
     "linear_on_fp8",
     "patch_fp8_feed_forwards",
     "plain_fp8_linear",
@@ -260,6 +262,32 @@ def linear_on_fp8(
         dtype=weight.dtype,
     )
     return F.linear(activation, bare, linear.bias)
+
+
+def gelu_feed_forward_ready(feed_forward: torch.nn.Module, float8_tensor: type) -> bool:
+    """Whether ``feed_forward`` still is diffusers' tanh-GELU ``FeedForward`` of plain FP8 projections whose
+    dropout drops nothing."""
+    net = getattr(feed_forward, "net", None)
+    if not isinstance(net, torch.nn.ModuleList) or len(net) != 3:
+        return False
+    gelu, dropout, down = net
+    return (
+        type(gelu).__name__ == "GELU"
+        and getattr(gelu, "approximate", None) == "tanh"
+        and plain_fp8_linear(getattr(gelu, "proj", None), float8_tensor)
+        and type(dropout) is torch.nn.Dropout
+        and not (dropout.p and dropout.training)
+        and plain_fp8_linear(down, float8_tensor)
+    )
+
+
+def gelu_feed_forward_on_fp8(feed_forward: torch.nn.Module, rows: Fp8Rows) -> torch.Tensor:
+    """Diffusers' tanh-GELU ``FeedForward`` on quantized rows, as fast mode's FP8 feed-forward runs it."""
+    from ..kernels.activation_fp8 import gelu_fp8
+
+    gelu, _, down = feed_forward.net
+    data, scales = gelu_fp8(linear_on_fp8(gelu.proj, *rows))
+    return linear_on_fp8(down, data, scales, rows.dtype)
 
 
 def _choice(module: torch.nn.Module) -> str:

@@ -47,14 +47,14 @@ import torch
 
 from ..core.hooks import MethodPatches
 from ..kernels import block_glue
-from ..kernels.activation_fp8 import gelu_fp8
 from .attention import TAKES_FP8_ROWS, TEXT_LENGTHS_KWARG, qwen_per_group_lengths
 from .block_glue import chosen_off, patch_blocks
 from .fp8_feed_forward import (
     FP8_FEED_FORWARD_ATTRIBUTE,
     FP8_FEED_FORWARD_DEFAULT,
     Fp8Rows,
-    linear_on_fp8,
+    gelu_feed_forward_on_fp8,
+    gelu_feed_forward_ready,
     plain_fp8_linear,
     unfit_weight,
 )
@@ -121,23 +121,6 @@ def _unfit_stream(block: torch.nn.Module, stream: _Stream) -> str | None:
     return None
 
 
-def _feed_forward_ready(feed_forward: torch.nn.Module, float8_tensor: type) -> bool:
-    """Whether ``feed_forward`` still is diffusers' tanh-GELU ``FeedForward`` of plain FP8 projections whose
-    dropout drops nothing."""
-    net = getattr(feed_forward, "net", None)
-    if not isinstance(net, torch.nn.ModuleList) or len(net) != 3:
-        return False
-    gelu, dropout, down = net
-    return (
-        type(gelu).__name__ == "GELU"
-        and getattr(gelu, "approximate", None) == "tanh"
-        and plain_fp8_linear(getattr(gelu, "proj", None), float8_tensor)
-        and type(dropout) is torch.nn.Dropout
-        and not (dropout.p and dropout.training)
-        and plain_fp8_linear(down, float8_tensor)
-    )
-
-
 def _stream_ready(
     block: torch.nn.Module, stream: _Stream, x: torch.Tensor, temb: torch.Tensor, index: torch.Tensor | None = None
 ) -> bool:
@@ -151,7 +134,7 @@ def _stream_ready(
     return (
         all(plain_fp8_linear(getattr(block.attn, name, None), Float8Tensor) for name in stream.projections)
         and getattr(feed_forward, FP8_FEED_FORWARD_ATTRIBUTE, FP8_FEED_FORWARD_DEFAULT) == "fused"
-        and _feed_forward_ready(feed_forward, Float8Tensor)
+        and gelu_feed_forward_ready(feed_forward, Float8Tensor)
         and all(_plain_norm(getattr(block, name)) for name in stream.norms)
         and temb.dim() == 2
         and temb.dtype == x.dtype
@@ -195,13 +178,6 @@ def _first_half(
     return Fp8Rows(data, scales, x.dtype), gate
 
 
-def _feed_forward_on_fp8(feed_forward: torch.nn.Module, rows: Fp8Rows) -> torch.Tensor:
-    """Diffusers' tanh-GELU ``FeedForward`` on quantized rows, as fast mode's FP8 feed-forward runs it."""
-    gelu, _, down = feed_forward.net
-    data, scales = gelu_fp8(linear_on_fp8(gelu.proj, *rows))
-    return linear_on_fp8(down, data, scales, rows.dtype)
-
-
 def _second_half(
     block: torch.nn.Module,
     norm: torch.nn.LayerNorm,
@@ -224,7 +200,7 @@ def _second_half(
     x, data, scales = block_glue.gated_add_layer_norm_fp8(
         x, attention_output, gate, norm.eps, scale, shift, index=index
     )
-    feed_forward_output = _feed_forward_on_fp8(feed_forward, Fp8Rows(data, scales, x.dtype))
+    feed_forward_output = gelu_feed_forward_on_fp8(feed_forward, Fp8Rows(data, scales, x.dtype))
     return block_glue.gated_add(x, feed_forward_output, mlp_gate, index)
 
 
