@@ -67,9 +67,10 @@ from .fp8_feed_forward import (
     gelu_feed_forward_ready,
     linear_on_fp8,
     plain_fp8_linear,
+    unfit_chosen,
+    unfit_fp8_projections,
     unfit_weight,
 )
-from .fp8_feed_forward import unfit as unfit_feed_forward
 
 __all__ = [
     "FLUX_DOUBLE_BLOCK_PATCH",
@@ -311,18 +312,7 @@ def unfit_double(block: torch.nn.Module) -> str | None:
         return "its forward was replaced already"
     if not _plain_ada_norm(getattr(block, "norm1", None)) or not _plain_layer_norm(getattr(block, "norm2", None)):
         return "its image norms are not FLUX's LayerNorms without weight or bias"
-    for name in ("to_q", "to_k", "to_v"):
-        projection = getattr(block.attn, name, None)
-        if type(projection) is not torch.nn.Linear:
-            return f"its attention's {name} is not a plain nn.Linear"
-        reason = unfit_weight(projection.weight)
-        if reason is not None:
-            return f"its attention's {name}: {reason}"
-    choice = getattr(block.ff, FP8_FEED_FORWARD_ATTRIBUTE, FP8_FEED_FORWARD_DEFAULT)
-    if choice != "fused":
-        return f"its ff chose {choice!r}"
-    reason = unfit_feed_forward(block.ff)
-    return None if reason is None else f"its ff: {reason}"
+    return unfit_fp8_projections(block.attn, ("to_q", "to_k", "to_v")) or unfit_chosen(block.ff, "ff")
 
 
 def _context_half(

@@ -55,7 +55,9 @@ __all__ = [
     "patch_fp8_feed_forwards",
     "plain_fp8_linear",
     "unfit",
+    "unfit_chosen",
     "unfit_float8_weight",
+    "unfit_fp8_projections",
     "unfit_weight",
 ]
 
@@ -288,6 +290,29 @@ def gelu_feed_forward_on_fp8(feed_forward: torch.nn.Module, rows: Fp8Rows) -> to
     gelu, _, down = feed_forward.net
     data, scales = gelu_fp8(linear_on_fp8(gelu.proj, *rows))
     return linear_on_fp8(down, data, scales, rows.dtype)
+
+
+def unfit_fp8_projections(attn: torch.nn.Module, names: tuple[str, ...]) -> str | None:
+    """Why the projections ``names`` of attention module ``attn`` cannot take FP8 rows (None: they can):
+    each must be a plain ``nn.Linear`` holding a torchao row-wise FP8 weight (:func:`unfit_weight`)."""
+    for name in names:
+        projection = getattr(attn, name, None)
+        if type(projection) is not torch.nn.Linear:
+            return f"its attention's {name} is not a plain nn.Linear"
+        reason = unfit_weight(projection.weight)
+        if reason is not None:
+            return f"its attention's {name}: {reason}"
+    return None
+
+
+def unfit_chosen(feed_forward: torch.nn.Module, label: str) -> str | None:
+    """Why ``feed_forward`` (named ``label`` in the reason) does not run fast mode's FP8 kernel (None: it
+    does): it chose another path (:func:`choose`) or :func:`unfit` refuses it."""
+    choice = getattr(feed_forward, FP8_FEED_FORWARD_ATTRIBUTE, FP8_FEED_FORWARD_DEFAULT)
+    if choice != "fused":
+        return f"its {label} chose {choice!r}"
+    reason = unfit(feed_forward)
+    return None if reason is None else f"its {label}: {reason}"
 
 
 def _choice(module: torch.nn.Module) -> str:

@@ -56,9 +56,9 @@ from .fp8_feed_forward import (
     gelu_feed_forward_on_fp8,
     gelu_feed_forward_ready,
     plain_fp8_linear,
-    unfit_weight,
+    unfit_chosen,
+    unfit_fp8_projections,
 )
-from .fp8_feed_forward import unfit as unfit_feed_forward
 
 __all__ = ["QWENIMAGE_BLOCK_PATCH", "fused_block_forward", "patch_qwenimage_blocks", "unfit"]
 
@@ -104,21 +104,9 @@ def unfit(block: torch.nn.Module) -> str | None:
 
 def _unfit_stream(block: torch.nn.Module, stream: _Stream) -> str | None:
     """Why ``stream`` of ``block`` cannot run in the kernels (None: it can)."""
-    for name in stream.projections:
-        projection = getattr(block.attn, name, None)
-        if type(projection) is not torch.nn.Linear:
-            return f"its attention's {name} is not a plain nn.Linear"
-        reason = unfit_weight(projection.weight)
-        if reason is not None:
-            return f"its attention's {name}: {reason}"
-    feed_forward = getattr(block, stream.feed_forward)
-    choice = getattr(feed_forward, FP8_FEED_FORWARD_ATTRIBUTE, FP8_FEED_FORWARD_DEFAULT)
-    if choice != "fused":
-        return f"its {stream.feed_forward} chose {choice!r}"
-    reason = unfit_feed_forward(feed_forward)
-    if reason is not None:
-        return f"its {stream.feed_forward}: {reason}"
-    return None
+    return unfit_fp8_projections(block.attn, stream.projections) or unfit_chosen(
+        getattr(block, stream.feed_forward), stream.feed_forward
+    )
 
 
 def _stream_ready(

@@ -38,14 +38,12 @@ from ..kernels.activation_fp8 import swiglu_fp8
 from .attention import FUSED_QKV_ATTRIBUTE, TAKES_FP8_ROWS
 from .block_glue import chosen_off, patch_blocks
 from .fp8_feed_forward import (
-    FP8_FEED_FORWARD_ATTRIBUTE,
-    FP8_FEED_FORWARD_DEFAULT,
     Fp8Rows,
     linear_on_fp8,
     plain_fp8_linear,
+    unfit_chosen,
     unfit_weight,
 )
-from .fp8_feed_forward import unfit as unfit_feed_forward
 
 __all__ = [
     "ZIMAGE_BLOCK_PATCH",
@@ -86,13 +84,7 @@ def unfit(block: torch.nn.Module) -> str | None:
     reason = unfit_weight(fused.weight)
     if reason is not None:
         return f"the fused product: {reason}"
-    choice = getattr(block.feed_forward, FP8_FEED_FORWARD_ATTRIBUTE, FP8_FEED_FORWARD_DEFAULT)
-    if choice != "fused":
-        return f"its feed-forward chose {choice!r}"
-    reason = unfit_feed_forward(block.feed_forward)
-    if reason is not None:
-        return f"its feed-forward: {reason}"
-    return None
+    return unfit_chosen(block.feed_forward, "feed-forward")
 
 
 def _ready(block: torch.nn.Module, x: torch.Tensor) -> bool:
