@@ -170,8 +170,8 @@ DESCRIPTIONS = {
     '(features.vae_decoder.choose(pipe.vae, "compiled"))',
     "fast-fp8-patched-vae": "fast-fp8 with the VAE decoder as fast mode ran it before run 133: contiguous, only "
     'its group norms patched (features.vae_decoder.choose(pipe.vae, "patched"))',
-    "fast-fp8-inductor-glue": "fast-fp8 with the Z-Image or Qwen-Image block glue (norms, modulation, gated "
-    "residuals, FP8 input scales) compiled by inductor, not in our three kernels (patches.block_glue.choose)",
+    "fast-fp8-inductor-glue": "fast-fp8 with the Z-Image, Qwen-Image or FLUX block glue (norms, modulation, gated "
+    "residuals, FP8 input scales) compiled by inductor, not in our kernels (patches.block_glue.choose)",
     "fast-inductor-glue": "fast with FLUX.1's single blocks as the class runs them: the MLP's GELU and the join of "
     "its output with attention's compiled by inductor, one output projection over the joined row, not two products "
     "(patches.block_glue.choose)",
