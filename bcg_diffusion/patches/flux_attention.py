@@ -23,6 +23,10 @@ unpatched one's bytes; with the kernel's PyTorch reference forced (``"fused"``) 
 the processor's own ``dispatch_attention_fn``: diffusers', or the one FP8 attention gave its class
 (:mod:`bcg_diffusion.patches.dispatched_attention`), whose kernel choice the class also names.
 
+``FluxAttnProcessor``'s also takes its image stream quantized already (an ``Fp8Rows`` from fast mode's FP8
+FLUX block, :mod:`bcg_diffusion.patches.flux_block`): its query, key and value products then run torchao's FP8
+product on those rows instead of quantizing the same input three times.
+
 Serves the processors named in :data:`FLUX_PROCESSORS`: FLUX.1 (and Kontext, Fill, the other FLUX.1
 pipelines) and FLUX.2 (dev and klein).
 """
