@@ -25,7 +25,7 @@ the processor's own ``dispatch_attention_fn``: diffusers', or the one FP8 attent
 
 ``FluxAttnProcessor``'s also takes its image stream quantized already (an ``Fp8Rows`` from fast mode's FP8
 FLUX block, :mod:`bcg_diffusion.patches.flux_block`): its query, key and value products then run torchao's FP8
-product on those rows instead of quantizing the same input three times.
+product on those rows instead of torchao quantizing the norm's output for them.
 
 Serves the processors named in :data:`FLUX_PROCESSORS`: FLUX.1 (and Kontext, Fill, the other FLUX.1
 pipelines) and FLUX.2 (dev and klein).
