@@ -15,11 +15,11 @@ products. Compiled, inductor ran those norms with their FP8 rows in 3.3 ms and t
 :func:`unfit_double` says None, and at each call where the processor takes FP8 rows and the projections are
 still plain FP8 linears.
 
-**The single blocks' joined row.** FLUX.1's single blocks (``FluxSingleTransformerBlock``, 38 of them) run attention and an MLP side by side
-on the same normed input, then join the attention output (3,072 wide) and the MLP's tanh GELU (12,288 wide)
-with ``torch.cat`` before one output projection. Compiled, inductor makes the GELU and the join one kernel
-that writes the whole joined row, 4.5 ms of a 131 ms bf16 step at 1024² (H100, run 179,
-``bench.probes.probe_flux``). Two forwards avoid that row:
+**The single blocks' joined row.** FLUX.1's single blocks (``FluxSingleTransformerBlock``, 38 of them) run
+attention and an MLP side by side on the same normed input, then join the attention output (3,072 wide) and
+the MLP's tanh GELU (12,288 wide) with ``torch.cat`` before one output projection. Compiled, inductor makes the
+GELU and the join one kernel that writes the whole joined row, 4.5 ms of a 131 ms bf16 step at 1024² (H100,
+run 179, ``bench.probes.probe_flux``). Two forwards avoid that row:
 
 * **FP8** (:func:`fused_single_block_forward`, ``quantize="fp8"``): the output projection quantizes the
   joined row first. The patched forward hands the MLP's pre-activation and the attention output to
@@ -46,9 +46,9 @@ Applies to a single block whose MLP activation is ``nn.GELU(approximate="tanh")`
 ``proj_out`` are plain ``nn.Linear``: with a torchao row-wise FP8 ``proj_out``
 (:func:`bcg_diffusion.patches.fp8_feed_forward.unfit_weight`) the FP8 forward, with both in bf16 or fp16 on
 a CUDA GPU and with biases the bf16 one. :func:`unfit` and :func:`unfit_split` say why a block is left as it
-is; ``patches.block_glue.choose(model, False)`` keeps every forward of this module off. Checked again at every call (types and
-identities, which dynamo turns into guards): a projection replaced (a LoRA layer) or an activation swapped
-runs the class's forward.
+is; ``patches.block_glue.choose(model, False)`` keeps every forward of this module off. Checked again at
+every call (types and identities, which dynamo turns into guards): a projection replaced (a LoRA layer) or an
+activation swapped runs the class's forward.
 """
 
 from __future__ import annotations
@@ -360,7 +360,6 @@ def fused_double_block_forward(
     if not (
         _rows_ready(self.norm1, (), self.attn, hidden_states, temb, Float8Tensor)
         and _feed_forward_ready(self.ff, self.norm2, Float8Tensor)
-        and block_glue.unsupported(encoder_hidden_states, (), ()) is None
     ):
         return type(self).forward(
             self, hidden_states, encoder_hidden_states, temb, image_rotary_emb, joint_attention_kwargs
@@ -386,7 +385,10 @@ def fused_double_block_forward(
     ff_output = gelu_feed_forward_on_fp8(self.ff, Fp8Rows(data, scales, hidden_states.dtype))
     hidden_states = block_glue.gated_add(hidden_states, ff_output, gate_mlp)
 
-    text_kernels = _feed_forward_ready(self.ff_context, self.norm2_context, Float8Tensor)
+    text_kernels = (
+        _feed_forward_ready(self.ff_context, self.norm2_context, Float8Tensor)
+        and block_glue.unsupported(encoder_hidden_states, (), ()) is None
+    )
     encoder_hidden_states = _context_half(
         self,
         encoder_hidden_states,
