@@ -1,6 +1,7 @@
 """Which blocks may run their glue in :mod:`bcg_diffusion.kernels.block_glue`'s kernels: one switch per block,
 read when ``accelerate`` prepares the model (:mod:`bcg_diffusion.patches.zimage_block`,
-:mod:`bcg_diffusion.patches.qwenimage_block`, :mod:`bcg_diffusion.patches.flux_block`)."""
+:mod:`bcg_diffusion.patches.qwenimage_block`, :mod:`bcg_diffusion.patches.flux_block`), and the second half of
+a stream that Qwen-Image's and FLUX's blocks share (:func:`gated_feed_forward_fp8`)."""
 
 from __future__ import annotations
 
@@ -11,9 +12,11 @@ from typing import Any
 import torch
 
 from ..core.hooks import MethodPatches, private_copy
+from ..kernels import block_glue as kernels
 from .followed import installable
+from .fp8_feed_forward import Fp8Rows, gelu_feed_forward_on_fp8
 
-__all__ = ["BLOCK_CLASSES", "FUSED_BLOCK_CHOICE", "choose", "chosen_off", "patch_blocks"]
+__all__ = ["BLOCK_CLASSES", "FUSED_BLOCK_CHOICE", "choose", "chosen_off", "gated_feed_forward_fp8", "patch_blocks"]
 
 # Set False on a block (:func:`choose`) to keep inductor's glue for it.
 FUSED_BLOCK_CHOICE = "_bcg_fused_block"
@@ -65,3 +68,24 @@ def patch_blocks(
     for module in fitting:
         patches.replace(module, "forward", types.MethodType(shared, module))
     return len(fitting)
+
+
+def gated_feed_forward_fp8(
+    x: torch.Tensor,
+    attention_output: torch.Tensor,
+    gate: torch.Tensor,
+    eps: float,
+    scale: torch.Tensor,
+    shift: torch.Tensor,
+    mlp_gate: torch.Tensor,
+    feed_forward: torch.nn.Module,
+    index: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """A stream after attention in the kernels, as Qwen-Image's and FLUX's double blocks run it: ``x + gate *
+    attention_output``, whose kernel also writes the FP8 rows of its ``LayerNorm * (1 + scale) + shift``; diffusers'
+    tanh-GELU ``feed_forward`` on those rows (:func:`~bcg_diffusion.patches.fp8_feed_forward.gelu_feed_forward_on_fp8`);
+    its output gated by ``mlp_gate`` into the stream. With ``index``, per-token modulation
+    (:mod:`bcg_diffusion.kernels.block_glue`). The caller checked that the kernels and the feed-forward take them."""
+    x, data, scales = kernels.gated_add_layer_norm_fp8(x, attention_output, gate, eps, scale, shift, index=index)
+    feed_forward_output = gelu_feed_forward_on_fp8(feed_forward, Fp8Rows(data, scales, x.dtype))
+    return kernels.gated_add(x, feed_forward_output, mlp_gate, index)

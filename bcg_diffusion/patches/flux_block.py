@@ -61,12 +61,11 @@ from ..core.hooks import MethodPatches
 from ..kernels import block_glue
 from ..kernels.activation_fp8 import gelu_fp8, unsupported
 from .attention import TAKES_FP8_ROWS
-from .block_glue import chosen_off, patch_blocks
+from .block_glue import chosen_off, gated_feed_forward_fp8, patch_blocks
 from .fp8_feed_forward import (
     FP8_FEED_FORWARD_ATTRIBUTE,
     FP8_FEED_FORWARD_DEFAULT,
     Fp8Rows,
-    gelu_feed_forward_on_fp8,
     gelu_feed_forward_ready,
     linear_on_fp8,
     plain_fp8_linear,
@@ -333,11 +332,9 @@ def _context_half(
         x = x + gate.unsqueeze(1) * attention_output
         modulated = self.norm2_context(x) * (1 + scale[:, None]) + shift[:, None]
         return x + mlp_gate.unsqueeze(1) * self.ff_context(modulated)
-    x, data, scales = block_glue.gated_add_layer_norm_fp8(
-        x, attention_output, gate, self.norm2_context.eps, scale, shift
+    return gated_feed_forward_fp8(
+        x, attention_output, gate, self.norm2_context.eps, scale, shift, mlp_gate, self.ff_context
     )
-    feed_forward_output = gelu_feed_forward_on_fp8(self.ff_context, Fp8Rows(data, scales, x.dtype))
-    return block_glue.gated_add(x, feed_forward_output, mlp_gate)
 
 
 def fused_double_block_forward(
@@ -379,11 +376,9 @@ def fused_double_block_forward(
         **joint_attention_kwargs,
     )
 
-    hidden_states, data, scales = block_glue.gated_add_layer_norm_fp8(
-        hidden_states, attn_output, gate_msa, self.norm2.eps, scale_mlp, shift_mlp
+    hidden_states = gated_feed_forward_fp8(
+        hidden_states, attn_output, gate_msa, self.norm2.eps, scale_mlp, shift_mlp, gate_mlp, self.ff
     )
-    ff_output = gelu_feed_forward_on_fp8(self.ff, Fp8Rows(data, scales, hidden_states.dtype))
-    hidden_states = block_glue.gated_add(hidden_states, ff_output, gate_mlp)
 
     text_kernels = (
         _feed_forward_ready(self.ff_context, self.norm2_context, Float8Tensor)

@@ -48,12 +48,11 @@ import torch
 from ..core.hooks import MethodPatches
 from ..kernels import block_glue
 from .attention import TAKES_FP8_ROWS, TEXT_LENGTHS_KWARG, qwen_per_group_lengths
-from .block_glue import chosen_off, patch_blocks
+from .block_glue import chosen_off, gated_feed_forward_fp8, patch_blocks
 from .fp8_feed_forward import (
     FP8_FEED_FORWARD_ATTRIBUTE,
     FP8_FEED_FORWARD_DEFAULT,
     Fp8Rows,
-    gelu_feed_forward_on_fp8,
     gelu_feed_forward_ready,
     plain_fp8_linear,
     unfit_chosen,
@@ -185,11 +184,7 @@ def _second_half(
         modulated, mlp_gate = block._modulate(norm(x), modulation, index)
         return x + mlp_gate * feed_forward(modulated)
     shift, scale, mlp_gate = modulation.chunk(3, dim=-1)
-    x, data, scales = block_glue.gated_add_layer_norm_fp8(
-        x, attention_output, gate, norm.eps, scale, shift, index=index
-    )
-    feed_forward_output = gelu_feed_forward_on_fp8(feed_forward, Fp8Rows(data, scales, x.dtype))
-    return block_glue.gated_add(x, feed_forward_output, mlp_gate, index)
+    return gated_feed_forward_fp8(x, attention_output, gate, norm.eps, scale, shift, mlp_gate, feed_forward, index)
 
 
 def fused_block_forward(
