@@ -287,20 +287,27 @@ def _counting_kernels(monkeypatch) -> list[str]:
     return calls
 
 
-@pytest.mark.parametrize("text_fp8", [True, False])
-def test_the_patched_double_block_gives_the_unpatched_blocks_bytes(text_fp8, monkeypatch):
-    block = _double(text_fp8=text_fp8)
+def _patched_with_fast_processor(block: torch.nn.Module, patch, monkeypatch) -> tuple[tuple, tuple, list[str]]:
+    """The block's outputs with fast mode's processor and FP8 feed-forwards, before and after ``patch`` (which
+    must patch it), and the block-glue kernels the patched call ran; the patch undone."""
     image, text, temb, rotary = _inputs()
     patches = MethodPatches()
     _with_fast_processor(block, patches)
     calls = _counting_kernels(monkeypatch)
     with torch.no_grad():
         expected = block(image, text, temb, image_rotary_emb=rotary)
-        assert flux_block.patch_flux_double_blocks(torch.nn.Sequential(block), patches) == 1
+        assert patch(torch.nn.Sequential(block), patches) == 1
         try:
             got = block(image, text, temb, image_rotary_emb=rotary)
         finally:
             patches.undo()
+    return got, expected, calls
+
+
+@pytest.mark.parametrize("text_fp8", [True, False])
+def test_the_patched_double_block_gives_the_unpatched_blocks_bytes(text_fp8, monkeypatch):
+    block = _double(text_fp8=text_fp8)
+    got, expected, calls = _patched_with_fast_processor(block, flux_block.patch_flux_double_blocks, monkeypatch)
     assert _equal(got, expected)
     image_stream = ["modulated_layer_norm_fp8", "gated_add_layer_norm_fp8", "gated_add"]
     assert calls == image_stream + (["gated_add_layer_norm_fp8", "gated_add"] if text_fp8 else [])
@@ -308,18 +315,7 @@ def test_the_patched_double_block_gives_the_unpatched_blocks_bytes(text_fp8, mon
 
 
 def test_the_single_block_enters_attention_as_fp8_rows_with_fast_modes_processor(monkeypatch):
-    block = _block()
-    image, text, temb, rotary = _inputs()
-    patches = MethodPatches()
-    _with_fast_processor(block, patches)
-    calls = _counting_kernels(monkeypatch)
-    with torch.no_grad():
-        expected = block(image, text, temb, image_rotary_emb=rotary)
-        assert flux_block.patch_flux_single_blocks(torch.nn.Sequential(block), patches) == 1
-        try:
-            got = block(image, text, temb, image_rotary_emb=rotary)
-        finally:
-            patches.undo()
+    got, expected, calls = _patched_with_fast_processor(_block(), flux_block.patch_flux_single_blocks, monkeypatch)
     assert _equal(got, expected)
     assert calls == ["modulated_layer_norm_fp8"]
 

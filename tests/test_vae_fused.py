@@ -180,16 +180,26 @@ def test_fused_encoder_encodes_as_diffusers_and_undo_gives_everything_back():
 def test_fast_mode_fuses_an_image_conditioned_pipelines_encoder(kernels_available, monkeypatch):
     """FLUX.1 Kontext encodes its input image on every call, outside the decoder's graphs: fast mode fuses
     the encoder, each call equal to the same fused code without graphs and near eager."""
-    from bench.coverage import _call
     from bench.coverage_models import TINY
 
     monkeypatch.setattr(vae_encoder, "triton_unavailable", lambda device: None)
     pipe, inputs = TINY["FLUX.1 Kontext"]()
+    check_fast_mode_fuses_the_encoder(pipe, inputs, VAE_ENCODER_FUSED_PATCH)
+
+
+def check_fast_mode_fuses_the_encoder(pipe, inputs, patch_name: str, coder_forward: bool = False) -> None:
+    """Fast mode on ``pipe``'s VAE alone, in debug mode (the kernels' references run where the caller pretends
+    Triton is there): the encoder fused (``patch_name`` reported, its ``conv_in`` patched, with ``coder_forward``
+    its own forward too), each call equal to the same fused code without graphs and near the call before
+    ``accelerate``; ``restore`` gives every forward back."""
+    from bench.coverage import _call
+
     with torch.no_grad():
         plain = _call(pipe, inputs)
     accelerate(pipe, mode="fast", components=("vae",), debug=True)
     try:
-        assert VAE_ENCODER_FUSED_PATCH in stats(pipe)["patches"] and "forward" in pipe.vae.encoder.conv_in.__dict__
+        assert patch_name in stats(pipe)["patches"] and "forward" in pipe.vae.encoder.conv_in.__dict__
+        assert not coder_forward or "forward" in pipe.vae.encoder.__dict__
         fast = _call(pipe, inputs)
         with eager(pipe):
             assert torch.equal(fast, _call(pipe, inputs))

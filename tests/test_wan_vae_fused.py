@@ -292,27 +292,16 @@ def test_fuse_encoder_refuses_another_encoder_or_a_changed_one():
 def test_fast_mode_fuses_an_edit_pipelines_encoder_and_restore_gives_it_back(monkeypatch):
     """Qwen-Image-Edit encodes its input image on every call: fast mode's encoder is fused (the decoder's
     graphs do not serve that call), each call equal to the same fused code without graphs."""
+    from test_vae_fused import check_fast_mode_fuses_the_encoder
+
     from bcg_diffusion.features import vae_encoder
     from bcg_diffusion.patches.wan_vae import QWENIMAGE_VAE_ENCODER_FUSED_PATCH
-    from bench.coverage import _call
     from bench.coverage_models import TINY
 
     monkeypatch.setattr(vae_decoder, "triton_unavailable", lambda device: None)  # the references run
     monkeypatch.setattr(vae_encoder, "triton_unavailable", lambda device: None)
     pipe, inputs = TINY["Qwen-Image Edit Plus"]()
-    with torch.no_grad():
-        plain = _call(pipe, inputs)
-    accelerate(pipe, mode="fast", components=("vae",), debug=True)
-    try:
-        assert QWENIMAGE_VAE_ENCODER_FUSED_PATCH in stats(pipe)["patches"]
-        assert "forward" in pipe.vae.encoder.__dict__ and "forward" in pipe.vae.encoder.conv_in.__dict__
-        fast = _call(pipe, inputs)
-        with eager(pipe):
-            assert torch.equal(fast, _call(pipe, inputs))
-        torch.testing.assert_close(fast, plain, atol=1e-4, rtol=1e-4)
-    finally:
-        restore(pipe)
-    assert not any("forward" in module.__dict__ for module in pipe.vae.encoder.modules())
+    check_fast_mode_fuses_the_encoder(pipe, inputs, QWENIMAGE_VAE_ENCODER_FUSED_PATCH, coder_forward=True)
     for options in ({"mode": "exact"}, {"mode": "fast", "components": ("transformer",)}):
         accelerate(pipe, debug=True, **options)
         try:  # exact mode, and fast mode without the VAE, leave the encoder alone
