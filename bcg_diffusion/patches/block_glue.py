@@ -16,7 +16,15 @@ from ..kernels import block_glue as kernels
 from .followed import installable
 from .fp8_feed_forward import Fp8Rows, gelu_feed_forward_on_fp8
 
-__all__ = ["BLOCK_CLASSES", "FUSED_BLOCK_CHOICE", "choose", "chosen_off", "gated_feed_forward_fp8", "patch_blocks"]
+__all__ = [
+    "BLOCK_CLASSES",
+    "FUSED_BLOCK_CHOICE",
+    "choose",
+    "chosen_off",
+    "gated_feed_forward_fp8",
+    "patch_blocks",
+    "plain_layer_norm",
+]
 
 # Set False on a block (:func:`choose`) to keep inductor's glue for it.
 FUSED_BLOCK_CHOICE = "_bcg_fused_block"
@@ -27,6 +35,17 @@ BLOCK_CLASSES = (
     "FluxSingleTransformerBlock",
     "FluxTransformerBlock",
 )
+
+
+def plain_layer_norm(norm: Any) -> bool:
+    """Whether ``norm`` is a LayerNorm over the last dimension without weight or bias, what the LayerNorm
+    kernels compute (Qwen-Image's and FLUX's blocks)."""
+    return (
+        type(norm) is torch.nn.LayerNorm
+        and norm.weight is None
+        and norm.bias is None
+        and len(norm.normalized_shape) == 1
+    )
 
 
 def chosen_off(block: torch.nn.Module) -> bool:

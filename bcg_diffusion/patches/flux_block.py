@@ -61,7 +61,7 @@ from ..core.hooks import MethodPatches
 from ..kernels import block_glue
 from ..kernels.activation_fp8 import gelu_fp8, unsupported
 from .attention import TAKES_FP8_ROWS
-from .block_glue import chosen_off, gated_feed_forward_fp8, patch_blocks
+from .block_glue import chosen_off, gated_feed_forward_fp8, patch_blocks, plain_layer_norm
 from .fp8_feed_forward import (
     FP8_FEED_FORWARD_ATTRIBUTE,
     FP8_FEED_FORWARD_DEFAULT,
@@ -127,23 +127,13 @@ def _unfit_block(block: torch.nn.Module) -> str | None:
     return None
 
 
-def _plain_layer_norm(norm: Any) -> bool:
-    """Whether ``norm`` is a LayerNorm over the last dimension without weight or bias (FLUX's)."""
-    return (
-        type(norm) is torch.nn.LayerNorm
-        and norm.weight is None
-        and norm.bias is None
-        and len(norm.normalized_shape) == 1
-    )
-
-
 def _plain_ada_norm(norm: Any) -> bool:
     """Whether ``norm`` is diffusers' ``AdaLayerNormZero`` (without its own timestep embedding) or
     ``AdaLayerNormZeroSingle``, normalizing with a plain LayerNorm: the modulation our kernels apply."""
     name = type(norm).__name__
     if name not in ("AdaLayerNormZero", "AdaLayerNormZeroSingle"):
         return False
-    return (name == "AdaLayerNormZeroSingle" or norm.emb is None) and _plain_layer_norm(getattr(norm, "norm", None))
+    return (name == "AdaLayerNormZeroSingle" or norm.emb is None) and plain_layer_norm(getattr(norm, "norm", None))
 
 
 def _rows_ready(
@@ -178,7 +168,7 @@ def _feed_forward_ready(feed_forward: torch.nn.Module, norm: Any, float8_tensor:
     return (
         getattr(feed_forward, FP8_FEED_FORWARD_ATTRIBUTE, FP8_FEED_FORWARD_DEFAULT) == "fused"
         and gelu_feed_forward_ready(feed_forward, float8_tensor)
-        and _plain_layer_norm(norm)
+        and plain_layer_norm(norm)
     )
 
 
@@ -312,7 +302,7 @@ def unfit_double(block: torch.nn.Module) -> str | None:
         return "chosen off (patches.block_glue.choose)"
     if "forward" in block.__dict__:
         return "its forward was replaced already"
-    if not _plain_ada_norm(getattr(block, "norm1", None)) or not _plain_layer_norm(getattr(block, "norm2", None)):
+    if not _plain_ada_norm(getattr(block, "norm1", None)) or not plain_layer_norm(getattr(block, "norm2", None)):
         return "its image norms are not FLUX's LayerNorms without weight or bias"
     return unfit_fp8_projections(block.attn, ("to_q", "to_k", "to_v")) or unfit_chosen(block.ff, "ff")
 

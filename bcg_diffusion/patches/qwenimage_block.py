@@ -48,7 +48,7 @@ import torch
 from ..core.hooks import MethodPatches
 from ..kernels import block_glue
 from .attention import TAKES_FP8_ROWS, TEXT_LENGTHS_KWARG, qwen_per_group_lengths
-from .block_glue import chosen_off, gated_feed_forward_fp8, patch_blocks
+from .block_glue import chosen_off, gated_feed_forward_fp8, patch_blocks, plain_layer_norm
 from .fp8_feed_forward import (
     FP8_FEED_FORWARD_ATTRIBUTE,
     FP8_FEED_FORWARD_DEFAULT,
@@ -78,16 +78,6 @@ _IMAGE = _Stream(("to_q", "to_k", "to_v"), ("img_norm1", "img_norm2"), "img_mlp"
 _TEXT = _Stream(("add_q_proj", "add_k_proj", "add_v_proj"), ("txt_norm1", "txt_norm2"), "txt_mlp")
 
 
-def _plain_norm(norm: Any) -> bool:
-    """Whether ``norm`` is a LayerNorm over the last dimension without weight or bias (Qwen-Image's)."""
-    return (
-        type(norm) is torch.nn.LayerNorm
-        and norm.weight is None
-        and norm.bias is None
-        and len(norm.normalized_shape) == 1
-    )
-
-
 def unfit(block: torch.nn.Module) -> str | None:
     """Why ``block`` does not take :func:`fused_block_forward` (None: it does)."""
     if type(block).__name__ != "QwenImageTransformerBlock" or type(block).__module__ != _QWEN_IMAGE:
@@ -96,7 +86,7 @@ def unfit(block: torch.nn.Module) -> str | None:
         return "chosen off"
     if "forward" in block.__dict__:
         return "its forward was replaced already"
-    if not all(_plain_norm(getattr(block, name, None)) for name in _NORMS):
+    if not all(plain_layer_norm(getattr(block, name, None)) for name in _NORMS):
         return "a norm is not a LayerNorm without weight or bias"
     return _unfit_stream(block, _IMAGE)
 
@@ -122,7 +112,7 @@ def _stream_ready(
         all(plain_fp8_linear(getattr(block.attn, name, None), Float8Tensor) for name in stream.projections)
         and getattr(feed_forward, FP8_FEED_FORWARD_ATTRIBUTE, FP8_FEED_FORWARD_DEFAULT) == "fused"
         and gelu_feed_forward_ready(feed_forward, Float8Tensor)
-        and all(_plain_norm(getattr(block, name)) for name in stream.norms)
+        and all(plain_layer_norm(getattr(block, name)) for name in stream.norms)
         and temb.dim() == 2
         and temb.dtype == x.dtype
         and temb.shape[0] == x.shape[0] * (1 if index is None else 2)
