@@ -3,7 +3,8 @@
 CFG batching pays where a call reads its weights for few tokens: two calls of batch 1 read every weight twice,
 one call of batch 2 once. This probe times full-size FLUX.1-dev's transformer (random weights, bf16, replayed
 from a CUDA graph, diffusers' own kernels) at batch 1 and batch 2 with its published text length (512), and
-prints what one batch of two saves against two calls of one: ``1 - t(2) / (2 t(1))``.
+prints what one batch of two saves against two calls of one: ``1 - t(2) / (2 t(1))``. Run 190 timed each replay
+by wall clock after a synchronize; the probe now times them with CUDA events (``graph_replay_ms``).
 
     python -m bench.probes.probe_cfg_batch_gain [--sizes 512,1024] [--replays 10]
 """
@@ -11,11 +12,11 @@ prints what one batch of two saves against two calls of one: ``1 - t(2) / (2 t(1
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 
 from bench.coverage_models import _flux1_transformer
+from bench.probes.probe_fast_floor import graph_replay_ms
 
 
 def _inputs(batch: int, size: int, device: torch.device) -> dict[str, torch.Tensor]:
@@ -38,24 +39,8 @@ def _inputs(batch: int, size: int, device: torch.device) -> dict[str, torch.Tens
 
 def _replay_ms(transformer: torch.nn.Module, inputs: dict[str, torch.Tensor], replays: int) -> float:
     with torch.no_grad():
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            transformer(**inputs, return_dict=False)  # warm-up off the capture, as capture expects
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            transformer(**inputs, return_dict=False)
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        start = time.perf_counter()
-        graph.replay()
-        torch.cuda.synchronize()
-        times.append((time.perf_counter() - start) * 1e3)
-    del graph
-    return sorted(times)[len(times) // 2]
+        milliseconds, _ = graph_replay_ms(lambda: transformer(**inputs, return_dict=False), replays)
+    return milliseconds
 
 
 def main(argv: list[str] | None = None) -> None:
