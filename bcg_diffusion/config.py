@@ -10,7 +10,7 @@ __all__ = ["TEXT_ENCODERS", "AccelerateConfig", "describe_changes", "validate_bu
 
 _MODES = ("exact", "fast")
 _CAPTURE_ERROR_MODES = ("global", "thread_local", "relaxed")
-_ATTENTION_KERNELS = ("fp8",)
+_ATTENTION_KERNELS = ("fp8", "fa4")
 # A pipeline's text encoders by the names diffusers gives them (FLUX.1: CLIP, then T5; SD3: two CLIPs, then T5)
 TEXT_ENCODERS = ("text_encoder", "text_encoder_2", "text_encoder_3")
 _KNOWN_COMPONENTS = ("transformer", "transformer_2", "vae", *TEXT_ENCODERS)
@@ -86,9 +86,11 @@ class AccelerateConfig:
         attention: ``mode="fast"`` only. ``"fp8"``: the transformer's attention runs in FP8 (query, key,
             value and probabilities in float8 e4m3, our Triton kernel; needs a CUDA GPU of compute
             capability 8.9 or newer and Triton), an opt-in that changes the image more than FP8
-            linears do (see ``docs/quantization.md``). None (default): PyTorch's attention in the
-            model's dtype (cuDNN's kernel on Hopper), with or without ``quantize``. See
-            :mod:`bcg_diffusion.features.fp8_attention`.
+            linears do (see ``docs/quantization.md``). ``"fa4"``: attention in the model's dtype
+            through FlashAttention-4 (the ``flash-attn-4`` package; a GPU of compute capability 9.x
+            or 10.x), faster than cuDNN's kernel on Hopper, same precision. None (default): PyTorch's
+            attention in the model's dtype (cuDNN's kernel on Hopper), with or without ``quantize``.
+            See :mod:`bcg_diffusion.features.fp8_attention` and :mod:`bcg_diffusion.features.fa4_attention`.
         auto_breaks: make every operation a capture cannot hold (host syncs, data-dependent shapes,
             copies from pageable host memory) an eager break of its own, checked on replay like a
             marked one, and retry a failed capture once with what it taught

@@ -28,6 +28,8 @@ MODES: tuple[str, ...] = (
     "bcg-fp8",
     "fast-fp8",
     "fast-fp8-attn",
+    "fast-fa4",
+    "fast-fp8-fa4",
     "fast-fp8-attn-triton",
     "fast-fp8-attn-bf16-prologue",
     "fast-fp8-torchao-ff",
@@ -73,6 +75,7 @@ FP8_MODES: tuple[str, ...] = (
     "bcg-fp8",
     "fast-fp8",
     "fast-fp8-attn",
+    "fast-fp8-fa4",
     "fast-fp8-attn-triton",
     "fast-fp8-attn-bf16-prologue",
     "fast-fp8-torchao-ff",
@@ -96,9 +99,17 @@ FP8_MODES: tuple[str, ...] = (
 ABLATIONS: tuple[str, ...] = ("bcg-no-te", "bcg-no-auto", "fast-no-te", "fast-no-auto", "fast-unbatched")
 ABLATIONS += ("bcg-te", "fast-te")
 ABLATIONS += ("fast-joined-output", "fast-inductor-prologue", "fast-inductor-glue")
+# The modes that need an optional package (flash-attn-4): they run when named.
+OPTIONAL_PACKAGE: tuple[str, ...] = ("fast-fa4", "fast-fp8-fa4")
 # What a run without --modes compares on a GPU: ours as a user gets them, and the peers.
 DEFAULT_MODES: tuple[str, ...] = tuple(
-    m for m in MODES if m not in ABLATIONS and m not in CACHED and m not in FP8_MODES and m not in CACHEDIT
+    m
+    for m in MODES
+    if m not in ABLATIONS
+    and m not in CACHED
+    and m not in FP8_MODES
+    and m not in CACHEDIT
+    and m not in OPTIONAL_PACKAGE
 )
 # What a run of bench.published's pipelines (flux, flux2-klein, wan, qwen-image-edit) without --modes compares on
 # a GPU: each is minutes at its published size, so ours as a user gets them and diffusers' regional compile.
@@ -155,6 +166,9 @@ DESCRIPTIONS = {
     "fast-fp8": 'accelerate(pipe, mode="fast", quantize="fp8"): the same FP8 model, compiled blocks in graphs',
     "fast-fp8-attn": 'fast-fp8 with attention="fp8": the attention in FP8 too (cuDNN\'s kernel where '
     "nvidia-cudnn-frontend is installed, else ours in Triton)",
+    "fast-fa4": 'fast mode with attention="fa4": bf16 attention through FlashAttention-4 (pip install '
+    "bcg-diffusion[fa4]; a GPU of compute capability 9.x or 10.x)",
+    "fast-fp8-fa4": 'fast-fp8 with attention="fa4"',
     "fast-fp8-attn-triton": "fast-fp8-attn with our Triton FP8 attention kernel, cuDNN's or not "
     "(features.fp8_attention.choose)",
     "fast-fp8-attn-bf16-prologue": "fast-fp8-attn with cuDNN's FP8 query and key written in bf16 by attention's "
@@ -210,7 +224,7 @@ EXACT.update(
 )
 EXACT.update({"eager-fp8+cache": True, "fast-fp8+cache": False, "fast-fp8-attn+cache": False})
 EXACT.update({"fast-fp8-attn-triton": False, "fast-fp8-unfused-qkv": False, "fast-fp8-uncompiled-te": False})
-EXACT.update({"fast-fp8-attn-bf16-prologue": False})
+EXACT.update({"fast-fp8-attn-bf16-prologue": False, "fast-fa4": False, "fast-fp8-fa4": False})
 EXACT.update({"fast-fp8-compiled-vae": False, "fast-fp8-patched-vae": False, "fast-fp8-inductor-glue": False})
 EXACT.update({"fast-joined-output": False, "fast-fp8-joined-output": False, "fast-inductor-glue": False})
 EXACT.update({name: False for name in MODES if name.endswith("-inductor-prologue")})
@@ -223,12 +237,14 @@ OURS += ("fast-fp8-torchao-ff", "fast-fp8-attn-triton", "fast-fp8-attn+cache", "
 OURS += ("fast-fp8-uncompiled-te", "fast-fp8-compiled-vae", "fast-fp8-patched-vae", "fast-fp8-inductor-glue")
 OURS += ("fast-fp8-attn-bf16-prologue", "fast-joined-output", "fast-fp8-joined-output", "fast-inductor-glue")
 OURS += tuple(name for name in MODES if "-all-linears" in name or name.endswith("-inductor-prologue"))
+OURS += ("fast-fa4", "fast-fp8-fa4")
 FAST = ("fast", "fast-no-te", "fast-te", "fast-no-auto", "fast-unbatched", "fast+cache", "fast-fp8", "fast-fp8-attn")
 FAST += ("fast-fp8-torchao-ff", "fast-fp8-attn-triton", "fast-fp8-attn+cache", "fast-fp8-unfused-qkv")
 FAST += ("fast-fp8-uncompiled-te", "fast-fp8-compiled-vae", "fast-fp8-patched-vae", "fast-fp8-inductor-glue")
 FAST += ("fast-fp8+cache", "fast+cachedit", "fast-unbatched+cache", "fast-fp8-attn-bf16-prologue")
 FAST += ("fast-joined-output", "fast-fp8-joined-output", "fast-inductor-glue")
 FAST += tuple(name for name in MODES if "-all-linears" in name or name.endswith("-inductor-prologue"))
+FAST += ("fast-fa4", "fast-fp8-fa4")
 
 
 def baseline(name: str) -> str:

@@ -129,6 +129,7 @@ class PreparedMode:
         keys += ("quantized", "quantized_linears") if self.name in FP8_MODES else ()
         keys += ("fused_qkv",) if self.name in FP8_MODES and self.name in FAST else ()
         keys += ("attention", "fp8_attention_kernels") if parse(self.name).fp8_attention else ()
+        keys += ("attention", "fa4_attention_modules") if parse(self.name).fa4_attention else ()
         out = {key: report[key] for key in keys}
         transformer = report.get("components", {}).get("transformer")
         if transformer is not None:  # graphs captured for the transformer, the cache's branch paths included
@@ -151,6 +152,7 @@ class ModeOptions:
     cachedit: bool = False  # +cachedit: Cache-DiT's DBCache
     fp8: bool = False  # -fp8: the transformer's block linears in row-wise FP8
     fp8_attention: bool = False  # -attn: attention="fp8"
+    fa4_attention: bool = False  # -fa4: attention="fa4"
     triton_attention: bool = False  # -triton (after -attn): our Triton FP8 attention kernel, not cuDNN's
     bf16_prologue: bool = False  # -bf16-prologue (after -attn): cuDNN's FP8 query and key quantized after the prologue
     inductor_prologue: bool = False  # -inductor-prologue: attention's prologue compiled by inductor, not our kernel
@@ -180,6 +182,7 @@ def parse(name: str) -> ModeOptions:
         ("-inductor-prologue", "inductor_prologue"),
         ("-triton", "triton_attention"),
         ("-attn", "fp8_attention"),
+        ("-fa4", "fa4_attention"),
         ("-torchao-ff", "torchao_feed_forward"),
         ("-unfused-qkv", "unfused_qkv"),
         ("-uncompiled-te", "uncompiled_text_encoder"),
@@ -220,7 +223,7 @@ def prepare(
         import cache_dit
 
         cache_dit.enable_cache(pipe, **cachedit(pipe))  # before accelerating, as a user would
-    attention = "fp8" if options.fp8_attention else None
+    attention = "fp8" if options.fp8_attention else "fa4" if options.fa4_attention else None
     if options.torchao_feed_forward:
         fp8_feed_forward.choose(pipe.transformer, "torchao")  # the copy's modules: the other modes keep the default
     if options.triton_attention:

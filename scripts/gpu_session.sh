@@ -8,6 +8,16 @@
 #     cache-dit==1.5.3 nvidia-cudnn-frontend==1.23.0   (without cache-dit, the Cache-DiT tests skip and the
 #     +cachedit modes fail; without the cuDNN frontend, attention="fp8" runs our Triton kernel instead of cuDNN's)
 # Then, with the device tool (carry [".whl"]):  bash scripts/gpu_session.sh PHASE [PHASE ...]
+# FlashAttention-4 (attention="fa4") needs flash-attn-4 and the CuTe DSL's libraries, whose CUDA 13 wheel (92 MB) is
+# over one call's limit: it travels xz-compressed in two parts, one per call, on one warm machine:
+#   pip download --no-deps (as above) flash-attn-4==4.0.0b40 nvidia-cutlass-dsl==4.8.1 nvidia-cutlass-dsl-libs-base==4.8.1
+#     nvidia-cutlass-dsl-libs-core==4.8.1 nvidia-cutlass-dsl-libs-cu13==4.8.1 apache-tvm-ffi==0.1.15.post2
+#     torch-c-dlpack-ext==0.1.5 quack-kernels==0.6.5; unzip the cu13 wheel into a folder, tar it, xz -9e it, split the
+#     .tar.xz in two (head -c 26000000 > .fa4a/cu13.tar.xz.part1, the rest > .fa4b/cu13.tar.xz.part2), the other
+#     wheels in .fa4a/ (/.fa4a/ and /.fa4b/ in .git/info/exclude);
+#   first call (carry [".whl", ".fa4a"]): bash scripts/gpu_session.sh fa4-stage [PHASE ...]
+#   next call  (carry [".whl", ".fa4b"]): bash scripts/gpu_session.sh fa4-install tests-fa4 [PHASE ...]
+#   later calls on the same machine find it installed (/tmp/fa4site).
 #
 # Phases:
 #   probe-attention  attention kernels alone (SDPA backends, ours in bf16 and FP8, launch settings) and one
@@ -160,11 +170,15 @@
 #                    for `python scripts/screenshot_replay.py DIR OUT.png` here (the GPU machine has no browser)
 # Everything it writes is under $OUT (logs, results.json/.md/.png); copy it to bench/results/<date>-h200/.
 set -uo pipefail
-[ $# -gt 0 ] || { echo "usage: scripts/gpu_session.sh readme-rows|probe-cfg-batch-gain|probe-vae-coders|bench-text-encoders|tests-published|probe-flux|bench-flux|bench-klein|bench-wan|bench-qwen-edit|probe-wan-vae|bench-stacked-qwen-512|tests-fp8-output|bench-fp8-output-qwen|bench-fp8-output-z|fp8-prologue|probe-stacked|bench-fp8-prologue-qwen|bench-stacked-qwen|bench-fp8-prologue-z|qwen-block-glue|bench-block-glue-qwen|probe-attention|probe-cudnn-fp8|tests-vae-fused|bench-fused-qkv-z|tests-fused-qkv|tests-cudnn-fp8|bench-cudnn-fp8-z|bench-cudnn-fp8-qwen|tests-kernels|probe-fp8-ff|bench-fp8-ff-qwen|bench-kernels-qwen|bench-kernels-z|bench-cachedit-qwen|tests-state|bench-state|tests|tests-full|tests-fast|tests-coexist|tests-shared|tests-cache|bench-cache-qwen-1024|bench-cache-qwen-512|bench-cache-z|bench-cfg-cache-qwen|bench-cfg-cache-qwen-1024|bench-cfg-cache-qwen-512|tests-quant|tests-auto|probe-hand-patches|bench-auto|coverage|bench-fp8-z|bench-fp8-qwen|warm-start-fp8-z|probe-fp8-groups|probe-fp8-block|hotswap-z|tests-z|te-z|fast-check|profile-qwen|profile-z|fast-qwen-50|ab-attention|probe-floor|probe-outside|probe-norms|probe-blocks|compile-max-qwen|memory-z|bench-z|warm-start-z|first-call-qwen-none|first-call-qwen-magcache|first-call-qwen-cachedit|first-call-qwen-fp8|bench-qwen|bench-qwen-512|bench-qwen-1024|issue2|parallel|parallel-cfg|serving|demo ..." >&2; exit 2; }
+[ $# -gt 0 ] || { echo "usage: scripts/gpu_session.sh fa4-stage|fa4-install|tests-fa4|probe-fa4|readme-rows|probe-cfg-batch-gain|probe-vae-coders|bench-text-encoders|tests-published|probe-flux|bench-flux|bench-klein|bench-wan|bench-qwen-edit|probe-wan-vae|bench-stacked-qwen-512|tests-fp8-output|bench-fp8-output-qwen|bench-fp8-output-z|fp8-prologue|probe-stacked|bench-fp8-prologue-qwen|bench-stacked-qwen|bench-fp8-prologue-z|qwen-block-glue|bench-block-glue-qwen|probe-attention|probe-cudnn-fp8|tests-vae-fused|bench-fused-qkv-z|tests-fused-qkv|tests-cudnn-fp8|bench-cudnn-fp8-z|bench-cudnn-fp8-qwen|tests-kernels|probe-fp8-ff|bench-fp8-ff-qwen|bench-kernels-qwen|bench-kernels-z|bench-cachedit-qwen|tests-state|bench-state|tests|tests-full|tests-fast|tests-coexist|tests-shared|tests-cache|bench-cache-qwen-1024|bench-cache-qwen-512|bench-cache-z|bench-cfg-cache-qwen|bench-cfg-cache-qwen-1024|bench-cfg-cache-qwen-512|tests-quant|tests-auto|probe-hand-patches|bench-auto|coverage|bench-fp8-z|bench-fp8-qwen|warm-start-fp8-z|probe-fp8-groups|probe-fp8-block|hotswap-z|tests-z|te-z|fast-check|profile-qwen|profile-z|fast-qwen-50|ab-attention|probe-floor|probe-outside|probe-norms|probe-blocks|compile-max-qwen|memory-z|bench-z|warm-start-z|first-call-qwen-none|first-call-qwen-magcache|first-call-qwen-cachedit|first-call-qwen-fp8|bench-qwen|bench-qwen-512|bench-qwen-1024|issue2|parallel|parallel-cfg|serving|demo ..." >&2; exit 2; }
 out=${OUT:-/tmp/bcg-out}
 mkdir -p "$out"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1
+fa4_path() {  # FlashAttention-4 installed by fa4-install: its package and the CuTe DSL's (what its .pth would add)
+  export PYTHONPATH=/tmp/site:/tmp/fa4site:/tmp/fa4site/nvidia_cutlass_dsl/dsl_packages:$PWD
+}
+[ -d /tmp/fa4site/flash_attn ] && fa4_path
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/env.txt"
 python3 -c "import torch, diffusers, transformers; print('torch', torch.__version__, 'diffusers', diffusers.__version__, 'transformers', transformers.__version__)" | tee -a "$out/env.txt"
 
@@ -174,6 +188,24 @@ case "$phase" in
     timeout 200 python3 -m pytest -m cuda -q -rs -p no:cacheprovider --tb=short \
       tests/test_graphs_cuda.py tests/test_reliability_cuda.py tests/test_pipelines_cuda.py tests/test_serving_cuda.py \
       2>&1 | tee "$out/pytest-cuda-tiny.log" | tail -15
+    ;;
+  fa4-stage)
+    mkdir -p /tmp/fa4 && cp .fa4a/* /tmp/fa4/ && ls /tmp/fa4
+    ;;
+  fa4-install)
+    # The cu13 libraries unpacked after the wheels: pip --target skips a folder that exists already
+    cat /tmp/fa4/cu13.tar.xz.part1 .fa4b/cu13.tar.xz.part2 > /tmp/fa4/cu13.tar.xz && rm -rf /tmp/fa4site \
+      && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/fa4site /tmp/fa4/*.whl \
+      && tar xJf /tmp/fa4/cu13.tar.xz -C /tmp/fa4site && fa4_path \
+      && python3 -c "import flash_attn.cute.interface; print('flash-attn-4 importable')" || exit 1
+    ;;
+  tests-fa4)
+    timeout "${FA4_TESTS_TIMEOUT:-300}" python3 -m pytest -m cuda -q -rs -p no:cacheprovider --tb=short \
+      tests/test_fa4_attention_cuda.py 2>&1 | grep -v "Warning\|warnings.warn" | tee "$out/pytest-fa4.log" | tail -12
+    ;;
+  probe-fa4)
+    timeout 300 python3 -m bench.probes.probe_fa4_attention ${FA4_PROBE_ARGS:-} 2>&1 | grep -v "Warning\|warn(" \
+      | tee "$out/probe-fa4.log" | tail -40
     ;;
   tests-published)
     timeout "${PUBLISHED_TESTS_TIMEOUT:-300}" python3 -m pytest -m cuda -q -rs -p no:cacheprovider --tb=short \

@@ -5,7 +5,7 @@ hooks (context parallelism decides about the collectives before fast mode decide
 step caching takes a cache's hooks off the blocks before they compile, quantization replaces
 the weights before they compile (and before the fused query, key and value projections are built
 from its originals, and before the GELU epilogue looks for plain projections and the
-FP8 feed-forward for FP8 ones; the FP8 block glue needs the last two), FP8 attention marks the attention modules before they compile,
+FP8 feed-forward for FP8 ones; the FP8 block glue needs the last two), FP8 attention and FlashAttention-4 mark the attention modules before they compile,
 compiled blocks patch the attention processors before CFG batching asks what they accept; the text
 encoder's layers compile after text trimming wraps its forward, as the VAE decoder does (the encoder follows
 the decoder's choice); CFG across
@@ -22,6 +22,7 @@ from .cfg_parallel import CfgParallel
 from .compiled_blocks import CompiledBlocks
 from .compiled_text_encoder import TEXT_ENCODER_FEATURES
 from .context_parallel import ContextParallel
+from .fa4_attention import Fa4Attention
 from .fp8_attention import Fp8Attention
 from .fp8_feed_forward import Fp8FeedForward
 from .fused_qkv import FusedQkv
@@ -44,6 +45,7 @@ FEATURES: list[type[Feature]] = [
     Fp8FeedForward,
     FusedBlockGlue,
     Fp8Attention,
+    Fa4Attention,
     CompiledBlocks,
     CfgBatching,
     CfgParallel,

@@ -60,9 +60,8 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-# The processors whose fast-mode ``__call__`` routes attention through ``patches.attention.attend``; every
-# other processor that calls diffusers' dispatcher goes through ``patches.dispatched_attention``.
-FP8_ATTENTION_PROCESSORS = ("QwenDoubleStreamAttnProcessor2_0", "ZSingleStreamAttnProcessor")
+# The processors whose fast-mode ``__call__`` routes attention through ``patches.attention.attend``.
+FP8_ATTENTION_PROCESSORS = dispatched_attention.OWN_PROCESSORS
 # The attribute on an attention module naming which FP8 kernel it wants: "auto" (cuDNN's where it runs,
 # else ours), "cudnn" (cuDNN's; ours, with the INFO line, where it cannot run) or "triton" (ours).
 FP8_ATTENTION_KERNEL_ATTRIBUTE = "_bcg_fp8_attention_kernel"
@@ -96,23 +95,20 @@ def choose_prologue(model: torch.nn.Module, fp8: bool) -> int:
     return _set_on_attention(model, FP8_PROLOGUE_ATTRIBUTE, fp8)
 
 
-def _own_processor(module: torch.nn.Module) -> bool:
-    """Whether ``module``'s processor is one of fast mode's own (:data:`FP8_ATTENTION_PROCESSORS`)."""
-    return type(module.__dict__.get("processor")).__name__ in FP8_ATTENTION_PROCESSORS
-
-
 def _dispatching(module: torch.nn.Module) -> bool:
     """Whether ``module``'s processor reaches the FP8 kernel through the generic dispatch."""
     processor = module.__dict__.get("processor")
     return (
-        processor is not None and not _own_processor(module) and dispatched_attention.dispatches_attention(processor)
+        processor is not None
+        and not dispatched_attention.own_processor(module)
+        and dispatched_attention.dispatches_attention(processor)
     )
 
 
 def attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The attention modules of ``model`` that ``attention="fp8"`` applies to: those with one of fast mode's
     own processors, and those whose processor calls diffusers' dispatcher."""
-    return [module for module in model.modules() if _own_processor(module) or _dispatching(module)]
+    return dispatched_attention.attention_modules(model)
 
 
 def _set_on_attention(model: torch.nn.Module, attribute: str, value: object) -> int:
@@ -176,7 +172,7 @@ class Fp8Attention(Feature):
         for module in attention_modules(setup.modules["transformer"]):
             kernel = self._kernel(module)
             wanted_cudnn |= getattr(module, FP8_ATTENTION_KERNEL_ATTRIBUTE, "auto") != "triton"
-            if _own_processor(module):
+            if dispatched_attention.own_processor(module):
                 patches.replace(module, KERNEL_ATTRIBUTE, _KERNEL_NAMES[kernel])
             else:
                 dispatching.append(module)

@@ -19,7 +19,8 @@ diffusers' dispatch, which PyTorch sends to the same kernel.
 The kernel of each attention module can be chosen (:data:`KERNEL_ATTRIBUTE`, :func:`attend`): the FP8
 kernels, cuDNN's (:mod:`bcg_diffusion.kernels.cudnn_fp8_attention`, fed bounds on the query's and key's
 magnitudes from their RMS norms) and ours (:mod:`bcg_diffusion.kernels.attention`), are the opt-in of
-:mod:`bcg_diffusion.features.fp8_attention`.
+:mod:`bcg_diffusion.features.fp8_attention`; FlashAttention-4's bf16 kernel
+(:mod:`bcg_diffusion.kernels.fa4_attention`) that of :mod:`bcg_diffusion.features.fa4_attention`.
 
 Attention's prologue (the query and key RMS norms, RoPE, Qwen-Image's joint text-and-image tensors)
 is inductor's compiled code, or, per attention module (:data:`QK_PROLOGUE_ATTRIBUTE`, default
@@ -55,7 +56,7 @@ from diffusers.models.attention_dispatch import AttentionBackendName, _Attention
 from diffusers.models.attention_dispatch import dispatch_attention_fn as _diffusers_dispatch
 
 from ..kernels import attention as kernels
-from ..kernels import cudnn_fp8_attention, qk_prologue, triton_available, untested_triton
+from ..kernels import cudnn_fp8_attention, fa4_attention, qk_prologue, triton_available, untested_triton
 from . import fp8_output_projection, stacked_output
 from .fp8_feed_forward import Fp8Rows, linear_on_fp8
 from .rope import rotate_pairs
@@ -184,8 +185,9 @@ def _default_backend_active() -> bool:
 KERNEL_ATTRIBUTE = "_bcg_attention_kernel"
 # "dispatch": diffusers' dispatch (PyTorch's SDPA picks its kernel); "cudnn": SDPA's cuDNN kernel on
 # the [B, S, H, D] tensors as they are; "triton": our Triton kernel; "fp8": our FP8 kernel;
-# "cudnn-fp8": cuDNN's FP8 kernel (kernels/cudnn_fp8_attention.py).
-KERNELS = ("dispatch", "cudnn", "triton", "fp8", "cudnn-fp8")
+# "cudnn-fp8": cuDNN's FP8 kernel (kernels/cudnn_fp8_attention.py); "fa4": FlashAttention-4's bf16 kernel
+# (kernels/fa4_attention.py).
+KERNELS = ("dispatch", "cudnn", "triton", "fp8", "cudnn-fp8", "fa4")
 
 
 def attend(
@@ -210,6 +212,8 @@ def attend(
             return (kernels.fp8_attention if kernel == "fp8" else kernels.attention)(query, key, value)
         if kernel == "cudnn-fp8" and cudnn_fp8_attention.unsupported(query, key, value) is None:
             return cudnn_fp8_attention.attention(query, key, value, *_query_key_bounds(attn, query.shape[-1]))
+        if kernel == "fa4" and fa4_attention.unsupported(query, key, value) is None:
+            return fa4_attention.attention(query, key, value)
     return dispatch(query, key, value, **dispatch_kwargs)
 
 

@@ -1,29 +1,29 @@
-"""FP8 attention for every model whose attention processors call diffusers' attention dispatcher.
+"""Our attention kernels for every model whose attention processors call diffusers' attention dispatcher.
 
 Diffusers' transformers share one way to attend: a processor projects the query, key and value, then
 calls ``dispatch_attention_fn(query, key, value, attn_mask=..., backend=..., parallel_config=...)`` on
 ``[B, S, H, D]`` tensors (FLUX.1, FLUX.2, Wan, Qwen-Image, HunyuanImage, LTX...). Fast mode's
-``attention="fp8"`` plugs in there: each such processor of the accelerated transformer gets a
-``__call__`` that is diffusers' own code, except that the name ``dispatch_attention_fn`` resolves to
-:func:`kernel_dispatch`'s function for the kernel chosen for that module. That function sends a plain
-call (no mask, dropout, causality, head grouping, backend or parallel config of the user's, diffusers'
-default backend active) whose tensors the FP8 kernel takes to it, and every other call to diffusers'
+``attention="fp8"`` and ``attention="fa4"`` plug in there: each such processor of the accelerated
+transformer gets a ``__call__`` that is diffusers' own code, except that the name ``dispatch_attention_fn``
+resolves to :func:`kernel_dispatch`'s function for the kernel chosen for that module. That function sends a
+plain call (no mask, dropout, causality, head grouping, backend or parallel config of the user's, diffusers'
+default backend active) whose tensors the kernel takes to it, and every other call to diffusers'
 dispatcher unchanged: a masked or parallel call keeps PyTorch's attention.
 
 Why not the processors' own code: nothing model-specific is needed to reach the kernel, so a new model
-gets FP8 attention without a patch of ours. Why not diffusers' backend registry (a backend of our own,
+gets these kernels without a patch of ours. Why not diffusers' backend registry (a backend of our own,
 ``set_attention_backend``): that setting is the user's and process-wide, and the registry's backends
 are checked against masks and shapes differently per release; scoping to one model's processors keeps
 every other model (and an exact-mode pipeline in the same process) on diffusers' arithmetic.
 
-bf16 attention needs nothing of this: PyTorch 2.11's SDPA already runs cuDNN's kernel for these calls
-on Hopper (612 TFLOP/s against flash's 352 at Qwen-Image's 1024² shapes, run 83), which is where the
-model-specific processors' own cuDNN call was measured no faster than diffusers' dispatch.
+Without either option, bf16 attention needs nothing of this: PyTorch 2.11's SDPA already runs cuDNN's
+kernel for these calls on Hopper (612 TFLOP/s against flash's 352 at Qwen-Image's 1024² shapes, run 83),
+which is where the model-specific processors' own cuDNN call was measured no faster than diffusers' dispatch.
 
 The kernel is a property of the processor's class (one subclass per original class and kernel), so
 the check of the Python state a graph read sees a processor replaced or its kernel changed. The
-processors Qwen-Image's and Z-Image's fast mode rewrites (:mod:`bcg_diffusion.patches.attention`) reach
-the same kernels through ``attend`` and are left to it.
+processors Qwen-Image's and Z-Image's fast mode rewrites (:mod:`bcg_diffusion.patches.attention`, named in
+:data:`OWN_PROCESSORS`) reach the same kernels through ``attend`` and are left to it.
 """
 
 from __future__ import annotations
@@ -39,15 +39,31 @@ from diffusers.models.attention_dispatch import dispatch_attention_fn as _diffus
 
 from ..core.hooks import MethodPatches
 from ..kernels import attention as triton_kernels
-from ..kernels import cudnn_fp8_attention
+from ..kernels import cudnn_fp8_attention, fa4_attention
 from .attention import _default_backend_active
 from .scoped import _with_globals
 
-__all__ = ["DISPATCH_NAME", "FP8_KERNELS", "KERNEL_OF_CLASS", "dispatches_attention", "install", "kernel_dispatch"]
+__all__ = [
+    "DISPATCH_NAME",
+    "DISPATCHED_KERNELS",
+    "FP8_KERNELS",
+    "KERNEL_OF_CLASS",
+    "OWN_PROCESSORS",
+    "attention_modules",
+    "dispatches_attention",
+    "install",
+    "kernel_dispatch",
+    "own_processor",
+]
 
 DISPATCH_NAME = "dispatch_attention_fn"
 # Our names of the FP8 kernels (as ``patches.attention.KERNELS`` spells them): ours in Triton, cuDNN's.
 FP8_KERNELS = ("fp8", "cudnn-fp8")
+# Every kernel a scoped processor can send plain calls to: the FP8 ones and FlashAttention-4's bf16 one.
+DISPATCHED_KERNELS = (*FP8_KERNELS, "fa4")
+# The processors whose fast-mode ``__call__`` routes attention through ``patches.attention.attend``; every
+# other processor that calls diffusers' dispatcher goes through this module.
+OWN_PROCESSORS = ("QwenDoubleStreamAttnProcessor2_0", "ZSingleStreamAttnProcessor")
 # Set on each scoped processor class: the kernel its dispatch sends plain calls to.
 KERNEL_OF_CLASS = "_bcg_dispatch_kernel"
 
@@ -64,6 +80,24 @@ def dispatches_attention(processor: Any) -> bool:
     return call.__globals__.get(DISPATCH_NAME) is _diffusers_dispatch
 
 
+def own_processor(module: torch.nn.Module) -> bool:
+    """Whether ``module``'s processor is one of fast mode's own (:data:`OWN_PROCESSORS`)."""
+    return type(module.__dict__.get("processor")).__name__ in OWN_PROCESSORS
+
+
+def attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The attention modules of ``model`` whose kernel fast mode can choose: those with one of fast mode's own
+    processors (through ``patches.attention.attend``), and those whose processor :func:`dispatches_attention`."""
+    found = []
+    for module in model.modules():
+        processor = module.__dict__.get("processor")
+        if processor is None:
+            continue
+        if own_processor(module) or dispatches_attention(processor):
+            found.append(module)
+    return found
+
+
 def _dispatch(
     kernel: str, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, **options: Any
 ) -> torch.Tensor:
@@ -75,6 +109,8 @@ def _dispatch(
             return triton_kernels.fp8_attention(query, key, value, scale=scale)
         if kernel == "cudnn-fp8" and cudnn_fp8_attention.unsupported(query, key, value) is None:
             return cudnn_fp8_attention.attention(query, key, value, scale=scale)
+        if kernel == "fa4" and fa4_attention.unsupported(query, key, value) is None:
+            return fa4_attention.attention(query, key, value, scale=scale)
     return _diffusers_dispatch(query, key, value, **options)
 
 
@@ -86,7 +122,7 @@ def _plain(
     enable_gqa: bool = False,
     **rest: Any,
 ) -> bool:
-    """A call the FP8 kernels compute as diffusers would: no mask, dropout, causality or head grouping, and
+    """A call our kernels compute as diffusers would: no mask, dropout, causality or head grouping, and
     no attention kwargs, backend, parallel config or other option of the caller's, under diffusers' default
     backend."""
     return (
@@ -111,6 +147,10 @@ def _dispatch_cudnn_fp8(
     return _dispatch("cudnn-fp8", query, key, value, **_named(args), **options)
 
 
+def _dispatch_fa4(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args: Any, **options: Any) -> Any:
+    return _dispatch("fa4", query, key, value, **_named(args), **options)
+
+
 _POSITIONAL = ("attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa", "attention_kwargs")
 
 
@@ -121,19 +161,19 @@ def _named(args: tuple[Any, ...]) -> dict[str, Any]:
     return dict(zip(_POSITIONAL, args))
 
 
-_DISPATCH = {"fp8": _dispatch_fp8, "cudnn-fp8": _dispatch_cudnn_fp8}
+_DISPATCH = {"fp8": _dispatch_fp8, "cudnn-fp8": _dispatch_cudnn_fp8, "fa4": _dispatch_fa4}
 
 
 def kernel_dispatch(kernel: str) -> Callable[..., torch.Tensor]:
     """A function with ``dispatch_attention_fn``'s contract that runs plain calls through ``kernel`` (one of
-    :data:`FP8_KERNELS`) where it takes the tensors, and every other call through diffusers' dispatcher.
+    :data:`DISPATCHED_KERNELS`) where it takes the tensors, and every other call through diffusers' dispatcher.
 
     Raises ValueError for another kernel name.
 
     >>> kernel_dispatch("fp8")(q, k, v)  # doctest: +SKIP
     """
     if kernel not in _DISPATCH:
-        raise ValueError(f"FP8 attention kernel {kernel!r}: expected one of {FP8_KERNELS}")
+        raise ValueError(f"attention kernel {kernel!r}: expected one of {DISPATCHED_KERNELS}")
     return _DISPATCH[kernel]
 
 
