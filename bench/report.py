@@ -104,6 +104,9 @@ def markdown(record: dict[str, Any]) -> str:
         if batched:
             out += ["", "Uncond calls served from a CFG batch (fast modes, all calls): " + ", ".join(batched) + "."]
         separate = [n for n, m in case["modes"].items() if m.get("eager_same_group_s")]
+        torn = [f"{n} ({m['teardown_error'][:160]})" for n, m in case["modes"].items() if m.get("teardown_error")]
+        if torn:
+            out += ["", "After timing, teardown failed for " + ", ".join(torn) + "; the timings above stand."]
         if separate:
             out += [
                 "",

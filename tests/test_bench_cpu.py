@@ -609,3 +609,35 @@ def test_the_benchmark_runs_from_any_directory_once_installed(tmp_path):
     if script.exists():  # installed as a console script by `pip install -e .`
         done = subprocess.run([str(script), "--help"], cwd=tmp_path, env=env, capture_output=True, text=True)
         assert done.returncode == 0 and "modes (--modes)" in done.stdout, done.stderr[-2000:]
+
+
+def test_a_mode_that_fails_to_tear_down_keeps_the_groups_timings(tmp_path, monkeypatch, caplog):
+    """Run 202: Wan 2.1 14B with fast-fp8 and fast-fp8-fa4 on an 80 GB GPU timed both, then the first one's
+    restore ran out of memory moving its original weights back while the other held its FP8 copy, and the
+    exception lost every timing of the group."""
+    from bench import timing
+
+    real_prepare = timing.prepare
+
+    def prepare_with_failing_teardown(name, *args, **kwargs):
+        mode = real_prepare(name, *args, **kwargs)
+        if name == "bcg":
+            real_teardown = mode.teardown
+
+            def teardown():
+                real_teardown()
+                raise torch.OutOfMemoryError("CUDA out of memory (test)")
+
+            mode.teardown = teardown
+        return mode
+
+    monkeypatch.setattr(timing, "prepare", prepare_with_failing_teardown)
+    argv = ["--pipeline", "z-image", "--weights", "tiny", "--device", "cpu", "--resolutions", "32x32", "--steps", "2"]
+    argv += ["--modes", "eager,bcg", "--runs", "1", "--warmup", "0", "--out", str(tmp_path), "--no-progress"]
+    assert cli.main(argv) == 0
+    (case,) = json.loads((tmp_path / "results.json").read_text())["cases"]
+    ours = case["modes"]["bcg"]
+    assert ours["latency_s"]["median"] > 0 and ours["identical"], ours
+    assert ours["teardown_error"] == "OutOfMemoryError: CUDA out of memory (test)", ours
+    assert "mode bcg: tearing it down failed" in caplog.text
+    assert "teardown failed" in (tmp_path / "results.md").read_text()
