@@ -13,11 +13,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 from test_published import PIPELINES
-from test_published_cuda import _pipeline
+from test_published_cuda import fast_mode_with
 
-from bcg_diffusion import accelerate, eager, restore, stats
 from bcg_diffusion.kernels import fa4_attention
-from bench.coverage import _call
 from bench.measure import psnr
 
 pytestmark = pytest.mark.cuda
@@ -60,26 +58,7 @@ def test_kernel_is_as_near_float32_as_sdpa_repeats_its_bytes_and_replays_from_a_
 
 @pytest.mark.parametrize("name", PIPELINES)
 def test_every_attention_module_runs_fa4_and_graphs_equal_their_compiled_blocks(name):
-    pipe, inputs = _pipeline(name)
-    accelerate(pipe, mode="fast")
-    try:
-        pytorchs = _call(pipe, inputs, device="cuda")
-    finally:
-        restore(pipe)
-    torch._dynamo.reset()
-    accelerate(pipe, mode="fast", attention="fa4")
-    try:
-        report = stats(pipe)
-        assert report["attention"] == "fa4" and report["fa4_attention_modules"] > 0, report
-        first = _call(pipe, inputs, device="cuda")
-        second = _call(pipe, inputs, device="cuda")
-        with eager(pipe):
-            reference = _call(pipe, inputs, device="cuda")
-        after = stats(pipe)
-        assert after["captures"] > 0 and after["replays"] > 0 and after["compile_failure"] is None, after
-        assert torch.equal(first, reference) and torch.equal(second, reference)
-        near = psnr(first.float().cpu(), pytorchs.float().cpu())
-        assert near > 35, near  # the same precision as PyTorch's kernel: rounding apart
-    finally:
-        restore(pipe)
-        torch._dynamo.reset()
+    report, fa4, pytorchs = fast_mode_with(name, attention="fa4")
+    assert report["attention"] == "fa4" and report["fa4_attention_modules"] > 0, report
+    near = psnr(fa4.float().cpu(), pytorchs.float().cpu())
+    assert near > 35, near  # the same precision as PyTorch's kernel: rounding apart

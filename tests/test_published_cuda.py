@@ -49,20 +49,20 @@ def _pipeline(name):
     return pipe, {**inputs, "height": 64, "width": 64}
 
 
-@pytest.mark.parametrize("name", PIPELINES)
-def test_fp8_attention_graphs_equal_their_compiled_blocks(name):
+def fast_mode_with(name, **options):
+    """Tiny ``name`` in fast mode, then in fast mode with ``options``: checks that the latter's graphs give the
+    bytes of its compiled blocks without graphs on two calls. Returns its ``stats()``, its image and fast mode's
+    without the options."""
     pipe, inputs = _pipeline(name)
     accelerate(pipe, mode="fast")
     try:
-        bf16 = _call(pipe, inputs, device="cuda")
+        plain = _call(pipe, inputs, device="cuda")
     finally:
         restore(pipe)
     torch._dynamo.reset()
-    accelerate(pipe, mode="fast", attention="fp8")
+    accelerate(pipe, mode="fast", **options)
     try:
         report = stats(pipe)
-        kernel = "cudnn" if cudnn_fp8_attention.unavailable(torch.device("cuda")) is None else "triton"
-        assert report["fp8_attention_kernels"] == {kernel: report["fp8_attention_modules"]} and report["attention"]
         first = _call(pipe, inputs, device="cuda")
         second = _call(pipe, inputs, device="cuda")
         with eager(pipe):
@@ -70,11 +70,19 @@ def test_fp8_attention_graphs_equal_their_compiled_blocks(name):
         after = stats(pipe)
         assert after["captures"] > 0 and after["replays"] > 0 and after["compile_failure"] is None, after
         assert torch.equal(first, reference) and torch.equal(second, reference)
-        assert not torch.equal(first, bf16)
-        assert psnr(first.float().cpu(), bf16.float().cpu()) > 25, psnr(first.float().cpu(), bf16.float().cpu())
     finally:
         restore(pipe)
         torch._dynamo.reset()
+    return report, first, plain
+
+
+@pytest.mark.parametrize("name", PIPELINES)
+def test_fp8_attention_graphs_equal_their_compiled_blocks(name):
+    report, fp8, bf16 = fast_mode_with(name, attention="fp8")
+    kernel = "cudnn" if cudnn_fp8_attention.unavailable(torch.device("cuda")) is None else "triton"
+    assert report["fp8_attention_kernels"] == {kernel: report["fp8_attention_modules"]} and report["attention"]
+    assert not torch.equal(fp8, bf16)
+    assert psnr(fp8.float().cpu(), bf16.float().cpu()) > 25, psnr(fp8.float().cpu(), bf16.float().cpu())
 
 
 def test_wan22_with_only_its_second_expert_replays_eagers_bytes():

@@ -65,7 +65,7 @@ if TYPE_CHECKING:
     from ..pipelines import PipelineAdapter
     from .context_parallel import ParallelLayout
 
-__all__ = ["EXPERTS", "Feature", "Setup", "Target", "expert_target", "expert_view"]
+__all__ = ["EXPERTS", "Feature", "Setup", "Target", "expert_target", "expert_view", "transformer_device"]
 
 # The further denoisers of two-expert pipelines, each a component of its own (Wan 2.2's low-noise expert).
 EXPERTS = ("transformer_2",)
@@ -181,6 +181,16 @@ class Feature:
 
     def close(self) -> None:
         """Undo what is not a recorded patch (process-wide patches...); called after the patches are undone."""
+
+
+def transformer_device(setup: Setup) -> tuple[torch.device | None, str | None]:
+    """The device of ``setup``'s transformer (that of its first parameter; the CPU without one), or None with
+    why: the transformer is missing or not among the accelerated components."""
+    transformer = setup.modules.get("transformer")
+    if transformer is None or "transformer" not in setup.accelerated:
+        return None, "the transformer is not among the accelerated components"
+    parameter = next(transformer.parameters(), None)
+    return (parameter.device if parameter is not None else torch.device("cpu")), None
 
 
 def expert_view(setup: Setup, expert: str) -> Setup:

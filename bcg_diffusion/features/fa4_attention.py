@@ -26,14 +26,12 @@ from __future__ import annotations
 import logging
 import warnings
 
-import torch
-
 from ..core.hooks import MethodPatches
 from ..core.runner import BCGWarning
 from ..kernels import fa4_attention
 from ..patches import dispatched_attention
 from ..patches.attention import KERNEL_ATTRIBUTE
-from .base import Feature, Setup
+from .base import Feature, Setup, transformer_device
 
 __all__ = ["Fa4Attention"]
 
@@ -63,12 +61,8 @@ class Fa4Attention(Feature):
     def create(cls, setup: Setup) -> Fa4Attention | None:
         if setup.config.attention != KERNEL:
             return None
-        transformer = setup.modules.get("transformer")
-        if transformer is None or "transformer" not in setup.accelerated:
-            _not_applied("the transformer is not among the accelerated components")
-            return None
-        parameter = next(transformer.parameters(), None)
-        reason = fa4_attention.unavailable(parameter.device if parameter is not None else torch.device("cpu"))
+        device, reason = transformer_device(setup)
+        reason = reason or fa4_attention.unavailable(device)
         if reason is not None:
             _not_applied(reason)
             return None

@@ -47,7 +47,7 @@ from ..kernels import cudnn_fp8_attention
 from ..kernels.attention import unavailable
 from ..patches import dispatched_attention
 from ..patches.attention import FP8_PROLOGUE_ATTRIBUTE, KERNEL_ATTRIBUTE
-from .base import Feature, Setup
+from .base import Feature, Setup, transformer_device
 
 __all__ = [
     "FP8_ATTENTION_KERNELS",
@@ -140,13 +140,8 @@ class Fp8Attention(Feature):
     def create(cls, setup: Setup) -> Fp8Attention | None:
         if setup.config.attention != "fp8":
             return None
-        transformer = setup.modules.get("transformer")
-        if transformer is None or "transformer" not in setup.accelerated:
-            _not_applied("the transformer is not among the accelerated components")
-            return None
-        parameter = next(transformer.parameters(), None)
-        device = parameter.device if parameter is not None else torch.device("cpu")
-        reason = unavailable(device)
+        device, reason = transformer_device(setup)
+        reason = reason or unavailable(device)
         if reason is not None:
             _not_applied(reason)
             return None
