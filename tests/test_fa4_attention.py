@@ -136,3 +136,26 @@ def test_fa4_reaches_every_attention_module_and_graphs_equal_its_compiled_blocks
         restore(pipe)
     assert all(module.processor is processor for module, processor in processors.items())
     assert not any(KERNEL_ATTRIBUTE in module.__dict__ for module in modules)
+
+
+@pytest.mark.heavy  # compiles the tiny blocks with inductor on the CPU
+def test_fa4_reaches_both_experts_of_wan22(monkeypatch):
+    monkeypatch.setattr(fa4_attention, "unavailable", lambda device: None)
+    monkeypatch.setattr(fa4_attention, "attention", _fake_fa4)
+    pipe, call = _pipeline("Wan 2.2 T2V")
+    experts = (pipe.transformer, pipe.transformer_2)
+    modules = [dispatched_attention.attention_modules(expert) for expert in experts]
+    processors = {module: module.processor for found in modules for module in found}
+    accelerate(pipe, mode="fast", attention="fa4", debug=True)
+    try:
+        report = stats(pipe)
+        second = report["experts"]["transformer_2"]
+        assert report["fa4_attention_modules"] == len(modules[0]) > 0, report
+        assert second["attention"] == "fa4" and second["fa4_attention_modules"] == len(modules[1]) > 0, second
+        assert all(getattr(m.processor, dispatched_attention.KERNEL_OF_CLASS) == "fa4" for m in processors)
+        fast = call()
+        with eager(pipe):
+            assert torch.equal(fast, call())
+    finally:
+        restore(pipe)
+    assert all(module.processor is processor for module, processor in processors.items())
