@@ -49,6 +49,19 @@ def _pipeline(name):
     return pipe, {**inputs, "height": 64, "width": 64}
 
 
+def replays_compiled_bytes(pipe, inputs):
+    """Two calls of ``pipe`` (accelerated in fast mode), each checked to give the bytes of its compiled blocks
+    without graphs (``eager(pipe)``), with graphs captured and replayed and no compile failure; returns the
+    first call's image."""
+    first, second = (_call(pipe, inputs, device="cuda") for _ in range(2))
+    with eager(pipe):
+        reference = _call(pipe, inputs, device="cuda")
+    after = stats(pipe)
+    assert after["captures"] > 0 and after["replays"] > 0 and after["compile_failure"] is None, after
+    assert torch.equal(first, reference) and torch.equal(second, reference)
+    return first
+
+
 def fast_mode_with(name, **options):
     """Tiny ``name`` in fast mode, then in fast mode with ``options``: checks that the latter's graphs give the
     bytes of its compiled blocks without graphs on two calls. Returns its ``stats()``, its image and fast mode's
@@ -63,13 +76,7 @@ def fast_mode_with(name, **options):
     accelerate(pipe, mode="fast", **options)
     try:
         report = stats(pipe)
-        first = _call(pipe, inputs, device="cuda")
-        second = _call(pipe, inputs, device="cuda")
-        with eager(pipe):
-            reference = _call(pipe, inputs, device="cuda")
-        after = stats(pipe)
-        assert after["captures"] > 0 and after["replays"] > 0 and after["compile_failure"] is None, after
-        assert torch.equal(first, reference) and torch.equal(second, reference)
+        first = replays_compiled_bytes(pipe, inputs)
     finally:
         restore(pipe)
         torch._dynamo.reset()
@@ -160,12 +167,7 @@ def test_flux_bf16_fast_mode_splits_its_single_blocks_and_replays_their_compiled
     accelerate(pipe, mode="fast")
     try:
         assert FLUX_SPLIT_OUTPUT_PATCH in stats(pipe)["patches"]
-        first, second = (_call(pipe, inputs, device="cuda") for _ in range(2))
-        with eager(pipe):
-            reference = _call(pipe, inputs, device="cuda")
-        report = stats(pipe)
-        assert report["replays"] > 0 and report["compile_failure"] is None, report
-        assert torch.equal(first, reference) and torch.equal(second, reference)
+        first = replays_compiled_bytes(pipe, inputs)
         assert psnr(first.float().cpu(), expected.float().cpu()) > 30
     finally:
         restore(pipe)
@@ -193,12 +195,7 @@ def test_flux_fp8_fast_mode_runs_its_block_glue_in_our_kernels_and_replays_their
         report = stats(pipe)
         assert report["fused_blocks"] == blocks, report["fused_blocks"]
         assert {FLUX_DOUBLE_BLOCK_PATCH, FLUX_SINGLE_BLOCK_PATCH} <= set(report["patches"])
-        first, second = (_call(pipe, inputs, device="cuda") for _ in range(2))
-        with eager(pipe):
-            reference = _call(pipe, inputs, device="cuda")
-        after = stats(pipe)
-        assert after["replays"] > 0 and after["compile_failure"] is None, after
-        assert torch.equal(first, reference) and torch.equal(second, reference)
+        first = replays_compiled_bytes(pipe, inputs)
         assert psnr(first.float().cpu(), inductor_glue.float().cpu()) > 30
     finally:
         restore(pipe)

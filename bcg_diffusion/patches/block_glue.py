@@ -24,6 +24,7 @@ __all__ = [
     "gated_feed_forward_fp8",
     "patch_blocks",
     "plain_layer_norm",
+    "unfit_class",
 ]
 
 # Set False on a block (:func:`choose`) to keep inductor's glue for it.
@@ -51,6 +52,16 @@ def plain_layer_norm(norm: Any) -> bool:
 def chosen_off(block: torch.nn.Module) -> bool:
     """Whether :func:`choose` kept ``block``'s glue out of the kernels."""
     return getattr(block, FUSED_BLOCK_CHOICE, True) is False
+
+
+def unfit_class(block: torch.nn.Module, class_name: str, module: str) -> str | None:
+    """Why ``block`` is not a block whose glue the kernels may take (None: it is): it must be diffusers'
+    ``class_name`` from ``module`` itself (not a subclass), not chosen off (:func:`choose`)."""
+    if type(block).__name__ != class_name or type(block).__module__ != module:
+        return f"not diffusers' {class_name}"
+    if chosen_off(block):
+        return "chosen off"
+    return None
 
 
 def choose(model: torch.nn.Module, fused: bool) -> int:

@@ -61,7 +61,7 @@ from ..core.hooks import MethodPatches
 from ..kernels import block_glue
 from ..kernels.activation_fp8 import gelu_fp8, unsupported
 from .attention import TAKES_FP8_ROWS
-from .block_glue import chosen_off, gated_feed_forward_fp8, patch_blocks, plain_layer_norm
+from .block_glue import gated_feed_forward_fp8, patch_blocks, plain_layer_norm, unfit_class
 from .fp8_feed_forward import (
     FP8_FEED_FORWARD_ATTRIBUTE,
     FP8_FEED_FORWARD_DEFAULT,
@@ -115,10 +115,9 @@ def _plain_half_linear(module: Any) -> bool:
 
 def _unfit_block(block: torch.nn.Module) -> str | None:
     """What both forwards need of ``block`` (None: it has it)."""
-    if type(block).__name__ != "FluxSingleTransformerBlock" or type(block).__module__ != _FLUX:
-        return "not diffusers' FluxSingleTransformerBlock"
-    if chosen_off(block):
-        return "chosen off (patches.block_glue.choose)"
+    reason = unfit_class(block, "FluxSingleTransformerBlock", _FLUX)
+    if reason is not None:
+        return reason
     if not _tanh_gelu(getattr(block, "act_mlp", None)):
         return "its MLP activation is not nn.GELU(approximate='tanh')"
     for name in ("proj_mlp", "proj_out"):
@@ -188,6 +187,17 @@ def unfit_split(block: torch.nn.Module) -> str | None:
     return None
 
 
+def _gated_split(
+    residual: torch.Tensor, gate: torch.Tensor, projected: torch.Tensor, text_seq_len: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The end of diffusers' ``FluxSingleTransformerBlock.forward`` (0.42): the gated residual of the projected
+    joined row, clipped to float16's range in float16, split back into the text and image streams."""
+    hidden_states = residual + gate.unsqueeze(1) * projected
+    if hidden_states.dtype == torch.float16:
+        hidden_states = hidden_states.clip(-65504, 65504)
+    return hidden_states[:, :text_seq_len], hidden_states[:, text_seq_len:]
+
+
 def fused_single_block_forward(
     self: torch.nn.Module,
     hidden_states: torch.Tensor,
@@ -233,12 +243,7 @@ def fused_single_block_forward(
         projected = linear_on_fp8(self.proj_out, data, scale, mlp_hidden_states.dtype)
     else:  # torchao quantizes the joined row itself, as in the class's forward
         projected = self.proj_out(torch.cat([attn_output, self.act_mlp(mlp_hidden_states)], dim=2))
-    hidden_states = residual + gate.unsqueeze(1) * projected
-    if hidden_states.dtype == torch.float16:
-        hidden_states = hidden_states.clip(-65504, 65504)
-
-    encoder_hidden_states, hidden_states = hidden_states[:, :text_seq_len], hidden_states[:, text_seq_len:]
-    return encoder_hidden_states, hidden_states
+    return _gated_split(residual, gate, projected, text_seq_len)
 
 
 def split_output_single_block_forward(
@@ -273,12 +278,7 @@ def split_output_single_block_forward(
     width = attn_output.shape[-1]
     projected = torch.addmm(self.proj_out.bias, attn_output.flatten(0, -2), weight[:, :width].t())
     projected = torch.addmm(projected, mlp_hidden_states, weight[:, width:].t())
-    hidden_states = residual + gate.unsqueeze(1) * projected.unflatten(0, residual.shape[:-1])
-    if hidden_states.dtype == torch.float16:
-        hidden_states = hidden_states.clip(-65504, 65504)
-
-    encoder_hidden_states, hidden_states = hidden_states[:, :text_seq_len], hidden_states[:, text_seq_len:]
-    return encoder_hidden_states, hidden_states
+    return _gated_split(residual, gate, projected.unflatten(0, residual.shape[:-1]), text_seq_len)
 
 
 def patch_flux_single_blocks(model: torch.nn.Module, patches: MethodPatches) -> int:
@@ -296,10 +296,9 @@ def patch_flux_split_outputs(model: torch.nn.Module, patches: MethodPatches) -> 
 
 def unfit_double(block: torch.nn.Module) -> str | None:
     """Why ``block`` does not take :func:`fused_double_block_forward` (None: it does)."""
-    if type(block).__name__ != "FluxTransformerBlock" or type(block).__module__ != _FLUX:
-        return "not diffusers' FluxTransformerBlock"
-    if chosen_off(block):
-        return "chosen off (patches.block_glue.choose)"
+    reason = unfit_class(block, "FluxTransformerBlock", _FLUX)
+    if reason is not None:
+        return reason
     if "forward" in block.__dict__:
         return "its forward was replaced already"
     if not _plain_ada_norm(getattr(block, "norm1", None)) or not plain_layer_norm(getattr(block, "norm2", None)):

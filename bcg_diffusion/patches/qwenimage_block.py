@@ -48,7 +48,7 @@ import torch
 from ..core.hooks import MethodPatches
 from ..kernels import block_glue
 from .attention import TAKES_FP8_ROWS, TEXT_LENGTHS_KWARG, qwen_per_group_lengths
-from .block_glue import chosen_off, gated_feed_forward_fp8, patch_blocks, plain_layer_norm
+from .block_glue import gated_feed_forward_fp8, patch_blocks, plain_layer_norm, unfit_class
 from .fp8_feed_forward import (
     FP8_FEED_FORWARD_ATTRIBUTE,
     FP8_FEED_FORWARD_DEFAULT,
@@ -80,10 +80,9 @@ _TEXT = _Stream(("add_q_proj", "add_k_proj", "add_v_proj"), ("txt_norm1", "txt_n
 
 def unfit(block: torch.nn.Module) -> str | None:
     """Why ``block`` does not take :func:`fused_block_forward` (None: it does)."""
-    if type(block).__name__ != "QwenImageTransformerBlock" or type(block).__module__ != _QWEN_IMAGE:
-        return "not diffusers' QwenImageTransformerBlock"
-    if chosen_off(block):
-        return "chosen off"
+    reason = unfit_class(block, "QwenImageTransformerBlock", _QWEN_IMAGE)
+    if reason is not None:
+        return reason
     if "forward" in block.__dict__:
         return "its forward was replaced already"
     if not all(plain_layer_norm(getattr(block, name, None)) for name in _NORMS):

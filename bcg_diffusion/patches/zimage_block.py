@@ -36,7 +36,7 @@ from ..core.hooks import MethodPatches
 from ..kernels import block_glue
 from ..kernels.activation_fp8 import swiglu_fp8
 from .attention import FUSED_QKV_ATTRIBUTE, TAKES_FP8_ROWS
-from .block_glue import chosen_off, patch_blocks
+from .block_glue import patch_blocks, unfit_class
 from .fp8_feed_forward import (
     Fp8Rows,
     linear_on_fp8,
@@ -65,10 +65,9 @@ def _plain_norm(norm: Any) -> bool:
 
 def unfit(block: torch.nn.Module) -> str | None:
     """Why ``block`` does not take :func:`fused_block_forward` (None: it does)."""
-    if type(block).__name__ != "ZImageTransformerBlock" or type(block).__module__ != _Z_IMAGE:
-        return "not diffusers' ZImageTransformerBlock"
-    if chosen_off(block):
-        return "chosen off"
+    reason = unfit_class(block, "ZImageTransformerBlock", _Z_IMAGE)
+    if reason is not None:
+        return reason
     if not getattr(block, "modulation", False):
         return "a block without modulation"
     if "forward" in block.__dict__:
