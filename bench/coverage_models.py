@@ -342,6 +342,54 @@ def _sana() -> tuple[Any, dict[str, Any]]:
     return pipe, {**embeds, "negative_prompt": None, "use_resolution_binning": False}
 
 
+def _hunyuan_image_embeds(
+    make: Callable[..., torch.Tensor], device: torch.device, text: tuple[int, int], glyphs: tuple[int, int]
+) -> dict[str, torch.Tensor]:
+    """HunyuanImage's four prompt tensors and their negatives: ``text`` and ``glyphs`` are (tokens, width) of its
+    Qwen2.5-VL and ByT5 embeddings; ``make(*shape, seed=...)`` makes one on ``device``. The prompt has no quoted
+    text, so its ByT5 rows are zeros with an empty mask, as ``encode_prompt`` gives them (and the pipeline does not
+    choose its OCR guider)."""
+    (tokens, width), (glyph_tokens, glyph_width) = text, glyphs
+    valid, negative_valid = max(1, tokens // 12), max(1, tokens // 125)  # 83 and 8 of 1,000 tokens
+    embeds = {"prompt_embeds": make(1, tokens, width), "negative_prompt_embeds": make(1, tokens, width, seed=1)}
+    embeds |= {"prompt_embeds_mask": _mask(device, tokens, valid)}
+    embeds |= {"negative_prompt_embeds_mask": _mask(device, tokens, negative_valid)}
+    for prefix in ("", "negative_"):
+        embeds[f"{prefix}prompt_embeds_2"] = make(1, glyph_tokens, glyph_width).zero_()
+        embeds[f"{prefix}prompt_embeds_mask_2"] = _mask(device, glyph_tokens, 0)
+    return embeds
+
+
+def _hunyuan_image() -> tuple[Any, dict[str, Any]]:
+    from diffusers import (
+        AdaptiveProjectedMixGuidance,
+        AutoencoderKLHunyuanImage,
+        FlowMatchEulerDiscreteScheduler,
+        HunyuanImagePipeline,
+        HunyuanImageTransformer2DModel,
+    )
+
+    transformer = HunyuanImageTransformer2DModel(
+        in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=8, num_layers=1, num_single_layers=1,
+        num_refiner_layers=1, patch_size=(1, 1), text_embed_dim=32, text_embed_2_dim=16, rope_axes_dim=(4, 4),
+    )  # fmt: skip
+    vae = AutoencoderKLHunyuanImage(
+        in_channels=3, out_channels=3, latent_channels=4, block_out_channels=(32, 32, 32, 32), layers_per_block=1,
+        spatial_compression_ratio=8, sample_size=32, scaling_factor=0.476986,
+    )  # fmt: skip
+    # The guider's adaptive projection from the second step on, so that two steps run both of its branches.
+    pipe = HunyuanImagePipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=5.0), vae=vae, text_encoder=None, tokenizer=None,
+        text_encoder_2=None, tokenizer_2=None, transformer=transformer,
+        guider=AdaptiveProjectedMixGuidance(adaptive_projected_guidance_start_step=1),
+    )  # fmt: skip
+
+    def make(*shape: int, seed: int = 0) -> torch.Tensor:
+        return torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+
+    return pipe, _hunyuan_image_embeds(make, torch.device("cpu"), text=(12, 32), glyphs=(4, 16))
+
+
 TINY: dict[str, Callable[[], tuple[Any, dict[str, Any]]]] = {
     "FLUX.1": _flux,
     "Chroma": _chroma,
@@ -358,6 +406,7 @@ TINY: dict[str, Callable[[], tuple[Any, dict[str, Any]]]] = {
     "HunyuanVideo": _hunyuan_video,
     "LTX-Video": _ltx,
     "Sana": _sana,
+    "HunyuanImage": _hunyuan_image,
 }
 
 
@@ -894,6 +943,42 @@ def _full_sana_inputs(device: torch.device, size: Size) -> dict[str, Any]:
     return embeds | _size(size) | extra
 
 
+def _full_hunyuan_image(device: torch.device) -> Any:
+    from diffusers import (
+        AdaptiveProjectedMixGuidance,
+        AutoencoderKLHunyuanImage,
+        FlowMatchEulerDiscreteScheduler,
+        HunyuanImagePipeline,
+        HunyuanImageTransformer2DModel,
+    )
+
+    # hunyuanvideo-community/HunyuanImage-2.1-Diffusers transformer/config.json (17B, the undistilled model).
+    transformer = _random_model(partial(
+        HunyuanImageTransformer2DModel, in_channels=64, out_channels=64, num_attention_heads=28,
+        attention_head_dim=128, num_layers=20, num_single_layers=40, num_refiner_layers=2, patch_size=(1, 1),
+        qk_norm="rms_norm", guidance_embeds=False, text_embed_dim=3584, text_embed_2_dim=1472, rope_theta=256.0,
+        rope_axes_dim=(64, 64),
+    ), "transformer", device)  # fmt: skip
+    # Its vae/config.json: 32x spatial compression, 64 latent channels.
+    vae = _random_model(partial(
+        AutoencoderKLHunyuanImage, in_channels=3, out_channels=3, latent_channels=64,
+        block_out_channels=(128, 256, 512, 512, 1024, 1024), layers_per_block=2, spatial_compression_ratio=32,
+        sample_size=384, scaling_factor=0.75289, downsample_match_channel=True, upsample_match_channel=True,
+    ), "vae", device)  # fmt: skip
+    # The guider with its defaults (CFG 3.5, the adaptive projection from step 5); a flow shift changes no work.
+    return HunyuanImagePipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=5.0), vae=vae, text_encoder=None, tokenizer=None,
+        text_encoder_2=None, tokenizer_2=None, transformer=transformer, guider=AdaptiveProjectedMixGuidance(),
+    )  # fmt: skip
+
+
+def _full_hunyuan_image_inputs(device: torch.device, size: Size) -> dict[str, Any]:
+    # Qwen2.5-VL-7B padded to the pipeline's 1,000 tokens (an 83-token prompt, an 8-token negative one), ByT5's
+    # 128 glyph tokens (zeros: no quoted text).
+    embeds = _hunyuan_image_embeds(partial(_randn, device), device, text=(1000, 3584), glyphs=(128, 1472))
+    return embeds | _size(size)
+
+
 FULL: dict[str, Published] = {
     "FLUX.1": Published("black-forest-labs/FLUX.1-dev", _full_flux, _full_flux_inputs),
     "Chroma": Published("lodestones/Chroma1-HD", _full_chroma, _full_chroma_inputs),
@@ -919,4 +1004,11 @@ FULL: dict[str, Published] = {
         "Lightricks/LTX-Video", _full_ltx, _full_ltx_inputs, (Size("launch-bound", 480, 288, 9), VIDEO_SIZES[1])
     ),
     "Sana": Published("Efficient-Large-Model/Sana_1600M_1024px_diffusers", _full_sana, _full_sana_inputs),
+    # HunyuanImage 2.1 renders at 2048x2048 (its VAE compresses 32x: 4,096 image tokens there).
+    "HunyuanImage": Published(
+        "hunyuanvideo-community/HunyuanImage-2.1-Diffusers",
+        _full_hunyuan_image,
+        _full_hunyuan_image_inputs,
+        (Size("launch-bound", 1024, 1024), Size("GPU-bound", 2048, 2048)),
+    ),
 }

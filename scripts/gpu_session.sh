@@ -99,7 +99,8 @@
 #   probe-vae-coders the VAEs' encode and decode (Qwen-Image 1024² and 512², FLUX.1's 1024², Wan 81 frames at 832x480):
 #                    eager, fused with a single frame in 3-D, fused as fast mode runs it (bench/probes/probe_vae_coders.py)
 #   probe-cfg-batch-gain  what one batch of FLUX.1's true-CFG pair saves against two calls (512², 1024²; transformer
-#                    replayed from a CUDA graph, bench/probes/probe_cfg_batch_gain.py)
+#                    replayed from a CUDA graph, bench/probes/probe_cfg_batch_gain.py); CFG_BATCH_ARGS="--model wan
+#                    --replays 3": Wan 2.1 14B's CFG pair at 832x480x81
 #   readme-rows      Z-Image-Turbo 512² and 1024², 8 steps (eager, bcg, fast, fast-fp8, fast-fp8-attn; 3 runs) and
 #                    Qwen-Image 1024², 50 steps, true CFG 4 (eager, fast, fast-fp8, fast-fp8-attn; 2 runs): the README's rows
 #   tests-state Python state read by captures and object arguments, exact and fast (tiny)
@@ -257,7 +258,8 @@ case "$phase" in
       | grep -v "Warning\|warnings.warn\|_warn_once" | tee "$out/probe-vae-coders.log" | tail -20
     ;;
   probe-cfg-batch-gain)
-    timeout 200 python3 -m bench.probes.probe_cfg_batch_gain 2>&1 | grep -v "Warning\|warnings.warn\|_warn_once" \
+    # CFG_BATCH_ARGS: the probe's arguments (e.g. --model wan --replays 3)
+    timeout 300 python3 -m bench.probes.probe_cfg_batch_gain ${CFG_BATCH_ARGS:-} 2>&1 | grep -v "Warning\|warnings.warn\|_warn_once" \
       | tee "$out/probe-cfg-batch-gain.log" | tail -8
     ;;
   tests-state)

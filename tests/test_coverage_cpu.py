@@ -43,6 +43,7 @@ PUBLISHED_BILLIONS = {
     "HunyuanVideo": 12.82,  # 13B
     "LTX-Video": 1.92,  # 2B
     "Sana": 1.60,  # 1.6B
+    "HunyuanImage": 17.43,  # 2.1: 17B
 }
 # Where each transformer class keeps the width of the text embeddings it takes.
 TEXT_WIDTH_KEYS = ("joint_attention_dim", "text_dim", "caption_channels", "cap_feat_dim", "text_embed_dim")
