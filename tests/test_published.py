@@ -183,11 +183,12 @@ TWO_BLOCKS = {
     "Wan 2.1 T2V": {"num_layers": 2},
     "Wan 2.2 T2V": {"num_layers": 2},
     "Qwen-Image Edit Plus": {"num_layers": 2},
+    "HunyuanImage": {"num_layers": 2, "num_single_layers": 2},
 }
 
 
 @pytest.mark.parametrize("cache", ["magcache", "first-block", "taylorseer"])
-@pytest.mark.parametrize("name", PIPELINES)
+@pytest.mark.parametrize("name", [*PIPELINES, "HunyuanImage"])
 def test_step_caches_run_inside_the_graphs_of_every_family(name, cache):
     from bcg_diffusion.features.step_caching import enable_cache
     from bench.caching import cache_config
@@ -208,7 +209,7 @@ def test_step_caches_run_inside_the_graphs_of_every_family(name, cache):
         restore(pipe)
 
 
-@pytest.mark.parametrize("name", [*PIPELINES, "Wan 2.2 T2V"])
+@pytest.mark.parametrize("name", [*PIPELINES, "Wan 2.2 T2V"])  # HunyuanImage: tests/test_hunyuanimage.py
 def test_cache_dit_runs_inside_the_graphs_of_every_family(name):
     """Cache-DiT's DBCache on a static computation mask (compute, reuse, ...), enabled before ``accelerate``: each
     family's blocks run on the graphs (both of Wan 2.2's experts) with Cache-DiT's host logic in eager breaks, and

@@ -185,6 +185,12 @@ FOLLOWED: dict[str, dict[str, str]] = {
         f"{_ZI}.ZImageTransformer2DModel._prepare_sequence": "179f5372e35d90f7",
         f"{_ZI}.ZImageTransformer2DModel.forward": "b0ae2e5b7a2d0743",
     },
+    # both modes: HunyuanImage's forward with its text tokens joined by a sort (fixed shapes, no host syncs)
+    "hunyuanimage joined text": {
+        "diffusers.models.transformers.transformer_hunyuanimage.HunyuanImageTransformer2DModel.forward": (
+            "213969c1fc1d9290"
+        ),
+    },
     # step caching: how each of diffusers' cache hooks decides, and what it keeps (mirrored in step_caching.kinds)
     "step caching: FirstBlockCache": {
         f"{_HOOKS}.first_block_cache.FBCSharedBlockState.__init__": "3b727d7dfabe1778",

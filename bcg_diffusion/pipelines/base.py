@@ -14,7 +14,7 @@ from diffusers.models.attention_dispatch import _AttentionBackendRegistry
 
 from ..core.hooks import MethodPatches
 from ..features.cfg_batching import CfgBatchSpec
-from ..patches import FunctionPatch
+from ..patches import FunctionPatch, hunyuanimage
 from ..patches.flux_attention import FLUX_ATTENTION_PATCHES
 from ..patches.scoped import ProcessorPatch
 
@@ -106,6 +106,11 @@ class PipelineAdapter:
     # GPU work at 512 tokens, not launches.
     default_text_encoders: tuple[str, ...] = ("Qwen3Model", "Qwen3ForCausalLM")
     patches: tuple[FunctionPatch, ...] = ()
+    # Forwards the runner calls instead of a model's own, byte-identical and capturable where the original is not:
+    # each takes the bound method and gives it back unchanged unless it is the one it replaces.
+    forward_replacements: tuple[Callable[[Callable[..., Any]], Callable[..., Any]], ...] = (
+        hunyuanimage.runner_forward,
+    )
     # Fast mode only: patches that compile better but round differently, scoped to the accelerated model. Each
     # applies to the processors of its class wherever they are: FLUX.1's and FLUX.2's for any pipeline.
     fast_patches: tuple[ProcessorPatch, ...] = FLUX_ATTENTION_PATCHES
@@ -136,10 +141,12 @@ class PipelineAdapter:
         return self.cfg_batch is not None and type(pipe).__name__ in classes
 
     def runner_callable(self, component: str, method: Callable[..., Any]) -> Callable[..., Any]:
-        """What the runner of ``component`` calls: ``method`` itself, except for a text encoder, which is
-        called with ``use_cache=False`` (a key/value cache object is not a tensor output a graph can
-        return, and encoding a prompt once never reads it)."""
+        """What the runner of ``component`` calls: ``method`` itself, or what one of :attr:`forward_replacements`
+        gives for it; for a text encoder, ``method`` called with ``use_cache=False`` (a key/value cache object is
+        not a tensor output a graph can return, and encoding a prompt once never reads it)."""
         if not component.startswith("text_encoder"):
+            for replacement in self.forward_replacements:
+                method = replacement(method)
             return method
 
         @functools.wraps(method)
