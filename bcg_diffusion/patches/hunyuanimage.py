@@ -5,7 +5,7 @@ that each prompt's valid tokens come first: per prompt it concatenates ``byt5[ma
 ``byt5[~mask_2]`` and ``mllm[~mask]``. Those eight selections have data-dependent shapes, so a capture makes
 each an automatic eager break, a host sync on every replay, and every new number of valid tokens is another
 path through the graph. After eight prompt lengths the signature gives up and runs eagerly from then on
-(``tests/test_published.py`` has a test that failed on that), and Cache-DiT's decisions on top reach that
+(``tests/test_hunyuanimage.py`` has a test that failed on that), and Cache-DiT's decisions on top reach that
 limit within one call.
 
 :func:`joined_text` gives the same tensors with fixed shapes: the two streams concatenated, then reordered by
@@ -32,7 +32,7 @@ from .followed import installable
 __all__ = ["JOINED_TEXT", "forward", "joined_text", "runner_forward"]
 
 JOINED_TEXT = "hunyuanimage joined text"  # its name in bcg_diffusion.patches.followed.FOLLOWED
-_CLASS = "HunyuanImageTransformer2DModel"  # matched by name first: diffusers is imported only for one
+_CLASS = "HunyuanImageTransformer2DModel"  # compared by name first: diffusers' class is imported only for one
 
 
 def joined_text(
