@@ -26,6 +26,8 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from diffusers.models.modeling_outputs import Transformer2DModelOutput
+from diffusers.utils import apply_lora_scale
 
 from .followed import installable
 
@@ -97,21 +99,11 @@ def _forward(
         )
     hidden_states = self.proj_out(self.norm_out(hidden_states, temb))
     hidden_states = _unpatchify(self, hidden_states, sizes)
-    if not return_dict:
-        return (hidden_states,)
-    from diffusers.models.modeling_outputs import Transformer2DModelOutput
-
-    return Transformer2DModelOutput(sample=hidden_states)
+    return Transformer2DModelOutput(sample=hidden_states) if return_dict else (hidden_states,)
 
 
-def _with_lora_scale(function: Callable[..., Any]) -> Callable[..., Any]:
-    # diffusers' own decorator, as on the original: LoRA scaling from attention_kwargs["scale"].
-    from diffusers.utils import apply_lora_scale
-
-    return apply_lora_scale("attention_kwargs")(function)
-
-
-forward = _with_lora_scale(_forward)
+# diffusers' own decorator, as on the original: LoRA scaling from attention_kwargs["scale"].
+forward = apply_lora_scale("attention_kwargs")(_forward)
 
 
 def runner_forward(method: Callable[..., Any]) -> Callable[..., Any]:
