@@ -115,7 +115,8 @@ class Case:
             kwargs.update(
                 height=self.height, width=self.width, num_inference_steps=self.steps, output_type=output_type
             )
-            kwargs.update({self.published.guidance_argument: self.guidance})
+            if self.published.guidance_argument is not None:
+                kwargs[self.published.guidance_argument] = self.guidance
             kwargs["generator"] = torch.Generator("cpu").manual_seed(seed)
             return kwargs | ({"num_frames": self.frames} if self.frames else {})
         prompts = self.prompt_list()

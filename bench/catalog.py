@@ -111,8 +111,9 @@ DEFAULT_MODES: tuple[str, ...] = tuple(
     and m not in CACHEDIT
     and m not in OPTIONAL_PACKAGE
 )
-# What a run of bench.published's pipelines (flux, flux2-klein, wan, qwen-image-edit) without --modes compares on
-# a GPU: each is minutes at its published size, so ours as a user gets them and diffusers' regional compile.
+# What a run of bench.published's pipelines (flux, flux2-klein, wan, qwen-image-edit, hunyuan-image) without --modes
+# compares on a GPU: each is minutes at its published size, so ours as a user gets them and diffusers' regional
+# compile.
 PUBLISHED_DEFAULT_MODES: tuple[str, ...] = (
     "eager",
     "bcg",

@@ -189,7 +189,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=runs.resolutions,
         metavar="WxH[,WxH...]",
         help="image sizes, multiples of 16 (default: 512x512; flux, flux2-klein, qwen-image-edit 1024x1024; "
-        "wan 832x480)",
+        "wan 832x480; hunyuan-image 2048x2048)",
     )
     parser.add_argument(
         "--text-encoders",
@@ -203,14 +203,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--steps",
         type=runs.at_least(2),
-        help="denoising steps (default: 8; flux 28, flux2-klein 4, wan 3 of its 40, qwen-image-edit 8)",
+        help="denoising steps (default: 8; flux 28, flux2-klein 4, wan 3 of its 40, qwen-image-edit 8, "
+        "hunyuan-image 8 of its 50)",
     )
     parser.add_argument(
         "--guidance",
         type=float,
         help="Qwen-Image's true_cfg_scale (CFG above 1) / Z-Image's guidance_scale (CFG above 0) / the "
         "pipeline's own guidance for the others (default: 0; flux 3.5, distilled; flux2-klein 1.0; wan 5.0, CFG; "
-        "qwen-image-edit 4.0, true CFG)",
+        "qwen-image-edit 4.0, true CFG; hunyuan-image 3.5, its guider's, fixed)",
     )
     parser.add_argument("--batch", type=runs.at_least(1), default=1, help="prompts per call")
     parser.add_argument(
@@ -224,7 +225,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=_modes,
         metavar="MODE[,MODE...]",
         help="comma-separated, from the modes below or --list-modes (default on a GPU: "
-        f"{','.join(DEFAULT_MODES)}; for flux, flux2-klein, wan and qwen-image-edit: {','.join(PUBLISHED_DEFAULT_MODES)}; "
+        f"{','.join(DEFAULT_MODES)}; for flux, flux2-klein, wan, qwen-image-edit and hunyuan-image: "
+        f"{','.join(PUBLISHED_DEFAULT_MODES)}; "
         f"on a CPU: {','.join(CPU_DEFAULT_MODES)})",
     )
     parser.add_argument(
@@ -335,6 +337,8 @@ def _pipeline_cases(name: str, args: argparse.Namespace) -> list[Case]:
     if args.frames is not None and spec.frames is None:
         raise ValueError(f"--frames is for the video pipelines (wan), not {name}")
     frames = args.frames or spec.frames
+    if spec.guidance_argument is None and args.guidance not in (None, spec.guidance):
+        raise ValueError(f"--guidance: {name}'s guider holds its guidance ({spec.guidance:g}); the call cannot set it")
     steps, guidance = args.steps or spec.steps, spec.guidance if args.guidance is None else args.guidance
     weights = "tiny" if args.weights == runs.SMOKE_WEIGHTS else args.weights
     return [

@@ -28,7 +28,8 @@ class PublishedCase:
         width, height, frames: the size people render (``frames`` None: an image pipeline).
         steps: the denoising steps of that case (Wan: 3 of its 40, enough for a per-step time).
         guidance: the guidance of that case, passed as ``guidance_argument``.
-        guidance_argument: the pipeline's keyword for it.
+        guidance_argument: the pipeline's keyword for it (None: the pipeline's guider holds it, and the benchmark
+            cannot change it).
         cfg_above: the guidance above which the pipeline calls the transformer twice a step (None: never, a
             guidance-distilled model).
         text_encoders: whether ``--text-encoders`` can build its text encoders (:mod:`bench.published_text`).
@@ -40,7 +41,7 @@ class PublishedCase:
     frames: int | None
     steps: int
     guidance: float
-    guidance_argument: str = "guidance_scale"
+    guidance_argument: str | None = "guidance_scale"
     cfg_above: float | None = None
     text_encoders: bool = True
 
@@ -59,6 +60,8 @@ PUBLISHED: dict[str, PublishedCase] = {
     "qwen-image-edit": PublishedCase(
         "Qwen-Image Edit Plus", 1024, 1024, None, 8, 4.0, "true_cfg_scale", 1.0, text_encoders=False
     ),
+    # HunyuanImage 2.1 (17B) at 2048², 8 of its 50 steps; its guider's CFG 3.5 (two transformer calls a step).
+    "hunyuan-image": PublishedCase("HunyuanImage", 2048, 2048, None, 8, 3.5, None, 1.0, text_encoders=False),
 }
 
 

@@ -17,7 +17,7 @@ from bcg_diffusion.patches.attention import KERNEL_ATTRIBUTE
 from bench.coverage import _call
 from bench.coverage_models import TINY
 
-PIPELINES = ("FLUX.1", "FLUX.2 klein", "Wan 2.1 T2V", "Qwen-Image Edit Plus", "z-image")
+PIPELINES = ("FLUX.1", "FLUX.2 klein", "Wan 2.1 T2V", "Qwen-Image Edit Plus", "z-image", "HunyuanImage")
 
 
 def _pipeline(name):
@@ -100,17 +100,28 @@ def test_the_option_is_fast_modes_and_warns_where_it_cannot_apply():
         restore(pipe)
 
 
-def _fake_fa4(query, key, value, scale=None):
+# Whether each call of the stand-in had key lengths (a mask that hides keys), in the order they came.
+_FAKE_CALLS: list[bool] = []
+
+
+def _fake_fa4(query, key, value, scale=None, key_lengths=None):
     """What the test puts in the GPU kernel's place: attention on the query rounded to half its bits, so its
-    result differs from PyTorch's (the kernel was reached) and is deterministic."""
-    return fa4_attention.reference(query.to(torch.float8_e5m2).to(query.dtype), key, value, scale)
+    result differs from PyTorch's (the kernel was reached) and is deterministic. Records its eager calls (debug
+    mode's recording of each signature runs the blocks' eager forwards): a list changed inside compiled code would
+    recompile the block on every call."""
+    if not torch.compiler.is_compiling():
+        _FAKE_CALLS.append(key_lengths is not None)
+    query = query.to(torch.float8_e5m2).to(query.dtype)
+    return fa4_attention.reference(query, key, value, scale or query.shape[-1] ** -0.5, key_lengths)
 
 
 @pytest.mark.heavy  # compiles the tiny blocks with inductor on the CPU
 @pytest.mark.parametrize("name", PIPELINES)
 def test_fa4_reaches_every_attention_module_and_graphs_equal_its_compiled_blocks(name, monkeypatch):
     monkeypatch.setattr(fa4_attention, "unavailable", lambda device: None)
+    monkeypatch.setattr(fa4_attention, "unsupported", lambda q, k, v: None)  # the tiny models' float32, small heads
     monkeypatch.setattr(fa4_attention, "attention", _fake_fa4)
+    _FAKE_CALLS.clear()
     pipe, call = _pipeline(name)
     with torch.no_grad():
         pytorchs = call()
@@ -129,7 +140,9 @@ def test_fa4_reaches_every_attention_module_and_graphs_equal_its_compiled_blocks
         with eager(pipe):  # the compiled blocks without graphs: what fast mode must equal
             reference = call()
         assert torch.equal(fast, reference)
-        assert not torch.equal(fast, pytorchs)  # the stand-in ran
+        assert not torch.equal(fast, pytorchs) and _FAKE_CALLS  # the stand-in ran
+        # HunyuanImage's joint attention hides the text's padding: its calls reach the kernel with key lengths
+        assert any(_FAKE_CALLS) == (name == "HunyuanImage"), _FAKE_CALLS
         after = stats(pipe)
         assert after["compile_failure"] is None and after["compiles"] > 0 and after["eager_fallbacks"] == 0, after
     finally:
@@ -141,6 +154,7 @@ def test_fa4_reaches_every_attention_module_and_graphs_equal_its_compiled_blocks
 @pytest.mark.heavy  # compiles the tiny blocks with inductor on the CPU
 def test_fa4_reaches_both_experts_of_wan22(monkeypatch):
     monkeypatch.setattr(fa4_attention, "unavailable", lambda device: None)
+    monkeypatch.setattr(fa4_attention, "unsupported", lambda q, k, v: None)
     monkeypatch.setattr(fa4_attention, "attention", _fake_fa4)
     pipe, call = _pipeline("Wan 2.2 T2V")
     experts = (pipe.transformer, pipe.transformer_2)

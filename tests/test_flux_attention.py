@@ -204,7 +204,9 @@ def test_under_cudnn_fp8_attention_the_prologue_writes_the_float8_query_and_key(
     monkeypatch.setattr(  # the FP8 dispatch's kernel, given the bounds the prologue uses (else: the largest values)
         cudnn_fp8_attention,
         "attention",
-        lambda q, k, v, qb=None, kb=None, scale=None: original_attention(q, k, v, *bounds, scale=scale),
+        lambda q, k, v, qb=None, kb=None, scale=None, key_lengths=None: original_attention(
+            q, k, v, *bounds, scale=scale, key_lengths=key_lengths
+        ),
     )
     attn = _attention(kind)
     inputs = _inputs(kind)

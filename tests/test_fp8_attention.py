@@ -252,7 +252,7 @@ def test_fp8_attention_kernel_choice():
 def test_a_shape_cudnn_refuses_is_warned_once_and_recorded(monkeypatch):
     from bcg_diffusion.kernels import cudnn_fp8_attention as cudnn_fp8
 
-    def refuse(shape, scale, device_index):
+    def refuse(shape, scale, device_index, padded):
         raise RuntimeError("cudnnGraphNotSupportedError: no engine")
 
     monkeypatch.setattr(cudnn_fp8, "_graph", refuse)
@@ -262,7 +262,7 @@ def test_a_shape_cudnn_refuses_is_warned_once_and_recorded(monkeypatch):
         shape = (1, 77, 2, 77, 128)
         with pytest.warns(UserWarning, match=r"cuDNN refuses FP8 attention of shape .*no engine.*float32 reference"):
             assert "no engine" in cudnn_fp8._graph_or_reason(shape, 0.5, 0)
-        assert cudnn_fp8._graph_or_reason(shape, 0.5, 0) == cudnn_fp8.refusals()[(shape, 0.5, 0)]  # once
-        assert list(cudnn_fp8.refusals()) == [(shape, 0.5, 0)]
+        assert cudnn_fp8._graph_or_reason(shape, 0.5, 0) == cudnn_fp8.refusals()[(shape, 0.5, 0, False)]  # once
+        assert list(cudnn_fp8.refusals()) == [(shape, 0.5, 0, False)]
     finally:
         cudnn_fp8._graph_or_reason.cache_clear()

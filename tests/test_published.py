@@ -8,7 +8,8 @@ what every model made of diffusers' shared building blocks gets without a model 
 * Wan 2.2: fast mode compiles both experts, and one built with ``transformer=None`` is accelerated;
 * fast mode batches Qwen-Image-Edit's CFG calls;
 * diffusers' step caches inside each family's graphs;
-* ``python -m bench --pipeline flux | flux2-klein | wan | qwen-image-edit`` (its defaults, a tiny run).
+* ``python -m bench --pipeline flux | flux2-klein | wan | qwen-image-edit | hunyuan-image`` (its defaults, a tiny
+  run).
 """
 
 from __future__ import annotations
@@ -309,6 +310,9 @@ def test_bench_knows_the_published_pipelines_at_the_sizes_people_render():
     assert (klein.steps, klein.uses_cfg) == (2, False)
     [edit] = cli.parse_args(["--pipeline", "qwen-image-edit", "--weights", "tiny"]).cases
     assert edit.uses_cfg and edit.kwargs()["true_cfg_scale"] == 4.0 and "image" in edit.kwargs()
+    [hunyuan] = cli.parse_args(["--pipeline", "hunyuan-image", "--weights", "tiny"]).cases
+    assert (hunyuan.width, hunyuan.height, hunyuan.steps, hunyuan.uses_cfg) == (2048, 2048, 8, True)
+    assert "guidance_scale" not in hunyuan.kwargs() and "cfg 3.5" in hunyuan.label  # its guider's
     [zimage] = cli.parse_args(["--pipeline", "z-image", "--weights", "tiny"]).cases
     assert (zimage.width, zimage.steps, zimage.guidance) == (512, 8, 0.0)  # unchanged defaults
     args = cli.parse_args(["--pipeline", "flux", "--pipeline", "wan"])
@@ -321,6 +325,13 @@ def test_bench_refuses_frames_for_an_image_pipeline(argv, capsys):
         cli.parse_args([*argv, "--weights", "tiny"])
     assert exc.value.code == 2
     assert "--frames is for" in capsys.readouterr().err
+
+
+def test_bench_refuses_a_guidance_the_pipelines_guider_holds(capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.parse_args(["--pipeline", "hunyuan-image", "--weights", "tiny", "--guidance", "5"])
+    assert exc.value.code == 2
+    assert "hunyuan-image's guider holds its guidance (3.5)" in capsys.readouterr().err
 
 
 def test_bench_times_a_published_pipeline_on_the_cpu(tmp_path, capsys):

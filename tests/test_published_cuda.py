@@ -29,6 +29,7 @@ HEAD_128 = {
     "FLUX.2 klein": {"attention_head_dim": 128, "axes_dims_rope": [32, 32, 32, 32]},
     "Wan 2.1 T2V": {"attention_head_dim": 128},
     "Qwen-Image Edit Plus": {"attention_head_dim": 128, "axes_dims_rope": [16, 56, 56]},
+    "HunyuanImage": {"attention_head_dim": 128, "rope_axes_dim": [64, 64]},  # tests/test_key_padding_cuda.py
 }
 
 

@@ -30,6 +30,9 @@ custom operator (``bcg_diffusion::cudnn_fp8_attention``) that inductor calls as 
 it reads computed beforehand in the compiled code (:func:`pack_scales`). cuDNN builds one graph per
 shape, on the first call with that shape (an eager warm-up before any capture), and the same engine
 each time for the same shape, GPU and cuDNN version, so two runs compute the same bytes.
+A call whose mask hides keys only (a prompt's padding, :mod:`bcg_diffusion.kernels.key_padding`) passes how
+many keys each batch row sees, the first ones (``key_lengths``): cuDNN's padding mask, which skips the hidden
+keys' work; its graph is another one for the same shape.
 Without a GPU the operator computes its float32 reference (:func:`reference`), which tests use.
 """
 
@@ -43,6 +46,7 @@ import warnings
 import torch
 
 from .attention import layout_unsupported, shapes_unsupported
+from .key_padding import check_lengths, reference_mask
 
 __all__ = [
     "FP8_MAX",
@@ -69,7 +73,7 @@ OUTPUT_MARGIN = 1.0625
 MIN_CUDNN = 91400  # cuDNN 9.14: what cuDNN's own frontend tests ask of its FP8 attention
 _HEAD_DIMS = (128,)  # what was measured
 _UIDS = dict(query=1, key=2, value=3, out=4, descale_q=5, descale_k=6, descale_v=7, descale_s=8, scale_s=9)
-_UIDS.update(scale_o=10, amax_s=11, amax_o=12)
+_UIDS.update(scale_o=10, amax_s=11, amax_o=12, seq_len_q=13, seq_len_kv=14)
 
 
 @functools.cache
@@ -169,19 +173,22 @@ def attention(
     query_bound: torch.Tensor | None = None,
     key_bound: torch.Tensor | None = None,
     scale: float | None = None,
+    key_lengths: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Softmax attention without a mask in FP8: ``[B, S, H, D]`` in, ``[B, S, H, D]`` out in the inputs'
+    """Softmax attention in FP8: ``[B, S, H, D]`` in, ``[B, S, H, D]`` out in the inputs'
     dtype. ``query_bound`` / ``key_bound``: a float32 scalar no element exceeds (:func:`rms_norm_bound`),
-    else each tensor's largest magnitude is reduced. ``scale`` defaults to ``1 / sqrt(D)``.
+    else each tensor's largest magnitude is reduced. ``scale`` defaults to ``1 / sqrt(D)``. ``key_lengths``
+    (int32 ``[B]``): each batch row attends to its first ``key_lengths[b]`` keys only; None: to all of them.
+    A key's scale is reduced over every key, hidden ones too.
 
-    Refuses (ValueError) what :func:`unsupported` names.
+    Refuses (ValueError) what :func:`unsupported` names, and key lengths of another shape or dtype.
     """
     reason = unsupported(query, key, value)
     if reason is not None:
         raise ValueError(f"cuDNN's FP8 attention cannot take these tensors: {reason}")
     query8, descale_q = _quantize(query, query_bound)
     key8, descale_k = _quantize(key, key_bound)
-    return attention_quantized(query8, key8, descale_q, descale_k, value, scale=scale)
+    return attention_quantized(query8, key8, descale_q, descale_k, value, scale=scale, key_lengths=key_lengths)
 
 
 def attention_quantized(
@@ -192,6 +199,7 @@ def attention_quantized(
     value: torch.Tensor,
     value_largest: torch.Tensor | None = None,
     scale: float | None = None,
+    key_lengths: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """:func:`attention` on a query and key quantized already: ``[B, S, H, D]`` float8 e4m3 with their
     descales (float32 scalars, :func:`quantize`), ``value`` ``[B, S, H, D]`` in bf16 or fp16, scaled by
@@ -201,7 +209,9 @@ def attention_quantized(
 
     Refuses (ValueError) what :func:`unsupported_quantized` names.
     """
-    out8, descale_o = attention_fp8_output(query8, key8, query_descale, key_descale, value, value_largest, scale)
+    out8, descale_o = attention_fp8_output(
+        query8, key8, query_descale, key_descale, value, value_largest, scale, key_lengths
+    )
     return dequantize(out8, descale_o, value.dtype)
 
 
@@ -213,6 +223,7 @@ def attention_fp8_output(
     value: torch.Tensor,
     value_largest: torch.Tensor | None = None,
     scale: float | None = None,
+    key_lengths: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`attention_quantized` without scaling its output back: the kernel's ``[B, S, H, D]`` float8
     e4m3 output and its descale (a float32 scalar: the output's real values are ``out8.float() *
@@ -227,10 +238,12 @@ def attention_fp8_output(
     reason = unsupported_quantized(query8, key8, value)
     if reason is not None:
         raise ValueError(f"cuDNN's FP8 attention cannot take these tensors: {reason}")
+    check_lengths(key_lengths, query8.shape[0])
     scale = 1.0 / math.sqrt(query8.shape[-1]) if scale is None else float(scale)
     value8, descale_v = _quantize(value, value_largest)
     scales = pack_scales(query_descale, key_descale, descale_v)
-    return torch.ops.bcg_diffusion.cudnn_fp8_attention(query8, key8, value8, scales, scale), scales[3]
+    out8 = torch.ops.bcg_diffusion.cudnn_fp8_attention(query8, key8, value8, scales, scale, key_lengths)
+    return out8, scales[3]
 
 
 def pack_scales(descale_q: torch.Tensor, descale_k: torch.Tensor, descale_v: torch.Tensor) -> torch.Tensor:
@@ -245,14 +258,22 @@ def pack_scales(descale_q: torch.Tensor, descale_k: torch.Tensor, descale_v: tor
 
 
 def reference(
-    query8: torch.Tensor, key8: torch.Tensor, value8: torch.Tensor, descales: torch.Tensor, scale: float
+    query8: torch.Tensor,
+    key8: torch.Tensor,
+    value8: torch.Tensor,
+    descales: torch.Tensor,
+    scale: float,
+    key_lengths: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """What the kernel computes, in float32: ``[B, S, H, D]`` e4m3 inputs with ``descales`` (query, key,
     value, output: the first four of :func:`pack_scales`), the exponentials (at most 1) rounded to e4m3
-    at :data:`PROBABILITY_SCALE` before they meet the values, the output in e4m3 at the output's scale. The kernel's own rounding and order of
+    at :data:`PROBABILITY_SCALE` before they meet the values, the output in e4m3 at the output's scale; each
+    batch row's keys past ``key_lengths`` hidden. The kernel's own rounding and order of
     sums differ; tests compare the two with tolerances."""
     q, k, v = (t.float().transpose(1, 2) * d for t, d in zip((query8, key8, value8), descales[:3]))
     scores = q @ k.transpose(-1, -2) * scale
+    if key_lengths is not None:
+        scores = scores.masked_fill(~reference_mask(key_lengths, key8.shape[1]), float("-inf"))
     exponentials = torch.exp(scores - scores.amax(dim=-1, keepdim=True))
     rounded = (exponentials * PROBABILITY_SCALE).to(torch.float8_e4m3fn).float() / PROBABILITY_SCALE
     out = (rounded @ v) / exponentials.sum(dim=-1, keepdim=True)
@@ -262,18 +283,23 @@ def reference(
 
 @torch.library.custom_op("bcg_diffusion::cudnn_fp8_attention", mutates_args=())
 def _attention_op(
-    query8: torch.Tensor, key8: torch.Tensor, value8: torch.Tensor, scales: torch.Tensor, scale: float
+    query8: torch.Tensor,
+    key8: torch.Tensor,
+    value8: torch.Tensor,
+    scales: torch.Tensor,
+    scale: float,
+    key_lengths: torch.Tensor | None = None,
 ) -> torch.Tensor:
     if not query8.is_cuda:
-        return reference(query8, key8, value8, scales, scale)
+        return reference(query8, key8, value8, scales, scale, key_lengths)
     query8, key8, value8 = (t.contiguous() for t in (query8, key8, value8))
     out = torch.empty_like(query8)
-    _run(query8, key8, value8, scales, out, scale)
+    _run(query8, key8, value8, scales, out, scale, key_lengths)
     return out
 
 
 @_attention_op.register_fake
-def _(query8, key8, value8, scales, scale):  # noqa: ANN001, ANN202
+def _(query8, key8, value8, scales, scale, key_lengths=None):  # noqa: ANN001, ANN202
     return torch.empty_like(query8, memory_format=torch.contiguous_format)
 
 
@@ -288,10 +314,10 @@ def _handle(device_index: int) -> object:
         return cudnn.create_handle()
 
 
-def _graph(shape: tuple[int, int, int, int, int], scale: float, device_index: int) -> object:
+def _graph(shape: tuple[int, int, int, int, int], scale: float, device_index: int, padded: bool) -> object:
     """cuDNN's graph for contiguous ``[B, S, H, D]`` e4m3 inputs and output, ``shape`` ``(B, S_q, H,
-    S_k, D)``, built once per shape (:func:`_graph_or_reason` keeps it). Raises cudnn's error when cuDNN
-    refuses it."""
+    S_k, D)``, with ``padded``: a padding mask (int32 ``[B, 1, 1, 1]`` query and key lengths), built once
+    per shape (:func:`_graph_or_reason` keeps it). Raises cudnn's error when cuDNN refuses it."""
     import cudnn
 
     batch, tokens_q, heads, tokens_k, head_dim = shape
@@ -313,8 +339,16 @@ def _graph(shape: tuple[int, int, int, int, int], scale: float, device_index: in
         name: graph.tensor(uid=_UIDS[name], **scalar)
         for name in ("descale_q", "descale_k", "descale_v", "descale_s", "scale_s", "scale_o")
     }
+    padding = {}
+    if padded:
+        lengths = dict(dim=(batch, 1, 1, 1), stride=(1, 1, 1, 1), data_type=cudnn.data_type.INT32)
+        padding = dict(
+            use_padding_mask=True,
+            seq_len_q=graph.tensor(uid=_UIDS["seq_len_q"], **lengths),
+            seq_len_kv=graph.tensor(uid=_UIDS["seq_len_kv"], **lengths),
+        )
     out, _, amax_s, amax_o = graph.sdpa_fp8(
-        q=query, k=key, v=value, **scalars, generate_stats=False, attn_scale=scale, use_causal_mask=False
+        q=query, k=key, v=value, **scalars, generate_stats=False, attn_scale=scale, use_causal_mask=False, **padding
     )
     out.set_uid(_UIDS["out"]).set_output(True).set_data_type(fp8)
     out.set_dim(bshd(tokens_q)["dim"]).set_stride(bshd(tokens_q)["stride"])
@@ -330,27 +364,30 @@ def _graph(shape: tuple[int, int, int, int, int], scale: float, device_index: in
     return graph
 
 
-# (B, S_q, H, S_k, D), softmax scale, device index -> why cuDNN refused to build that graph
-_REFUSED: dict[tuple[tuple[int, int, int, int, int], float, int], str] = {}
+# (B, S_q, H, S_k, D), softmax scale, device index, padded -> why cuDNN refused to build that graph
+_REFUSED: dict[tuple[tuple[int, int, int, int, int], float, int, bool], str] = {}
 
 
-def refusals() -> dict[tuple[tuple[int, int, int, int, int], float, int], str]:
+def refusals() -> dict[tuple[tuple[int, int, int, int, int], float, int, bool], str]:
     """The shapes cuDNN refused in this process, each with cuDNN's reason (their calls computed the
-    float32 reference): ``{((B, S_q, H, S_k, D), scale, device index): reason}``. Empty when every
-    call ran the kernel."""
+    float32 reference): ``{((B, S_q, H, S_k, D), scale, device index, with key lengths): reason}``. Empty
+    when every call ran the kernel."""
     return dict(_REFUSED)
 
 
 @functools.cache
-def _graph_or_reason(shape: tuple[int, int, int, int, int], scale: float, device_index: int) -> object | str:
+def _graph_or_reason(
+    shape: tuple[int, int, int, int, int], scale: float, device_index: int, padded: bool = False
+) -> object | str:
     """:func:`_graph`, or why cuDNN refused it (warned once per shape, kept in :func:`refusals`)."""
     try:
-        return _graph(shape, scale, device_index)
+        return _graph(shape, scale, device_index, padded)
     except Exception as error:  # cuDNN's refusal, whatever its type, is reported, then the reference runs
         reason = f"{type(error).__name__}: {error}"
-        _REFUSED[(shape, scale, device_index)] = reason
+        _REFUSED[(shape, scale, device_index, padded)] = reason
+        masked = " with key lengths" if padded else ""
         warnings.warn(
-            f"bcg-diffusion: cuDNN refuses FP8 attention of shape (B, S_q, H, S_k, D) = {shape} ({reason}); "
+            f"bcg-diffusion: cuDNN refuses FP8 attention{masked} of shape (B, S_q, H, S_k, D) = {shape} ({reason}); "
             "these calls compute the float32 reference instead (correct, slower)",
             stacklevel=2,
         )
@@ -364,14 +401,16 @@ def _run(
     scales: torch.Tensor,
     out: torch.Tensor,
     scale: float,
+    key_lengths: torch.Tensor | None,
 ) -> None:
     import cudnn
 
     device = query8.device.index
     batch, tokens_q, heads, head_dim = query8.shape
-    graph = _graph_or_reason((batch, tokens_q, heads, key8.shape[1], head_dim), scale, device)
+    padded = key_lengths is not None
+    graph = _graph_or_reason((batch, tokens_q, heads, key8.shape[1], head_dim), scale, device, padded)
     if isinstance(graph, str):
-        out.copy_(reference(query8, key8, value8, scales, scale))
+        out.copy_(reference(query8, key8, value8, scales, scale, key_lengths))
         return
     amax = torch.empty(2, dtype=torch.float32, device=query8.device)
     scales = scales.contiguous()  # pack_scales' [7]; the softmax scale is the graph's attention scale
@@ -381,6 +420,9 @@ def _run(
         _UIDS["scale_o"]: scales[4:5], _UIDS["scale_s"]: scales[5:6], _UIDS["descale_s"]: scales[6:7],
         _UIDS["amax_s"]: amax[0:1], _UIDS["amax_o"]: amax[1:2],
     }  # fmt: skip
+    if padded:  # every query row computed; the keys past each row's length hidden
+        pack[_UIDS["seq_len_q"]] = torch.full((batch, 1, 1, 1), tokens_q, dtype=torch.int32, device=query8.device)
+        pack[_UIDS["seq_len_kv"]] = key_lengths.reshape(batch, 1, 1, 1).contiguous()
     workspace = torch.empty(graph.get_workspace_size(), dtype=torch.uint8, device=query8.device)
     handle = _handle(device)
     cudnn.set_stream(handle=handle, stream=torch.cuda.current_stream(query8.device).cuda_stream)

@@ -25,6 +25,10 @@ calls as it is inside fast mode's compiled blocks. The kernel compiles on its fi
 and dtype (about 2 s on an H100, in the warm-up before any capture) and replays from CUDA graphs. It is
 deterministic (no split over the keys), so a replay gives its compiled blocks' bytes.
 
+A call whose mask hides keys only (a prompt's padding, :mod:`bcg_diffusion.kernels.key_padding`) passes how
+many keys each batch row sees, the first ones (``key_lengths``): FlashAttention-4's ``seqused_k``, which also
+skips the hidden keys' work.
+
 Without a GPU the operator computes its reference (:func:`reference`, PyTorch's SDPA), which CPU tests use.
 
 >>> out = attention(query, key, value)  # [B, S, H, 128] bf16 on an H100 or a B200  # doctest: +SKIP
@@ -39,6 +43,7 @@ import torch
 import torch.nn.functional as F
 
 from .attention import layout_unsupported
+from .key_padding import check_lengths, reference_mask
 
 __all__ = ["COMPUTE_CAPABILITIES", "HEAD_DIMS", "attention", "reference", "unavailable", "unsupported"]
 
@@ -77,36 +82,59 @@ def unsupported(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> 
     return layout_unsupported(query, key, value, HEAD_DIMS)
 
 
-def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float | None = None) -> torch.Tensor:
-    """Softmax attention without a mask: ``[B, S, H, D]`` in, a new contiguous ``[B, S, H, D]`` out in the
-    inputs' dtype. ``scale`` defaults to ``1 / sqrt(D)``.
+def attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scale: float | None = None,
+    key_lengths: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Softmax attention: ``[B, S, H, D]`` in, a new contiguous ``[B, S, H, D]`` out in the inputs' dtype.
+    ``scale`` defaults to ``1 / sqrt(D)``. ``key_lengths`` (int32 ``[B]``, on the inputs' device): each batch
+    row attends to its first ``key_lengths[b]`` keys only; None: to all of them.
 
-    Refuses (ValueError) what :func:`unsupported` names.
+    Refuses (ValueError) what :func:`unsupported` names, and key lengths of another shape or dtype.
     """
     reason = unsupported(query, key, value)
     if reason is not None:
         raise ValueError(f"FlashAttention-4 cannot take these tensors: {reason}")
+    check_lengths(key_lengths, query.shape[0])
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
-    return torch.ops.bcg_diffusion.fa4_attention(query, key, value, scale)
+    return torch.ops.bcg_diffusion.fa4_attention(query, key, value, scale, key_lengths)
 
 
-def reference(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float) -> torch.Tensor:
+def reference(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scale: float,
+    key_lengths: torch.Tensor | None = None,
+) -> torch.Tensor:
     """What the kernel computes, through PyTorch's SDPA: ``[B, S, H, D]`` in and out (contiguous)."""
+    mask = None if key_lengths is None else reference_mask(key_lengths, key.shape[1])
     out = F.scaled_dot_product_attention(
-        query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), scale=scale
+        query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), attn_mask=mask, scale=scale
     )
     return out.transpose(1, 2).contiguous()
 
 
 @torch.library.custom_op("bcg_diffusion::fa4_attention", mutates_args=())
-def _attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float) -> torch.Tensor:
+def _attention_op(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scale: float,
+    key_lengths: torch.Tensor | None = None,
+) -> torch.Tensor:
     if not query.is_cuda:
-        return reference(query, key, value, scale)
-    from flash_attn.cute.interface import flash_attn_func
+        return reference(query, key, value, scale, key_lengths)
+    from flash_attn.cute.interface import flash_attn_func, flash_attn_varlen_func
 
-    return flash_attn_func(query, key, value, softmax_scale=scale)[0]
+    if key_lengths is None:
+        return flash_attn_func(query, key, value, softmax_scale=scale)[0]
+    return flash_attn_varlen_func(query, key, value, seqused_k=key_lengths, softmax_scale=scale)[0]
 
 
 @_attention_op.register_fake
-def _(query, key, value, scale):  # noqa: ANN001, ANN202
+def _(query, key, value, scale, key_lengths=None):  # noqa: ANN001, ANN202
     return query.new_empty((*query.shape[:-1], value.shape[-1]))

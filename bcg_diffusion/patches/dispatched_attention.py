@@ -6,9 +6,12 @@ calls ``dispatch_attention_fn(query, key, value, attn_mask=..., backend=..., par
 ``attention="fp8"`` and ``attention="fa4"`` plug in there: each such processor of the accelerated
 transformer gets a ``__call__`` that is diffusers' own code, except that the name ``dispatch_attention_fn``
 resolves to :func:`kernel_dispatch`'s function for the kernel chosen for that module. That function sends a
-plain call (no mask, dropout, causality, head grouping, backend or parallel config of the user's, diffusers'
+plain call (no dropout, causality, head grouping, backend or parallel config of the user's, diffusers'
 default backend active) whose tensors the kernel takes to it, and every other call to diffusers'
-dispatcher unchanged: a masked or parallel call keeps PyTorch's attention.
+dispatcher unchanged: a parallel call keeps PyTorch's attention. A plain call may carry a mask that hides
+keys only (a prompt's padding: HunyuanImage, HunyuanVideo); cuDNN's FP8 kernel and FlashAttention-4
+take it as key counts (:mod:`bcg_diffusion.kernels.key_padding`), our Triton kernel does not, and any other
+mask keeps PyTorch's attention.
 
 Why not the processors' own code: nothing model-specific is needed to reach the kernel, so a new model
 gets these kernels without a patch of ours. Why not diffusers' backend registry (a backend of our own,
@@ -39,7 +42,7 @@ from diffusers.models.attention_dispatch import dispatch_attention_fn as _diffus
 
 from ..core.hooks import MethodPatches
 from ..kernels import attention as triton_kernels
-from ..kernels import cudnn_fp8_attention, fa4_attention
+from ..kernels import cudnn_fp8_attention, fa4_attention, key_padding
 from .attention import _default_backend_active
 from .scoped import _with_globals
 
@@ -61,6 +64,8 @@ DISPATCH_NAME = "dispatch_attention_fn"
 FP8_KERNELS = ("fp8", "cudnn-fp8")
 # Every kernel a scoped processor can send plain calls to: the FP8 ones and FlashAttention-4's bf16 one.
 DISPATCHED_KERNELS = (*FP8_KERNELS, "fa4")
+# The kernels that take a mask hiding keys only, as the count of keys each batch row sees.
+KEY_LENGTH_KERNELS = ("cudnn-fp8", "fa4")
 # The processors whose fast-mode ``__call__`` routes attention through ``patches.attention.attend``; every
 # other processor that calls diffusers' dispatcher goes through this module.
 OWN_PROCESSORS = ("QwenDoubleStreamAttnProcessor2_0", "ZSingleStreamAttnProcessor")
@@ -102,16 +107,41 @@ def _dispatch(
     kernel: str, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, **options: Any
 ) -> torch.Tensor:
     """``dispatch_attention_fn(query, key, value, **options)`` with plain calls through ``kernel`` where it takes
-    the tensors."""
-    if _plain(**options):
+    the tensors and the mask."""
+    mask = options.get("attn_mask")
+    if _plain(**options) and _unsupported(kernel)(query, key, value) is None:
         scale = options.get("scale")
-        if kernel == "fp8" and triton_kernels.unsupported(query, key, value) is None:
-            return triton_kernels.fp8_attention(query, key, value, scale=scale)
-        if kernel == "cudnn-fp8" and cudnn_fp8_attention.unsupported(query, key, value) is None:
-            return cudnn_fp8_attention.attention(query, key, value, scale=scale)
-        if kernel == "fa4" and fa4_attention.unsupported(query, key, value) is None:
-            return fa4_attention.attention(query, key, value, scale=scale)
+        if mask is None:
+            return _attend(kernel, query, key, value, scale)
+        visible = key_padding.visible_keys(mask, key) if kernel in KEY_LENGTH_KERNELS else None
+        if visible is not None:
+            key, value, lengths = key_padding.visible_first(key, value, visible)
+            return _attend(kernel, query, key, value, scale, lengths)
     return _diffusers_dispatch(query, key, value, **options)
+
+
+def _unsupported(kernel: str) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], str | None]:
+    """``kernel``'s check of the ``[B, S, H, D]`` tensors it takes (tensor properties only, decided when a
+    compiled block is traced)."""
+    if kernel == "fp8":
+        return triton_kernels.unsupported
+    return cudnn_fp8_attention.unsupported if kernel == "cudnn-fp8" else fa4_attention.unsupported
+
+
+def _attend(
+    kernel: str,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scale: float | None,
+    key_lengths: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``kernel`` on tensors it takes; ``key_lengths`` only for :data:`KEY_LENGTH_KERNELS`."""
+    if kernel == "fp8":
+        return triton_kernels.fp8_attention(query, key, value, scale=scale)
+    if kernel == "cudnn-fp8":
+        return cudnn_fp8_attention.attention(query, key, value, scale=scale, key_lengths=key_lengths)
+    return fa4_attention.attention(query, key, value, scale=scale, key_lengths=key_lengths)
 
 
 def _plain(
@@ -122,12 +152,11 @@ def _plain(
     enable_gqa: bool = False,
     **rest: Any,
 ) -> bool:
-    """A call our kernels compute as diffusers would: no mask, dropout, causality or head grouping, and
-    no attention kwargs, backend, parallel config or other option of the caller's, under diffusers' default
-    backend."""
+    """A call our kernels compute as diffusers would, but for its mask (:func:`_dispatch` decides on that): no
+    dropout, causality or head grouping, and no attention kwargs, backend, parallel config or other option of
+    the caller's, under diffusers' default backend."""
     return (
-        attn_mask is None
-        and dropout_p == 0.0
+        dropout_p == 0.0
         and not is_causal
         and not enable_gqa
         and all(value is None or value == {} for value in rest.values())
