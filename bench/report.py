@@ -107,7 +107,15 @@ def markdown(record: dict[str, Any]) -> str:
         torn = [f"{n} ({m['teardown_error'][:160]})" for n, m in case["modes"].items() if m.get("teardown_error")]
         if torn:
             out += ["", "After timing, teardown failed for " + ", ".join(torn) + "; the timings above stand."]
-        if separate:
+        if separate and case.get("modes_apart"):
+            out += [
+                "",
+                "Each mode ran in a group of its own beside a fresh eager, the groups one after another, each freed "
+                "before the next (--modes-apart); its speed-up is over that eager: "
+                + ", ".join(f"{n} {case['modes'][n]['eager_same_group_s']['median']:.3f} s" for n in separate)
+                + ".",
+            ]
+        elif separate:
             out += [
                 "",
                 f"{', '.join(separate)} ran after the other modes were freed, interleaved with a fresh eager "

@@ -100,24 +100,50 @@ def run_case(
 
     Modes run interleaved in one group, except those in ``modes.SEPARATE`` (peers with CUDA graphs
     of their own), which run afterwards, interleaved with a fresh eager, once our graphs are freed:
-    their speed-up is over that eager, measured side by side with them. Fills and returns ``result``
-    (a new dict if None) group by group and calls ``checkpoint`` after each, so a cut-short run
-    keeps every group that finished.
+    their speed-up is over that eager, measured side by side with them. With ``--modes-apart`` (or a
+    published pipeline whose modes do not fit one GPU together) every mode runs so, each group's graphs
+    and copies freed before the next. Fills and returns ``result`` (a new dict if None) group by group and
+    calls ``checkpoint`` after each, so a cut-short run keeps every group that finished.
     """
     result = {} if result is None else result
-    result.update(label=case.label, case=asdict(case), modes={})
-    together = [name for name in args.modes if name not in SEPARATE]
-    for group in [together] + [["eager", name] for name in args.modes if name in SEPARATE]:
+    apart = modes_apart(case, args)
+    result.update(label=case.label, case=asdict(case), modes={}, modes_apart=apart)
+    for group in groups(args.modes, apart):
         entries = _time_group(base, case, group, args, progress)
         for name, entry in entries.items():
-            if name in result["modes"]:  # the second eager of a separate peer's group
+            if name in result["modes"]:  # the second eager of a separate group
                 continue
-            if name in SEPARATE and "eager" in entries:
+            if name != "eager" and group == ["eager", name] and "eager" in entries:
                 entry["eager_same_group_s"] = entries["eager"].get("latency_s")
             result["modes"][name] = entry
+        del entries
+        gc.collect()  # the group's pipeline copies and graphs, before the next group prepares its own
+        if args.device.type == "cuda":
+            torch.cuda.empty_cache()
         if checkpoint is not None:
             checkpoint()
     return result
+
+
+def modes_apart(case: Case, args: argparse.Namespace) -> bool:
+    """Whether each mode of ``case`` runs in a group of its own beside eager: ``--modes-apart``, or a published
+    pipeline that asks for it (:attr:`bench.published.PublishedCase.modes_apart`)."""
+    return bool(getattr(args, "modes_apart", False)) or bool(case.published and case.published.modes_apart)
+
+
+def groups(modes: list[str], apart: bool) -> list[list[str]]:
+    """The groups ``modes`` are timed in, in turn: all together but the :data:`modes.SEPARATE` peers, each of
+    which gets a group with eager; with ``apart``, every mode but eager a group with eager.
+
+    >>> groups(["eager", "bcg", "compile-max"], apart=False)
+    [['eager', 'bcg'], ['eager', 'compile-max']]
+    >>> groups(["eager", "fast", "fast-fp8"], apart=True)
+    [['eager', 'fast'], ['eager', 'fast-fp8']]
+    """
+    alone = [name for name in modes if name != "eager" and (apart or name in SEPARATE)]
+    together = [name for name in modes if name not in alone]
+    first = [together] if together and (together != ["eager"] or not alone) else []
+    return first + [["eager", name] for name in alone]
 
 
 def _time_group(

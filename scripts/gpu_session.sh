@@ -88,6 +88,7 @@
 #   bench-wan        Wan 2.1 T2V 14B 832x480x81, 3 steps, CFG 5: eager, fast-fp8-attn, one timed run (per-step time)
 #   bench-qwen-edit  Qwen-Image-Edit-2511 1024², 8 steps, true CFG 4: eager, fast, fast-fp8, fast-fp8-attn
 #   bench-hunyuan-image  HunyuanImage 2.1 2048², 8 steps, its guider's CFG 3.5: eager, fast, fast-fp8, fast-fp8-attn
+#                    (each mode beside its own eager: the pipeline's --modes-apart)
 #   tests-key-padding  cuDNN's FP8 attention and FlashAttention-4 with key lengths (masks that hide keys only) against
 #                    masked attention, replayed from graphs; tiny HunyuanImage in fast mode with each
 #   bench-text-encoders  FLUX.2 klein (eager, bcg, bcg-no-te, fast, fast-no-te, fast-fp8-attn; TE_KLEIN_MODES) and FLUX.1-dev

@@ -334,6 +334,22 @@ def test_bench_refuses_a_guidance_the_pipelines_guider_holds(capsys):
     assert "hunyuan-image's guider holds its guidance (3.5)" in capsys.readouterr().err
 
 
+def test_bench_times_each_mode_apart_where_the_modes_do_not_fit_together(tmp_path, capsys):
+    from bench import timing
+
+    assert timing.groups(["eager", "bcg", "compile-max"], apart=False) == [["eager", "bcg"], ["eager", "compile-max"]]
+    assert timing.groups(["eager", "bcg", "fast"], apart=True) == [["eager", "bcg"], ["eager", "fast"]]
+    assert timing.groups(["eager"], apart=True) == [["eager"]]
+    code = cli.main(  # hunyuan-image asks for it (its 2048² modes do not fit an 80 GB GPU together)
+        ["--pipeline", "hunyuan-image", "--weights", "tiny", "--resolutions", "64x64", "--steps", "2", "--runs", "1"]
+        + ["--warmup", "0", "--modes", "eager,bcg", "--no-progress", "--out", str(tmp_path)]
+    )
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "Each mode ran in a group of its own beside a fresh eager" in out and "| bcg |" in out
+    assert "yes (md5)" in out and "cfg 3.5" in out
+
+
 def test_bench_times_a_published_pipeline_on_the_cpu(tmp_path, capsys):
     code = cli.main(
         ["--pipeline", "flux2-klein", "--weights", "tiny", "--resolutions", "64x64", "--runs", "1", "--warmup", "0"]
