@@ -113,7 +113,7 @@ def run_case(
         for name, entry in entries.items():
             if name in result["modes"]:  # the second eager of a separate group
                 continue
-            if name != "eager" and group == ["eager", name] and "eager" in entries:
+            if name != "eager" and (apart or name in SEPARATE) and "eager" in entries:
                 entry["eager_same_group_s"] = entries["eager"].get("latency_s")
             result["modes"][name] = entry
         del entries

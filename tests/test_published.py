@@ -358,6 +358,7 @@ def test_bench_times_a_published_pipeline_on_the_cpu(tmp_path, capsys):
     out = capsys.readouterr().out
     assert code == 0, out
     assert "flux2-klein 64x64, 4 steps, no cfg" in out and "Denoising per step" in out
+    assert "ran after the other modes" not in out and "group of its own" not in out  # one group, in turns
     assert "| bcg |" in out and "yes (md5)" in out
 
 
