@@ -45,7 +45,8 @@ def visible_first(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``key`` and ``value`` (``[B, S_k, H, D]``) with each batch row's visible keys first, in their order, and
     how many there are: ``(key, value, lengths)``, ``lengths`` int32 ``[B]``. ``visible`` is
-    :func:`visible_keys`' ``[B, S_k]`` mask. No host sync: a stable sort on "hidden" and a gather."""
+    :func:`visible_keys`' ``[B, S_k]`` mask. No host sync: a stable sort on "hidden" and a gather. A row that
+    sees no key has no defined attention (PyTorch's is NaN there); the kernels give theirs, not checked."""
     order = torch.argsort((~visible).to(torch.uint8), dim=1, stable=True)
     rows = torch.arange(key.shape[0], device=key.device)[:, None]
     lengths = visible.sum(dim=1, dtype=torch.int32)
