@@ -1,8 +1,9 @@
 """Masks that hide keys only (a prompt's padding), taken by cuDNN's FP8 attention and FlashAttention-4 as key
 counts (``kernels.key_padding``), on a CPU: which masks are recognised, the gather that puts the visible keys
 first, each kernel's operator (its CPU reference) against PyTorch's masked attention, how the dispatch routes
-masked calls, and on tiny HunyuanImage in fast mode with cuDNN's FP8 attention: its masked calls reach the kernel
-and the graphs replay the compiled blocks' bytes. The kernels themselves run in ``tests/test_key_padding_cuda.py``."""
+masked calls, and on tiny HunyuanImage and HunyuanVideo in fast mode with cuDNN's FP8 attention: their masked calls
+reach the kernel and the graphs replay the compiled blocks' bytes. The kernels themselves run in
+``tests/test_key_padding_cuda.py``."""
 
 from __future__ import annotations
 
@@ -129,7 +130,8 @@ def test_our_triton_kernel_leaves_masked_calls_to_pytorch(monkeypatch):
 
 
 @pytest.mark.heavy  # compiles the tiny blocks with inductor on the CPU
-def test_hunyuanimage_reaches_cudnns_fp8_attention_with_key_lengths_in_fast_mode(monkeypatch):
+@pytest.mark.parametrize("name", ["HunyuanImage", "HunyuanVideo"])  # each pads its prompt and hides the padding
+def test_masked_joint_attention_reaches_cudnns_fp8_attention_with_key_lengths_in_fast_mode(name, monkeypatch):
     monkeypatch.setattr(fp8_attention, "unavailable", lambda device: None)
     monkeypatch.setattr(fp8_attention.cudnn_fp8_attention, "unavailable", lambda device: None)
     monkeypatch.setattr(cudnn_fp8_attention, "unsupported", lambda q, k, v: None)  # tiny: float32, heads of 8
@@ -145,7 +147,7 @@ def test_hunyuanimage_reaches_cudnns_fp8_attention_with_key_lengths_in_fast_mode
         return fa4_attention.reference(query, key, value, scale or query.shape[-1] ** -0.5, key_lengths)
 
     monkeypatch.setattr(cudnn_fp8_attention, "attention", stand_in)
-    pipe, inputs = TINY["HunyuanImage"]()
+    pipe, inputs = TINY[name]()
     accelerate(pipe, mode="fast", debug=True)
     try:
         bf16 = _call(pipe, inputs)
