@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["check_lengths", "reference_mask", "visible_first", "visible_keys"]
+__all__ = ["check_lengths", "reference_mask", "visible_first", "visible_first_order", "visible_keys"]
 
 
 def visible_keys(attn_mask: object, key: torch.Tensor) -> torch.Tensor | None:
@@ -47,10 +47,17 @@ def visible_first(
     how many there are: ``(key, value, lengths)``, ``lengths`` int32 ``[B]``. ``visible`` is
     :func:`visible_keys`' ``[B, S_k]`` mask. No host sync: a stable sort on "hidden" and a gather. A row that
     sees no key has no defined attention (PyTorch's is NaN there); the kernels give theirs, not checked."""
-    order = torch.argsort((~visible).to(torch.uint8), dim=1, stable=True)
+    order = visible_first_order(visible)
     rows = torch.arange(key.shape[0], device=key.device)[:, None]
     lengths = visible.sum(dim=1, dtype=torch.int32)
     return key[rows, order], value[rows, order], lengths
+
+
+def visible_first_order(visible: torch.Tensor) -> torch.Tensor:
+    """For a ``[B, S]`` boolean ``visible``, the ``[B, S]`` int64 indices that put each row's visible positions
+    first and the hidden ones after, each group in its original order (a stable sort on "hidden": fixed shapes,
+    no host sync). Gathering by them moves values without arithmetic."""
+    return torch.argsort((~visible).to(torch.uint8), dim=1, stable=True)
 
 
 def reference_mask(lengths: torch.Tensor, tokens: int) -> torch.Tensor:

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from diffusers.models.modeling_outputs import Transformer2DModelOutput
 from diffusers.utils import apply_lora_scale
 
+from ..kernels.key_padding import visible_first_order
 from .followed import installable
 
 __all__ = ["JOINED_TEXT", "forward", "joined_text", "runner_forward"]
@@ -45,7 +46,7 @@ def joined_text(
     concatenation orders them. ``mask`` and ``mask_2`` are boolean, True for a valid token."""
     tokens = torch.cat([text_2, text], dim=1)
     valid = torch.cat([mask_2, mask], dim=1)
-    order = torch.argsort((~valid).to(torch.uint8), dim=1, stable=True)
+    order = visible_first_order(valid)
     return torch.gather(tokens, 1, order.unsqueeze(-1).expand_as(tokens)), torch.gather(valid, 1, order)
 
 
