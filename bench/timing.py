@@ -128,7 +128,7 @@ def run_case(
 def modes_apart(case: Case, args: argparse.Namespace) -> bool:
     """Whether each mode of ``case`` runs in a group of its own beside eager: ``--modes-apart``, or a published
     pipeline that asks for it (:attr:`bench.published.PublishedCase.modes_apart`)."""
-    return bool(getattr(args, "modes_apart", False)) or bool(case.published and case.published.modes_apart)
+    return args.modes_apart or bool(case.published and case.published.modes_apart)
 
 
 def groups(modes: list[str], apart: bool) -> list[list[str]]:
