@@ -1,13 +1,14 @@
 """FP8 attention (``attention="fp8"``) and the GELU epilogue on a CPU: options, the refusal where the
-kernels cannot run, the routing of ``patches.attention.attend``, the quantization's contract, and the
-GELU patch against diffusers' own module. The kernels themselves run on the GPU
-(``test_attention_kernels_cuda.py``)."""
+kernels cannot run, the routing of ``patches.attention.attend``, the quantization's contract, our Triton
+kernels in Triton's interpreter, and the GELU patch against diffusers' own module. The kernels themselves run on
+the GPU (``test_attention_kernels_cuda.py``)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 from _cases import run_cfg_case, tiny_pipeline
+from _checks import run_interpreted
 
 from bcg_diffusion import AccelerateConfig, BCGWarning, accelerate, restore, stats
 from bcg_diffusion.core.hooks import MethodPatches
@@ -50,6 +51,11 @@ def test_kernels_say_why_they_cannot_run():
     assert unavailable(torch.device("cpu")) == "the model is on cpu, not a CUDA GPU"
     q = torch.zeros(1, 8, 2, 64)
     assert "CUDA" in unsupported(q, q, q)
+
+
+def test_our_attention_kernels_match_pytorchs_attention_in_tritons_interpreter():
+    """FP8 through both tile readers, fp16 through pointers, a partial last block of keys."""
+    run_interpreted("_attention_interpret.py")
 
 
 def test_attend_routes_by_the_module_attribute_and_falls_back_on_what_the_kernel_refuses():

@@ -10,8 +10,9 @@ plain call (no dropout, causality, head grouping, backend or parallel config of 
 default backend active) whose tensors the kernel takes to it, and every other call to diffusers'
 dispatcher unchanged: a parallel call keeps PyTorch's attention. A plain call may carry a mask that hides
 keys only (a prompt's padding: HunyuanImage, HunyuanVideo); cuDNN's FP8 kernel and FlashAttention-4
-take it as key counts (:mod:`bcg_diffusion.kernels.key_padding`), our Triton kernel does not, and any other
-mask keeps PyTorch's attention.
+take it as key counts (:mod:`bcg_diffusion.kernels.key_padding`), and any other mask keeps PyTorch's attention.
+Our Triton FP8 kernel leaves masked calls to PyTorch: given key lengths, it made HunyuanImage 2.1's step 7%
+slower than PyTorch's bf16 attention (H100, run 220): what surrounds the kernel cost more than it saved.
 
 Why not the processors' own code: nothing model-specific is needed to reach the kernel, so a new model
 gets these kernels without a patch of ours. Why not diffusers' backend registry (a backend of our own,
@@ -64,7 +65,8 @@ DISPATCH_NAME = "dispatch_attention_fn"
 FP8_KERNELS = ("fp8", "cudnn-fp8")
 # Every kernel a scoped processor can send plain calls to: the FP8 ones and FlashAttention-4's bf16 one.
 DISPATCHED_KERNELS = (*FP8_KERNELS, "fa4")
-# The kernels that take a mask hiding keys only, as the count of keys each batch row sees.
+# The kernels that take a mask hiding keys only, as the count of keys each batch row sees (not our Triton FP8
+# kernel: measured slower than PyTorch's attention there, see the module's docstring).
 KEY_LENGTH_KERNELS = ("cudnn-fp8", "fa4")
 # The processors whose fast-mode ``__call__`` routes attention through ``patches.attention.attend``; every
 # other processor that calls diffusers' dispatcher goes through this module.
