@@ -13,7 +13,7 @@ _CAPTURE_ERROR_MODES = ("global", "thread_local", "relaxed")
 _ATTENTION_KERNELS = ("fp8", "fa4")
 # A pipeline's text encoders by the names diffusers gives them (FLUX.1: CLIP, then T5; SD3: two CLIPs, then T5)
 TEXT_ENCODERS = ("text_encoder", "text_encoder_2", "text_encoder_3")
-_KNOWN_COMPONENTS = ("transformer", "transformer_2", "vae", *TEXT_ENCODERS)
+_KNOWN_COMPONENTS = ("transformer", "transformer_2", "controlnet", "vae", *TEXT_ENCODERS)
 RESOLUTION_MULTIPLE = 16  # Qwen-Image and Z-Image: the VAE's 8x down-sampling, then the transformer's 2x2 patches
 _MAX_VALUE_CHARS = 60  # of one value's repr in describe_changes: a torchao config or a function stays short
 
@@ -39,11 +39,14 @@ class AccelerateConfig:
             ``"transformer_2"`` (the second expert of two-expert pipelines such as Wan 2.2), ``"vae"`` (its
             ``decode``), ``"text_encoder"`` (its forward; built for Z-Image's Qwen3 encoder, whose prompts
             are always padded to 512 tokens: one capture serves every prompt; byte-equal to eager on an
-            H200), and ``"text_encoder_2"``, ``"text_encoder_3"`` (the pipeline's other text encoders:
-            FLUX.1's T5, SD3's). None (default): what the pipeline's adapter was measured faster with,
-            byte-equal to eager: transformer (and a second expert), VAE, and a Qwen3 text encoder (Z-Image's,
-            FLUX.2 klein's: every prompt padded to 512 tokens); other encoders (T5, UMT5, CLIP, Qwen-Image's
-            Qwen2.5-VL...) stay eager unless named here.
+            H200), ``"text_encoder_2"``, ``"text_encoder_3"`` (the pipeline's other text encoders:
+            FLUX.1's T5, SD3's), and ``"controlnet"`` (a ControlNet's forward, tested on FLUX.1's and
+            Qwen-Image's; not measured on a GPU, so only when named; each conditioning scale, a Python
+            float its forward multiplies by, keys graphs of its own). None (default): what the pipeline's
+            adapter was measured faster with, byte-equal to eager: transformer (and a second expert), VAE,
+            and a Qwen3 text encoder (Z-Image's, FLUX.2 klein's: every prompt padded to 512 tokens); other
+            encoders (T5, UMT5, CLIP, Qwen-Image's Qwen2.5-VL...) and a ControlNet stay eager unless named
+            here.
         warmup_runs: eager runs on the capture stream before each capture (cuBLAS workspaces,
             lazily built caches such as RoPE tables). At least 1.
         capture_error_mode: ``cudaStreamCaptureMode`` for captures: ``"thread_local"`` (default)

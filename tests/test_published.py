@@ -7,6 +7,7 @@ what every model made of diffusers' shared building blocks gets without a model 
 * ``quantize="fp8"``'s default filter on each family's blocks at their published sizes (meta device);
 * Wan 2.2: fast mode compiles both experts, and one built with ``transformer=None`` is accelerated;
 * fast mode batches Qwen-Image-Edit's CFG calls;
+* a ControlNet (FLUX.1's, Qwen-Image's) captured when named in ``components``;
 * diffusers' step caches inside each family's graphs;
 * ``python -m bench --pipeline flux | flux2-klein | wan | qwen-image-edit | hunyuan-image`` (its defaults, a tiny
   run).
@@ -16,17 +17,21 @@ from __future__ import annotations
 
 import collections
 import functools
+import inspect
 from typing import Any
 
 import pytest
 import torch
 import torch.nn.functional as F
+from _checks import assert_graphs_ran
+from diffusers.models.attention_dispatch import attention_backend
 from diffusers.models.attention_dispatch import dispatch_attention_fn as diffusers_dispatch
 
 from bcg_diffusion import BCGWarning, accelerate, eager, restore, stats
 from bcg_diffusion.features import fp8_attention
 from bcg_diffusion.features.quantization import default_filter
 from bcg_diffusion.kernels import attention as triton_kernels
+from bcg_diffusion.models import build_pipeline
 from bcg_diffusion.patches import dispatched_attention
 from bench import cli
 from bench.coverage import _call
@@ -469,6 +474,96 @@ def test_text_encoders_of_the_published_families_are_captured_and_exact(name):
         for encoder in encoders:
             counters = report["components"][encoder]
             assert counters["captures"] >= 1 and counters["replays"] >= 1, report
+    finally:
+        restore(pipe)
+
+
+_CONTROL = torch.rand(1, 3, 32, 32, generator=torch.Generator().manual_seed(1))  # a ControlNet's conditioning image
+
+
+def _flux_controlnet() -> tuple[Any, dict[str, Any]]:
+    """Tiny FLUX.1 with a ControlNet (``FluxControlNetPipeline``) and its call's inputs."""
+    from diffusers import FluxControlNetModel, FluxControlNetPipeline
+
+    base, inputs = TINY["FLUX.1"]()
+    controlnet = FluxControlNetModel(
+        in_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=16, num_attention_heads=2,
+        joint_attention_dim=32, pooled_projection_dim=32, axes_dims_rope=[4, 6, 6],
+    )  # fmt: skip
+    return FluxControlNetPipeline(**base.components, controlnet=controlnet), {**inputs, "control_image": _CONTROL}
+
+
+def _qwen_image_controlnet() -> tuple[Any, dict[str, Any]]:
+    """Tiny Qwen-Image with a ControlNet (``QwenImageControlNetPipeline``, its tiny text encoder) and its call's
+    inputs."""
+    from diffusers import QwenImageControlNetModel, QwenImageControlNetPipeline
+
+    base = build_pipeline("qwen-image", "tiny")
+    config = base.transformer.config
+    controlnet = QwenImageControlNetModel(
+        patch_size=config.patch_size, in_channels=config.in_channels, out_channels=config.out_channels,
+        num_layers=1, attention_head_dim=config.attention_head_dim, num_attention_heads=config.num_attention_heads,
+        joint_attention_dim=config.joint_attention_dim, axes_dims_rope=config.axes_dims_rope,
+        extra_condition_channels=0,
+    )  # fmt: skip
+    parameters = inspect.signature(QwenImageControlNetPipeline.__init__).parameters
+    components = {name: module for name, module in base.components.items() if name in parameters}
+    pipe = QwenImageControlNetPipeline(**components, controlnet=controlnet)
+    return pipe, {"prompt": "a cat", "negative_prompt": "blurry", "true_cfg_scale": 4.0, "control_image": _CONTROL}
+
+
+@pytest.mark.filterwarnings("ignore:.*has no adapter")
+@pytest.mark.parametrize("build", [_flux_controlnet, _qwen_image_controlnet], ids=["FLUX.1", "Qwen-Image"])
+def test_a_controlnet_named_in_components_is_captured_and_exact(build):
+    pipe, inputs = build()
+    # The scale is a Python float the ControlNet's forward multiplies its outputs by: each value keys its graphs.
+    calls = [{**inputs, "controlnet_conditioning_scale": scale} for scale in (0.7, 0.3)]
+    with torch.no_grad():
+        expected = [_call(pipe, call) for call in calls]
+    accelerate(pipe, debug=True)
+    try:
+        assert torch.equal(_call(pipe, calls[0]), expected[0])
+        assert "controlnet" not in stats(pipe)["components"]  # eager unless named: not measured on a GPU
+    finally:
+        restore(pipe)
+    accelerate(pipe, components=("transformer", "controlnet", "vae"), debug=True)
+    try:
+        for _ in range(2):
+            assert all(torch.equal(_call(pipe, call), want) for call, want in zip(calls, expected))
+        report = assert_graphs_ran(pipe, components=("transformer", "controlnet"))
+        assert report["components"]["controlnet"]["captures"] == 2, report["components"]  # one per scale
+    finally:
+        restore(pipe)
+
+
+def _wan22() -> tuple[Any, dict[str, Any]]:
+    return TINY["Wan 2.2 T2V"]()
+
+
+@pytest.mark.filterwarnings("ignore:.*has no adapter")
+@pytest.mark.parametrize(
+    ("build", "denoisers"),
+    [(_wan22, ("transformer", "transformer_2")), (_flux_controlnet, ("transformer", "controlnet"))],
+    ids=["Wan 2.2 experts", "FLUX.1 ControlNet"],
+)
+def test_every_denoiser_captures_again_under_another_diffusers_attention_backend(build, denoisers):
+    """Diffusers' active attention backend (``attention_backend(...)``, process-wide) picks the kernels every
+    processor dispatches to. Before, only ``transformer``'s graphs were keyed on it: Wan 2.2's second expert
+    replayed the default backend's graph under another, and its image was not eager's."""
+    pipe, inputs = build()
+    with torch.no_grad():
+        expected = _call(pipe, inputs)
+        with attention_backend("_native_math"):
+            expected_math = _call(pipe, inputs)
+    assert not torch.equal(expected, expected_math)  # the backends round differently here: the test can fail
+    accelerate(pipe, components=(*denoisers, "vae"), debug=True)
+    try:
+        assert torch.equal(_call(pipe, inputs), expected)
+        with attention_backend("_native_math"):
+            assert torch.equal(_call(pipe, inputs), expected_math)
+        assert torch.equal(_call(pipe, inputs), expected)
+        report = assert_graphs_ran(pipe, components=denoisers)
+        assert all(report["components"][name]["captures"] == 2 for name in denoisers), report["components"]
     finally:
         restore(pipe)
 

@@ -21,10 +21,15 @@ from ..patches.scoped import ProcessorPatch
 __all__ = ["PipelineAdapter", "WarmupRequest", "attention_backend_key", "vae_layout_key"]
 
 
+# The components whose attention goes through diffusers' dispatcher, and so through its active backend: every
+# denoiser (a second expert and a ControlNet too, which once replayed another backend's graphs).
+_DISPATCHING_COMPONENTS = ("transformer", "transformer_2", "controlnet")
+
+
 def attention_backend_key() -> Hashable:
     """The globally active diffusers attention backend: changing it changes the kernels a forward runs.
 
-    Called on every transformer call (it is part of the signature), so it returns the backend enum as is.
+    Called on every call of a denoiser (it is part of the signature), so it returns the backend enum as is.
     """
     return _AttentionBackendRegistry.get_active_backend()[0]
 
@@ -88,6 +93,7 @@ class PipelineAdapter:
     targets: dict[str, str] = {
         "transformer": "forward",
         "transformer_2": "forward",
+        "controlnet": "forward",  # only when named in components=: not measured on a GPU
         "vae": "decode",
         "text_encoder": "forward",
         "text_encoder_2": "forward",  # FLUX.1's T5, SD3's second CLIP
@@ -225,7 +231,7 @@ class PipelineAdapter:
 
     def state_key(self, component: str, module: Any) -> Callable[[], Hashable] | None:
         """Extra signature state for ``component`` (None: its arguments say everything)."""
-        if component == "transformer":
+        if component in _DISPATCHING_COMPONENTS:
             return attention_backend_key
         if component == "vae":
             return vae_layout_key(module)
