@@ -536,14 +536,10 @@ def test_a_controlnet_named_in_components_is_captured_and_exact(build):
         restore(pipe)
 
 
-def _wan22() -> tuple[Any, dict[str, Any]]:
-    return TINY["Wan 2.2 T2V"]()
-
-
 @pytest.mark.filterwarnings("ignore:.*has no adapter")
 @pytest.mark.parametrize(
     ("build", "denoisers"),
-    [(_wan22, ("transformer", "transformer_2")), (_flux_controlnet, ("transformer", "controlnet"))],
+    [(TINY["Wan 2.2 T2V"], ("transformer", "transformer_2")), (_flux_controlnet, ("transformer", "controlnet"))],
     ids=["Wan 2.2 experts", "FLUX.1 ControlNet"],
 )
 def test_every_denoiser_captures_again_under_another_diffusers_attention_backend(build, denoisers):
