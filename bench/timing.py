@@ -113,7 +113,7 @@ def run_case(
         for name, entry in entries.items():
             if name in result["modes"]:  # the second eager of a separate group
                 continue
-            if name != "eager" and (apart or name in SEPARATE) and "eager" in entries:
+            if _alone(name, apart) and "eager" in entries:
                 entry["eager_same_group_s"] = entries["eager"].get("latency_s")
             result["modes"][name] = entry
         del entries
@@ -140,10 +140,15 @@ def groups(modes: list[str], apart: bool) -> list[list[str]]:
     >>> groups(["eager", "fast", "fast-fp8"], apart=True)
     [['eager', 'fast'], ['eager', 'fast-fp8']]
     """
-    alone = [name for name in modes if name != "eager" and (apart or name in SEPARATE)]
+    alone = [name for name in modes if _alone(name, apart)]
     together = [name for name in modes if name not in alone]
     first = [together] if together and (together != ["eager"] or not alone) else []
     return first + [["eager", name] for name in alone]
+
+
+def _alone(name: str, apart: bool) -> bool:
+    """Whether mode ``name`` is timed in a group of its own beside a fresh eager (see :func:`groups`)."""
+    return name != "eager" and (apart or name in SEPARATE)
 
 
 def _time_group(
