@@ -49,27 +49,26 @@ def _execution_device(pipe: Any) -> torch.device:
 def _with_components(pipe: Any, config: AccelerateConfig, adapter: PipelineAdapter) -> AccelerateConfig:
     """``config`` with its components named: the adapter's defaults when it leaves them to us.
 
-    A text encoder that is not on the transformer's device stays eager (a graph cannot run it): with a
-    warning when the user named it, with a log line when it came with the defaults. A defaulted one
-    with offload or diffusers hooks stays eager too, instead of taking the whole pipeline eager with
-    it (:func:`_eager_reason` does that for components the user names), and so does a defaulted one
-    whose class is not in the adapter's ``default_text_encoders``.
+    A text encoder or ControlNet that is not on the transformer's device stays eager (a graph cannot run
+    it): with a warning when the user named it, with a log line when it came with the defaults. A defaulted
+    one with offload or diffusers hooks stays eager too, instead of taking the whole pipeline eager with
+    it (:func:`_eager_reason` does that for components the user names), and so does a defaulted text
+    encoder whose class is not in the adapter's ``default_text_encoders``.
     """
     chosen = config.components is not None
     components = config.components if chosen else adapter.default_components
-    for name in TEXT_ENCODERS:
-        encoder = getattr(pipe, name, None)
-        if name not in components or not isinstance(encoder, torch.nn.Module):
+    for name in (*TEXT_ENCODERS, "controlnet"):
+        module = getattr(pipe, name, None)
+        if name not in components or not isinstance(module, torch.nn.Module):
             continue
         device = _execution_device(pipe)
-        elsewhere = sorted({str(p.device) for p in encoder.parameters() if p.device != device})
+        elsewhere = sorted({str(p.device) for p in module.parameters() if p.device != device})
         reason = f"it is on {elsewhere}, not on the transformer's {device}" if elsewhere else None
-        if reason is None and not chosen and (hasattr(encoder, "_hf_hook") or diffusers_hooks(encoder)):
+        if reason is None and not chosen and (hasattr(module, "_hf_hook") or diffusers_hooks(module)):
             reason = "it has offload or diffusers hooks"
-        if reason is None and not chosen and type(encoder).__name__ not in adapter.default_text_encoders:
-            reason = (
-                f"{type(encoder).__name__} is not captured by default (name {name!r} in components= to capture it)"
-            )
+        kind = type(module).__name__
+        if reason is None and not chosen and name in TEXT_ENCODERS and kind not in adapter.default_text_encoders:
+            reason = f"{kind} is not captured by default (name {name!r} in components= to capture it)"
         if reason is not None:
             if chosen:
                 warnings.warn(f"bcg-diffusion: {name} stays eager: {reason}", BCGWarning, stacklevel=3)
@@ -113,8 +112,8 @@ def _unapplied_quantization(config: AccelerateConfig) -> str:
 
 
 def accelerate(pipe: P, config: AccelerateConfig | None = None, **options: Any) -> P:
-    """Run the pipeline's transformer, VAE decode and (Z-Image) text encoder as replayed breakable
-    CUDA graphs.
+    """Run the pipeline's transformer, VAE decode, ControlNet and (Z-Image, FLUX.2 klein) Qwen3 text
+    encoder as replayed breakable CUDA graphs.
 
     Returns the same pipeline object, patched in place: every call then captures one graph per input
     signature (resolution, batch, text length, CFG mode) on first use and replays it afterwards, with

@@ -187,8 +187,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--resolutions",
         type=runs.resolutions,
         metavar="WxH[,WxH...]",
-        help="image sizes, multiples of 16 (default: 512x512; flux, flux2-klein, qwen-image-edit 1024x1024; "
-        "wan 832x480; hunyuan-image 2048x2048)",
+        help="image sizes, multiples of 16 (default: 512x512; flux, flux-controlnet, flux2-klein, qwen-image-edit "
+        "1024x1024; wan 832x480; hunyuan-image 2048x2048)",
     )
     parser.add_argument(
         "--text-encoders",
@@ -202,15 +202,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--steps",
         type=runs.at_least(2),
-        help="denoising steps (default: 8; flux 28, flux2-klein 4, wan 3 of its 40, qwen-image-edit 8, "
-        "hunyuan-image 8 of its 50)",
+        help="denoising steps (default: 8; flux and flux-controlnet 28, flux2-klein 4, wan 3 of its 40, "
+        "qwen-image-edit 8, hunyuan-image 8 of its 50)",
     )
     parser.add_argument(
         "--guidance",
         type=float,
         help="Qwen-Image's true_cfg_scale (CFG above 1) / Z-Image's guidance_scale (CFG above 0) / the "
-        "pipeline's own guidance for the others (default: 0; flux 3.5, distilled; flux2-klein 1.0; wan 5.0, CFG; "
-        "qwen-image-edit 4.0, true CFG; hunyuan-image 3.5, its guider's, fixed)",
+        "pipeline's own guidance for the others (default: 0; flux and flux-controlnet 3.5, distilled; flux2-klein "
+        "1.0; wan 5.0, CFG; qwen-image-edit 4.0, true CFG; hunyuan-image 3.5, its guider's, fixed)",
     )
     parser.add_argument("--batch", type=runs.at_least(1), default=1, help="prompts per call")
     parser.add_argument(
@@ -224,7 +224,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=_modes,
         metavar="MODE[,MODE...]",
         help="comma-separated, from the modes below or --list-modes (default on a GPU: "
-        f"{','.join(DEFAULT_MODES)}; for flux, flux2-klein, wan, qwen-image-edit and hunyuan-image: "
+        f"{','.join(DEFAULT_MODES)}; for the published pipelines (flux, wan...): "
         f"{','.join(PUBLISHED_DEFAULT_MODES)}; "
         f"on a CPU: {','.join(CPU_DEFAULT_MODES)})",
     )

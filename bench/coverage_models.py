@@ -208,6 +208,30 @@ def _flux_kontext() -> tuple[Any, dict[str, Any]]:
     return pipe, {**embeds, "image": _image(), "max_area": 32 * 32, "_auto_resize": False}
 
 
+def _flux_controlnet() -> tuple[Any, dict[str, Any]]:
+    from diffusers import FluxControlNetModel, FluxControlNetPipeline
+
+    base, inputs = _flux()
+    controlnet = live_controlnet(FluxControlNetModel(
+        in_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=16, num_attention_heads=2,
+        joint_attention_dim=32, pooled_projection_dim=32, axes_dims_rope=[4, 6, 6],
+    ))  # fmt: skip
+    control = torch.rand(1, 3, 32, 32, generator=torch.Generator().manual_seed(1))  # the conditioning image
+    return FluxControlNetPipeline(**base.components, controlnet=controlnet), {**inputs, "control_image": control}
+
+
+def live_controlnet(controlnet: nn.Module, seed: int = 0) -> nn.Module:
+    """``controlnet`` with random weights where its class starts at zero (the blocks that write its outputs, its
+    conditioning's embedding), in place: a new ControlNet adds nothing to the transformer, so without this no
+    image would show a ControlNet's output or its conditioning scale."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for parameter in controlnet.parameters():
+            if not parameter.any():
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.2)
+    return controlnet
+
+
 def _tiny_flux2_vae() -> Any:
     from diffusers import AutoencoderKLFlux2
 
@@ -400,6 +424,7 @@ TINY: dict[str, Callable[[], tuple[Any, dict[str, Any]]]] = {
     "Qwen-Image Edit": partial(_qwen_edit, plus=False),
     "Qwen-Image Edit Plus": partial(_qwen_edit, plus=True),
     "FLUX.1 Kontext": _flux_kontext,
+    "FLUX.1 ControlNet": _flux_controlnet,
     "FLUX.2": _flux2,
     "FLUX.2 klein": _flux2_klein,
     "Wan 2.2 T2V": _wan22,
@@ -556,6 +581,25 @@ def _full_flux_kontext_inputs(device: torch.device, size: Size) -> dict[str, Any
     # max_area keeps the output at the size; the input image is resized to Kontext's preferred ~1024x1024.
     extra = {"image": _image(size.width, size.height), "max_area": size.width * size.height, "guidance_scale": 2.5}
     return _full_flux_inputs(device, size) | extra
+
+
+def _full_flux_controlnet(device: torch.device) -> Any:
+    from diffusers import FluxControlNetModel, FluxControlNetPipeline
+
+    # Shakker-Labs/FLUX.1-dev-ControlNet-Union-Pro-2.0 config.json: six double blocks, no single blocks, no
+    # control-mode embedding; its conditioning image goes through the VAE's encoder (no hint block).
+    controlnet = _random_model(partial(
+        FluxControlNetModel, patch_size=1, in_channels=64, num_layers=6, num_single_layers=0,
+        attention_head_dim=128, num_attention_heads=24, joint_attention_dim=4096, pooled_projection_dim=768,
+        guidance_embeds=True, axes_dims_rope=(16, 56, 56),
+    ), "controlnet", device)  # fmt: skip
+    return FluxControlNetPipeline(**_full_flux(device).components, controlnet=controlnet)
+
+
+def _full_flux_controlnet_inputs(device: torch.device, size: Size) -> dict[str, Any]:
+    # The model card's conditioning scale for its canny and soft-edge modes, the image at the output's size.
+    control = {"control_image": _image(size.width, size.height), "controlnet_conditioning_scale": 0.7}
+    return _full_flux_inputs(device, size) | control
 
 
 def _full_chroma(device: torch.device) -> Any:
@@ -993,6 +1037,9 @@ FULL: dict[str, Published] = {
         "Qwen/Qwen-Image-Edit-2511", partial(_full_qwen_edit, plus=True), partial(_full_qwen_edit_inputs, plus=True)
     ),
     "FLUX.1 Kontext": Published("black-forest-labs/FLUX.1-Kontext-dev", _full_flux_kontext, _full_flux_kontext_inputs),
+    "FLUX.1 ControlNet": Published(
+        "Shakker-Labs/FLUX.1-dev-ControlNet-Union-Pro-2.0", _full_flux_controlnet, _full_flux_controlnet_inputs
+    ),
     "FLUX.2": Published("black-forest-labs/FLUX.2-dev", _full_flux2, _full_flux2_inputs),
     "FLUX.2 klein": Published("black-forest-labs/FLUX.2-klein-4B", _full_flux2_klein, _full_flux2_klein_inputs),
     "Wan 2.2 T2V": Published("Wan-AI/Wan2.2-T2V-A14B-Diffusers", _full_wan22, _full_wan22_inputs, VIDEO_SIZES),

@@ -47,6 +47,8 @@ logger = logging.getLogger(__name__)
 WITHOUT_TEXT_ENCODER = ("transformer", "vae")
 # -te: every text encoder named, so that those accelerate leaves eager by default (T5, UMT5, CLIP...) are captured
 WITH_TEXT_ENCODERS = ("transformer", "transformer_2", "vae", "text_encoder", "text_encoder_2", "text_encoder_3")
+# -no-controlnet: the denoisers and the VAE, not the ControlNet (captured by default)
+WITHOUT_CONTROLNET = ("transformer", "transformer_2", "vae")
 
 
 def _cloned(value: Any) -> Any:
@@ -81,11 +83,19 @@ def weight_sharing_copy(module: torch.nn.Module) -> torch.nn.Module:
 
 
 def pipeline_copy(pipe: Any) -> Any:
-    """A new pipeline of the same class sharing all weights, with its own transformer(s), VAE, text
+    """A new pipeline of the same class sharing all weights, with its own transformer(s), ControlNet, VAE, text
     encoders and scheduler objects (the parts that modes patch or that hold per-call state), and the
     pipeline's own settings (``boundary_ratio`` of Wan 2.2...)."""
     components = dict(pipe.components)
-    for name in ("transformer", "transformer_2", "vae", "text_encoder", "text_encoder_2", "text_encoder_3"):
+    for name in (
+        "transformer",
+        "transformer_2",
+        "controlnet",
+        "vae",
+        "text_encoder",
+        "text_encoder_2",
+        "text_encoder_3",
+    ):
         if components.get(name) is not None:
             components[name] = weight_sharing_copy(components[name])
     components["scheduler"] = copy.deepcopy(components["scheduler"])
@@ -148,6 +158,7 @@ class ModeOptions:
     """What a mode's name asks for: its base mode (one of :data:`BASES`) and the options its suffixes add."""
 
     base: str
+    no_controlnet: bool = False  # -no-controlnet: the pipeline's ControlNet left eager
     cache: bool = False  # +cache: the step cache given by --cache
     cachedit: bool = False  # +cachedit: Cache-DiT's DBCache
     fp8: bool = False  # -fp8: the transformer's block linears in row-wise FP8
@@ -175,6 +186,7 @@ def parse(name: str) -> ModeOptions:
     rest = name
     options: dict[str, bool] = {}
     for suffix, option in (
+        ("-no-controlnet", "no_controlnet"),
         ("+cache", "cache"),
         ("+cachedit", "cachedit"),
         ("-scaled-output", "scaled_output"),
@@ -261,6 +273,7 @@ def prepare(
         quantize=quantize,
         quantize_filter=quantize_filter,
         attention=attention,
+        no_controlnet=options.no_controlnet,
     )
     mode.name = name
     return mode
@@ -274,6 +287,7 @@ def _prepare(
     quantize: Any = None,
     quantize_filter: Any = None,
     attention: str | None = None,
+    no_controlnet: bool = False,
 ) -> PreparedMode:
     if name == "eager":
         return PreparedMode(name, pipe, lambda: None)
@@ -284,6 +298,10 @@ def _prepare(
         components = WITHOUT_TEXT_ENCODER
     elif name.endswith("-te"):
         components = WITH_TEXT_ENCODERS
+    if no_controlnet:
+        if getattr(pipe, "controlnet", None) is None:
+            raise ValueError(f"{type(pipe).__name__} has no ControlNet for the -no-controlnet modes to leave eager")
+        components = WITHOUT_CONTROLNET
     auto_breaks = not name.endswith("-no-auto")
     if name in ("bcg", "bcg-no-te", "bcg-te", "bcg-no-auto"):
         accelerate(

@@ -56,6 +56,9 @@ class PublishedCase:
 PUBLISHED: dict[str, PublishedCase] = {
     # FLUX.1-dev: guidance is distilled into the model (an embedding), one transformer call per step.
     "flux": PublishedCase("FLUX.1", 1024, 1024, None, 28, 3.5),
+    # FLUX.1-dev with a ControlNet (Shakker-Labs' Union Pro 2.0: six double blocks) called every step beside the
+    # transformer; captured by default, left eager by the -no-controlnet modes.
+    "flux-controlnet": PublishedCase("FLUX.1 ControlNet", 1024, 1024, None, 28, 3.5, text_encoders=False),
     # FLUX.2 [klein] 4B: step-distilled, 4 steps, no CFG.
     "flux2-klein": PublishedCase("FLUX.2 klein", 1024, 1024, None, 4, 1.0),
     # Wan 2.1 T2V 14B at 480p, 81 frames, CFG 5 (two transformer calls a step).
@@ -126,10 +129,11 @@ def _inputs(name: str, weights: str, device: Any, width: int, height: int, frame
                   for key, value in inputs.items()}  # fmt: skip
     else:
         inputs = FULL[spec.coverage].inputs(device, Size("bench", width, height, frames))
-    if "image" in inputs and _is_image(inputs["image"]):  # the edit pipelines' input: the output's size
-        from .coverage_models import _image
+    for key in ("image", "control_image"):  # the edit pipelines' input, a ControlNet's: the output's size
+        if key in inputs and _is_image(inputs[key]):
+            from .coverage_models import _image
 
-        inputs["image"] = _image(width, height)
+            inputs[key] = _image(width, height)
     for key in ("width", "height", "num_frames", "guidance_scale", "guidance_scale_2", "true_cfg_scale"):
         inputs.pop(key, None)
     return inputs

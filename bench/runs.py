@@ -23,7 +23,7 @@ DEFAULT_WEIGHTS = "random-full"  # python -m bench's
 DEFAULT_PIPELINE = "z-image"
 PIPELINES = ("qwen-image", "z-image")  # bcg_diffusion.models.PIPELINE_NAMES (not imported here: it imports diffusers)
 # Pipelines the benchmark builds from the coverage check's configs (bench.published.PUBLISHED, without torch)
-PUBLISHED_PIPELINES = ("flux", "flux2-klein", "wan", "qwen-image-edit", "hunyuan-image")
+PUBLISHED_PIPELINES = ("flux", "flux-controlnet", "flux2-klein", "wan", "qwen-image-edit", "hunyuan-image")
 
 
 def default_out(name: str, now: datetime.datetime | None = None) -> Path:

@@ -84,6 +84,9 @@
 #   bench-flux       FLUX.1-dev 1024², 28 steps: eager, fast, fast-inductor-glue (the single blocks' output projection
 #                    joined), fast-fp8, fast-fp8-inductor-glue (the blocks' glue compiled by inductor), fast-fp8-attn
 #                    (PUBLISHED_MODES, PUBLISHED_RUNS)
+#   bench-flux-controlnet  FLUX.1-dev with a ControlNet (Union Pro 2.0's six double blocks) 1024², 28 steps: eager,
+#                    bcg, bcg-no-controlnet, fast, fast-no-controlnet (the ControlNet's forward as graphs, the
+#                    default, or eager; PUBLISHED_RESOLUTIONS=512x512,1024x1024 for the launch-bound size too)
 #   bench-klein      FLUX.2 klein 4B 1024², 4 steps: eager, bcg, fast, fast-fp8, fast-fp8-attn
 #   bench-wan        Wan 2.1 T2V 14B 832x480x81, 3 steps, CFG 5: eager, fast-fp8-attn, one timed run (per-step time)
 #   bench-qwen-edit  Qwen-Image-Edit-2511 1024², 8 steps, true CFG 4: eager, fast, fast-fp8, fast-fp8-attn
@@ -175,7 +178,7 @@
 #                    for `python scripts/screenshot_replay.py DIR OUT.png` here (the GPU machine has no browser)
 # Everything it writes is under $OUT (logs, results.json/.md/.png); copy it to bench/results/<date>-h200/.
 set -uo pipefail
-[ $# -gt 0 ] || { echo "usage: scripts/gpu_session.sh fa4-stage|fa4-install|tests-fa4|probe-fa4|readme-rows|probe-cfg-batch-gain|probe-vae-coders|bench-text-encoders|tests-published|probe-flux|bench-flux|bench-klein|bench-wan|bench-qwen-edit|bench-hunyuan-image|tests-key-padding|probe-wan-vae|bench-stacked-qwen-512|tests-fp8-output|bench-fp8-output-qwen|bench-fp8-output-z|fp8-prologue|probe-stacked|bench-fp8-prologue-qwen|bench-stacked-qwen|bench-fp8-prologue-z|qwen-block-glue|bench-block-glue-qwen|probe-attention|probe-cudnn-fp8|tests-vae-fused|bench-fused-qkv-z|tests-fused-qkv|tests-cudnn-fp8|bench-cudnn-fp8-z|bench-cudnn-fp8-qwen|tests-kernels|probe-fp8-ff|bench-fp8-ff-qwen|bench-kernels-qwen|bench-kernels-z|bench-cachedit-qwen|tests-state|bench-state|tests|tests-full|tests-fast|tests-coexist|tests-shared|tests-cache|bench-cache-qwen-1024|bench-cache-qwen-512|bench-cache-z|bench-cfg-cache-qwen|bench-cfg-cache-qwen-1024|bench-cfg-cache-qwen-512|tests-quant|tests-auto|probe-hand-patches|bench-auto|coverage|bench-fp8-z|bench-fp8-qwen|warm-start-fp8-z|probe-fp8-groups|probe-fp8-block|hotswap-z|tests-z|te-z|fast-check|profile-qwen|profile-z|fast-qwen-50|ab-attention|probe-floor|probe-outside|probe-norms|probe-blocks|compile-max-qwen|memory-z|bench-z|warm-start-z|first-call-qwen-none|first-call-qwen-magcache|first-call-qwen-cachedit|first-call-qwen-fp8|bench-qwen|bench-qwen-512|bench-qwen-1024|issue2|parallel|parallel-cfg|serving|demo ..." >&2; exit 2; }
+[ $# -gt 0 ] || { echo "usage: scripts/gpu_session.sh fa4-stage|fa4-install|tests-fa4|probe-fa4|readme-rows|probe-cfg-batch-gain|probe-vae-coders|bench-text-encoders|tests-published|probe-flux|bench-flux|bench-flux-controlnet|bench-klein|bench-wan|bench-qwen-edit|bench-hunyuan-image|tests-key-padding|probe-wan-vae|bench-stacked-qwen-512|tests-fp8-output|bench-fp8-output-qwen|bench-fp8-output-z|fp8-prologue|probe-stacked|bench-fp8-prologue-qwen|bench-stacked-qwen|bench-fp8-prologue-z|qwen-block-glue|bench-block-glue-qwen|probe-attention|probe-cudnn-fp8|tests-vae-fused|bench-fused-qkv-z|tests-fused-qkv|tests-cudnn-fp8|bench-cudnn-fp8-z|bench-cudnn-fp8-qwen|tests-kernels|probe-fp8-ff|bench-fp8-ff-qwen|bench-kernels-qwen|bench-kernels-z|bench-cachedit-qwen|tests-state|bench-state|tests|tests-full|tests-fast|tests-coexist|tests-shared|tests-cache|bench-cache-qwen-1024|bench-cache-qwen-512|bench-cache-z|bench-cfg-cache-qwen|bench-cfg-cache-qwen-1024|bench-cfg-cache-qwen-512|tests-quant|tests-auto|probe-hand-patches|bench-auto|coverage|bench-fp8-z|bench-fp8-qwen|warm-start-fp8-z|probe-fp8-groups|probe-fp8-block|hotswap-z|tests-z|te-z|fast-check|profile-qwen|profile-z|fast-qwen-50|ab-attention|probe-floor|probe-outside|probe-norms|probe-blocks|compile-max-qwen|memory-z|bench-z|warm-start-z|first-call-qwen-none|first-call-qwen-magcache|first-call-qwen-cachedit|first-call-qwen-fp8|bench-qwen|bench-qwen-512|bench-qwen-1024|issue2|parallel|parallel-cfg|serving|demo ..." >&2; exit 2; }
 out=${OUT:-/tmp/bcg-out}
 mkdir -p "$out"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -220,9 +223,10 @@ case "$phase" in
     timeout "${KEY_PADDING_TESTS_TIMEOUT:-300}" python3 -m pytest -m cuda -q -rs -p no:cacheprovider --tb=short \
       tests/test_key_padding_cuda.py 2>&1 | grep -v "Warning\|warnings.warn" | tee "$out/pytest-key-padding.log" | tail -15
     ;;
-  bench-flux|bench-klein|bench-wan|bench-qwen-edit|bench-hunyuan-image)
+  bench-flux|bench-flux-controlnet|bench-klein|bench-wan|bench-qwen-edit|bench-hunyuan-image)
     case "$phase" in
       bench-flux) pipeline=flux; modes=eager,fast,fast-inductor-glue,fast-fp8,fast-fp8-inductor-glue,fast-fp8-attn; runs=2 ;;
+      bench-flux-controlnet) pipeline=flux-controlnet; modes=eager,bcg,bcg-no-controlnet,fast,fast-no-controlnet; runs=2 ;;
       bench-klein) pipeline=flux2-klein; modes=eager,bcg,fast,fast-fp8,fast-fp8-attn; runs=5 ;;
       bench-wan) pipeline=wan; modes=eager,fast-fp8-attn; runs=1 ;;
       bench-qwen-edit) pipeline=qwen-image-edit; modes=eager,fast,fast-fp8,fast-fp8-attn; runs=2 ;;
@@ -230,7 +234,7 @@ case "$phase" in
     esac
     timeout "${PUBLISHED_TIMEOUT:-560}" python3 -m bench --pipeline "$pipeline" --weights random-full \
       --modes "${PUBLISHED_MODES:-$modes}" --runs "${PUBLISHED_RUNS:-$runs}" --warmup 0 --no-progress \
-      --out "$out/$phase" 2>&1 | grep -v "Warning\|warnings.warn" | tee "$out/$phase.log" | tail -25
+      ${PUBLISHED_RESOLUTIONS:+--resolutions "$PUBLISHED_RESOLUTIONS"} --out "$out/$phase" 2>&1 | grep -v "Warning\|warnings.warn" | tee "$out/$phase.log" | tail -25
     ;;
   bench-text-encoders)
     # The published pipelines with their text encoders built (random weights) and a prompt encoded each call:

@@ -37,6 +37,7 @@ PUBLISHED_BILLIONS = {
     "Qwen-Image Edit": 20.43,  # 20B
     "Qwen-Image Edit Plus": 20.43,  # 20B
     "FLUX.1 Kontext": 11.90,  # 12B
+    "FLUX.1 ControlNet": 11.90,  # FLUX.1-dev's 12B (the ControlNet is not a transformer component)
     "FLUX.2": 32.22,  # 32B
     "FLUX.2 klein": 3.88,  # 4B
     "Wan 2.2 T2V": 28.58,  # A14B: two 14B experts

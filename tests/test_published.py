@@ -34,8 +34,9 @@ from bcg_diffusion.kernels import attention as triton_kernels
 from bcg_diffusion.models import build_pipeline
 from bcg_diffusion.patches import dispatched_attention
 from bench import cli
+from bench import modes as bench_modes
 from bench.coverage import _call
-from bench.coverage_models import FULL, TINY
+from bench.coverage_models import FULL, TINY, live_controlnet
 
 PIPELINES = ("FLUX.1", "FLUX.2 klein", "Wan 2.1 T2V", "Qwen-Image Edit Plus")
 
@@ -367,6 +368,31 @@ def test_bench_times_a_published_pipeline_on_the_cpu(tmp_path, capsys):
     assert "| bcg |" in out and "yes (md5)" in out
 
 
+def test_bench_times_a_controlnet_as_graphs_and_eager(tmp_path, capsys):
+    """``flux-controlnet``'s ControlNet runs as graphs, as accelerate does by default; the ``-no-controlnet``
+    modes leave it eager, so that each pair differs only in the ControlNet's graphs. Every copy has a ControlNet
+    of its own: one shared by two modes accelerated with other options was refused."""
+    import json
+
+    code = cli.main(
+        ["--pipeline", "flux-controlnet", "--weights", "tiny", "--resolutions", "64x64", "--steps", "2"]
+        + ["--runs", "1", "--warmup", "0", "--modes", "eager,bcg,bcg-no-controlnet,fast,fast-no-controlnet"]
+        + ["--no-progress", "--out", str(tmp_path)]
+    )
+    out = capsys.readouterr().out
+    assert code == 0, out
+    [case] = json.loads((tmp_path / "results.json").read_text())["cases"]
+    rows = case["modes"]
+    assert all(rows[mode]["identical"] for mode in ("bcg", "bcg-no-controlnet")), rows
+    assert all(rows[mode]["identical_to_reference"] for mode in ("fast", "fast-no-controlnet")), rows
+    captures = {
+        mode: rows[mode]["graphs"]["captures"] for mode in ("bcg", "bcg-no-controlnet", "fast", "fast-no-controlnet")
+    }
+    assert captures == {"bcg": 3, "bcg-no-controlnet": 2, "fast": 3, "fast-no-controlnet": 2}  # + the ControlNet
+    with pytest.raises(ValueError, match="has no ControlNet"):
+        bench_modes.prepare("bcg-no-controlnet", TINY["FLUX.1"]()[0], torch.device("cpu"))
+
+
 def test_bench_encodes_prompts_with_the_published_pipelines_text_encoders(tmp_path, capsys):
     import json
 
@@ -481,18 +507,6 @@ def test_text_encoders_of_the_published_families_are_captured_and_exact(name):
 _CONTROL = torch.rand(1, 3, 32, 32, generator=torch.Generator().manual_seed(1))  # a ControlNet's conditioning image
 
 
-def _flux_controlnet() -> tuple[Any, dict[str, Any]]:
-    """Tiny FLUX.1 with a ControlNet (``FluxControlNetPipeline``) and its call's inputs."""
-    from diffusers import FluxControlNetModel, FluxControlNetPipeline
-
-    base, inputs = TINY["FLUX.1"]()
-    controlnet = FluxControlNetModel(
-        in_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=16, num_attention_heads=2,
-        joint_attention_dim=32, pooled_projection_dim=32, axes_dims_rope=[4, 6, 6],
-    )  # fmt: skip
-    return FluxControlNetPipeline(**base.components, controlnet=controlnet), {**inputs, "control_image": _CONTROL}
-
-
 def _qwen_image_controlnet() -> tuple[Any, dict[str, Any]]:
     """Tiny Qwen-Image with a ControlNet (``QwenImageControlNetPipeline``, its tiny text encoder) and its call's
     inputs."""
@@ -500,36 +514,100 @@ def _qwen_image_controlnet() -> tuple[Any, dict[str, Any]]:
 
     base = build_pipeline("qwen-image", "tiny")
     config = base.transformer.config
-    controlnet = QwenImageControlNetModel(
+    controlnet = live_controlnet(QwenImageControlNetModel(
         patch_size=config.patch_size, in_channels=config.in_channels, out_channels=config.out_channels,
         num_layers=1, attention_head_dim=config.attention_head_dim, num_attention_heads=config.num_attention_heads,
         joint_attention_dim=config.joint_attention_dim, axes_dims_rope=config.axes_dims_rope,
         extra_condition_channels=0,
-    )  # fmt: skip
+    ))  # fmt: skip
     parameters = inspect.signature(QwenImageControlNetPipeline.__init__).parameters
     components = {name: module for name, module in base.components.items() if name in parameters}
     pipe = QwenImageControlNetPipeline(**components, controlnet=controlnet)
     return pipe, {"prompt": "a cat", "negative_prompt": "blurry", "true_cfg_scale": 4.0, "control_image": _CONTROL}
 
 
+def _flux_multi_controlnet() -> tuple[Any, dict[str, Any]]:
+    """Tiny FLUX.1 with two ControlNets (``FluxMultiControlNetModel``): one list of scales and images per call."""
+    from diffusers import FluxControlNetPipeline, FluxMultiControlNetModel
+
+    pipe, inputs = TINY["FLUX.1 ControlNet"]()
+    second = live_controlnet(TINY["FLUX.1 ControlNet"]()[0].controlnet, seed=2)  # no longer zero: kept as is
+    torch.nn.init.normal_(second.controlnet_blocks[0].weight, std=0.2, generator=torch.Generator().manual_seed(2))
+    multi = FluxMultiControlNetModel([pipe.controlnet, second])
+    pipe = FluxControlNetPipeline(**{**pipe.components, "controlnet": multi})
+    return pipe, {**inputs, "control_image": [_CONTROL, _CONTROL.flip(-1)]}
+
+
+def _sd3_controlnet() -> tuple[Any, dict[str, Any]]:
+    """Tiny SD3 with a ControlNet (``StableDiffusion3ControlNetPipeline``) and CFG."""
+    from diffusers import SD3ControlNetModel, StableDiffusion3ControlNetPipeline
+
+    base, inputs = TINY["SD3.5"]()
+    config = base.transformer.config
+    controlnet = live_controlnet(SD3ControlNetModel(
+        sample_size=config.sample_size, in_channels=config.in_channels, out_channels=config.out_channels,
+        num_layers=1, attention_head_dim=config.attention_head_dim, num_attention_heads=config.num_attention_heads,
+        joint_attention_dim=config.joint_attention_dim, caption_projection_dim=config.caption_projection_dim,
+        pooled_projection_dim=config.pooled_projection_dim, pos_embed_max_size=config.pos_embed_max_size,
+    ))  # fmt: skip
+    parameters = inspect.signature(StableDiffusion3ControlNetPipeline.__init__).parameters
+    components = {name: module for name, module in base.components.items() if name in parameters}
+    pipe = StableDiffusion3ControlNetPipeline(**components, controlnet=controlnet)
+    # Its pipeline encodes the conditioning image with a sample of the VAE's posterior, from the global generator
+    return pipe, {**inputs, "guidance_scale": 4.0, "control_image": _CONTROL, "seed_global_generator": True}
+
+
+def _sana_controlnet() -> tuple[Any, dict[str, Any]]:
+    """Tiny Sana with a ControlNet (``SanaControlNetPipeline``) and CFG."""
+    from diffusers import SanaControlNetModel, SanaControlNetPipeline, SanaTransformer2DModel
+
+    base, inputs = TINY["Sana"]()
+    # Sana adds a ControlNet's sample i to the output of block i + 1: one block would never read one
+    base.register_modules(transformer=SanaTransformer2DModel.from_config({**base.transformer.config, "num_layers": 2}))
+    config = base.transformer.config
+    controlnet = live_controlnet(SanaControlNetModel(
+        in_channels=config.in_channels, out_channels=config.out_channels, num_attention_heads=2,
+        attention_head_dim=config.attention_head_dim, num_layers=1, num_cross_attention_heads=2,
+        cross_attention_head_dim=config.cross_attention_head_dim, cross_attention_dim=config.cross_attention_dim,
+        caption_channels=config.caption_channels, sample_size=config.sample_size,
+    ))  # fmt: skip
+    parameters = inspect.signature(SanaControlNetPipeline.__init__).parameters
+    components = {name: module for name, module in base.components.items() if name in parameters}
+    pipe = SanaControlNetPipeline(**components, controlnet=controlnet)
+    return pipe, {**inputs, "guidance_scale": 4.5, "control_image": _CONTROL}
+
+
+_CONTROLNETS = {
+    "FLUX.1": TINY["FLUX.1 ControlNet"],
+    "FLUX.1, two ControlNets": _flux_multi_controlnet,
+    "Qwen-Image": _qwen_image_controlnet,
+    "SD3": _sd3_controlnet,
+    "Sana": _sana_controlnet,
+}
+
+
 @pytest.mark.filterwarnings("ignore:.*has no adapter")
-@pytest.mark.parametrize("build", [_flux_controlnet, _qwen_image_controlnet], ids=["FLUX.1", "Qwen-Image"])
-def test_a_controlnet_named_in_components_is_captured_and_exact(build):
-    pipe, inputs = build()
-    # The scale is a Python float the ControlNet's forward multiplies its outputs by: each value keys its graphs.
-    calls = [{**inputs, "controlnet_conditioning_scale": scale} for scale in (0.7, 0.3)]
+@pytest.mark.parametrize("name", list(_CONTROLNETS))
+def test_a_controlnet_is_captured_by_default_and_exact(name):
+    """A ControlNet's forward runs as graphs by default (FLUX.1's gained 3-8% at 512², runs 221, 223). The scale is a
+    Python float (a list of them for several ControlNets) its forward multiplies by: each value keys its graphs."""
+    pipe, inputs = _CONTROLNETS[name]()
+    scales = (0.7, 0.3) if "two" not in name else ([0.7, 0.5], [0.3, 0.5])
+    seeded = inputs.pop("seed_global_generator", False)
+    calls = [{**inputs, "controlnet_conditioning_scale": scale} for scale in scales]
+
+    def call(inputs):
+        if seeded:
+            torch.manual_seed(0)
+        return _call(pipe, inputs)
+
     with torch.no_grad():
-        expected = [_call(pipe, call) for call in calls]
+        expected = [call(inputs) for inputs in calls]
+    assert not torch.equal(*expected)  # the scale reaches the images: a replay of the wrong one would show
     accelerate(pipe, debug=True)
     try:
-        assert torch.equal(_call(pipe, calls[0]), expected[0])
-        assert "controlnet" not in stats(pipe)["components"]  # eager unless named: not measured on a GPU
-    finally:
-        restore(pipe)
-    accelerate(pipe, components=("transformer", "controlnet", "vae"), debug=True)
-    try:
         for _ in range(2):
-            assert all(torch.equal(_call(pipe, call), want) for call, want in zip(calls, expected))
+            assert all(torch.equal(call(inputs), want) for inputs, want in zip(calls, expected))
         report = assert_graphs_ran(pipe, components=("transformer", "controlnet"))
         assert report["components"]["controlnet"]["captures"] == 2, report["components"]  # one per scale
     finally:
@@ -537,9 +615,37 @@ def test_a_controlnet_named_in_components_is_captured_and_exact(build):
 
 
 @pytest.mark.filterwarnings("ignore:.*has no adapter")
+def test_a_controlnet_stays_eager_when_left_out_of_components_or_hooked(caplog):
+    pipe, inputs = TINY["FLUX.1 ControlNet"]()
+    with torch.no_grad():
+        expected = _call(pipe, inputs)
+    accelerate(pipe, components=("transformer", "vae"), debug=True)
+    try:
+        assert torch.equal(_call(pipe, inputs), expected)
+        assert "controlnet" not in stats(pipe)["components"]
+    finally:
+        restore(pipe)
+    from diffusers.hooks.hooks import HookRegistry, ModelHook
+
+    # A user's diffusers hook (offloading, a cache...) reads state per call: a defaulted ControlNet stays eager
+    HookRegistry.check_if_exists_or_initialize(pipe.controlnet).register_hook(ModelHook(), "user's")
+    with caplog.at_level("INFO", logger="bcg_diffusion.api"):
+        accelerate(pipe, debug=True)
+    try:
+        assert torch.equal(_call(pipe, inputs), expected)
+        assert "controlnet" not in stats(pipe)["components"] and "transformer" in stats(pipe)["components"]
+        assert "controlnet stays eager: it has offload or diffusers hooks" in caplog.text
+    finally:
+        restore(pipe)
+
+
+@pytest.mark.filterwarnings("ignore:.*has no adapter")
 @pytest.mark.parametrize(
     ("build", "denoisers"),
-    [(TINY["Wan 2.2 T2V"], ("transformer", "transformer_2")), (_flux_controlnet, ("transformer", "controlnet"))],
+    [
+        (TINY["Wan 2.2 T2V"], ("transformer", "transformer_2")),
+        (TINY["FLUX.1 ControlNet"], ("transformer", "controlnet")),
+    ],
     ids=["Wan 2.2 experts", "FLUX.1 ControlNet"],
 )
 def test_every_denoiser_captures_again_under_another_diffusers_attention_backend(build, denoisers):

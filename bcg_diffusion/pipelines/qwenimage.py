@@ -35,8 +35,8 @@ class QwenImageAdapter(PipelineAdapter):
     class_prefixes = ("QwenImage",)
     tested_classes = ("QwenImagePipeline", "QwenImageImg2ImgPipeline", "QwenImageInpaintPipeline")
     # Not the text encoder: Qwen2.5-VL encodes each prompt at its own length (one capture per length), and the
-    # Edit variants' encoder reads the input image too.
-    default_components = ("transformer", "vae")
+    # Edit variants' encoder reads the input image too. A ControlNet, as every adapter's (QwenImageControlNetPipeline).
+    default_components = ("transformer", "controlnet", "vae")
     patches = (TEXT_SEQ_LEN_PATCH,)
     guidance_argument = "true_cfg_scale"  # true CFG: a second transformer call per step when > 1
     fast_patches = (QWEN_REAL_ROPE_PATCH, QWEN_ATTENTION_PATCH)

@@ -40,7 +40,9 @@ class ZImageAdapter(PipelineAdapter):
     guidance_values = (0.0, 4.0)  # CFG when guidance_scale > 0
     fast_patches = (ZIMAGE_ATTENTION_PATCH, ZIMAGE_ROPE_PATCH)  # exactly one applies (see patches.attention)
     # The Qwen3 text encoder too: captured, it is byte-equal to eager (H200) and encodes in 17 ms
-    # (11 ms trimmed, fast mode) instead of 40-60 ms (runs 12, 29 and 37).
+    # (11 ms trimmed, fast mode) instead of 40-60 ms (runs 12, 29 and 37). Not a ControlNet: Z-Image's shares the
+    # transformer's embedders and refiner blocks (``ZImageControlNetModel.from_transformer``) and patchifies
+    # captions without our caption buckets; untested as graphs, it stays eager unless named.
     default_components = ("transformer", "vae", "text_encoder")
     text_trim_multiple = 64  # the pipeline pads every prompt to 512 tokens for its causal Qwen3 encoder
 
