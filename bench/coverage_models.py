@@ -220,11 +220,11 @@ def _flux_controlnet() -> tuple[Any, dict[str, Any]]:
     return FluxControlNetPipeline(**base.components, controlnet=controlnet), {**inputs, "control_image": control}
 
 
-def live_controlnet(controlnet: nn.Module, seed: int = 0) -> nn.Module:
-    """``controlnet`` with random weights where its class starts at zero (the blocks that write its outputs, its
-    conditioning's embedding), in place: a new ControlNet adds nothing to the transformer, so without this no
-    image would show a ControlNet's output or its conditioning scale."""
-    generator = torch.Generator().manual_seed(seed)
+def live_controlnet(controlnet: nn.Module) -> nn.Module:
+    """``controlnet`` with random values, in place, in every parameter that starts at zero (the blocks that write
+    its outputs, its conditioning's embedding, zero biases): a new ControlNet adds nothing to the transformer, so
+    without this no image would show a ControlNet's output or its conditioning scale."""
+    generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for parameter in controlnet.parameters():
             if not parameter.any():

@@ -507,6 +507,13 @@ def test_text_encoders_of_the_published_families_are_captured_and_exact(name):
 _CONTROL = torch.rand(1, 3, 32, 32, generator=torch.Generator().manual_seed(1))  # a ControlNet's conditioning image
 
 
+def _with_controlnet(pipeline_class: type, base: Any, controlnet: torch.nn.Module) -> Any:
+    """A ``pipeline_class`` (a ControlNet pipeline) of ``base``'s components that it takes, and ``controlnet``."""
+    parameters = inspect.signature(pipeline_class.__init__).parameters
+    components = {name: module for name, module in base.components.items() if name in parameters}
+    return pipeline_class(**components, controlnet=controlnet)
+
+
 def _qwen_image_controlnet() -> tuple[Any, dict[str, Any]]:
     """Tiny Qwen-Image with a ControlNet (``QwenImageControlNetPipeline``, its tiny text encoder) and its call's
     inputs."""
@@ -520,9 +527,7 @@ def _qwen_image_controlnet() -> tuple[Any, dict[str, Any]]:
         joint_attention_dim=config.joint_attention_dim, axes_dims_rope=config.axes_dims_rope,
         extra_condition_channels=0,
     ))  # fmt: skip
-    parameters = inspect.signature(QwenImageControlNetPipeline.__init__).parameters
-    components = {name: module for name, module in base.components.items() if name in parameters}
-    pipe = QwenImageControlNetPipeline(**components, controlnet=controlnet)
+    pipe = _with_controlnet(QwenImageControlNetPipeline, base, controlnet)
     return pipe, {"prompt": "a cat", "negative_prompt": "blurry", "true_cfg_scale": 4.0, "control_image": _CONTROL}
 
 
@@ -531,7 +536,7 @@ def _flux_multi_controlnet() -> tuple[Any, dict[str, Any]]:
     from diffusers import FluxControlNetPipeline, FluxMultiControlNetModel
 
     pipe, inputs = TINY["FLUX.1 ControlNet"]()
-    second = live_controlnet(TINY["FLUX.1 ControlNet"]()[0].controlnet, seed=2)  # no longer zero: kept as is
+    second = TINY["FLUX.1 ControlNet"]()[0].controlnet
     torch.nn.init.normal_(second.controlnet_blocks[0].weight, std=0.2, generator=torch.Generator().manual_seed(2))
     multi = FluxMultiControlNetModel([pipe.controlnet, second])
     pipe = FluxControlNetPipeline(**{**pipe.components, "controlnet": multi})
@@ -550,11 +555,8 @@ def _sd3_controlnet() -> tuple[Any, dict[str, Any]]:
         joint_attention_dim=config.joint_attention_dim, caption_projection_dim=config.caption_projection_dim,
         pooled_projection_dim=config.pooled_projection_dim, pos_embed_max_size=config.pos_embed_max_size,
     ))  # fmt: skip
-    parameters = inspect.signature(StableDiffusion3ControlNetPipeline.__init__).parameters
-    components = {name: module for name, module in base.components.items() if name in parameters}
-    pipe = StableDiffusion3ControlNetPipeline(**components, controlnet=controlnet)
-    # Its pipeline encodes the conditioning image with a sample of the VAE's posterior, from the global generator
-    return pipe, {**inputs, "guidance_scale": 4.0, "control_image": _CONTROL, "seed_global_generator": True}
+    pipe = _with_controlnet(StableDiffusion3ControlNetPipeline, base, controlnet)
+    return pipe, {**inputs, "guidance_scale": 4.0, "control_image": _CONTROL}
 
 
 def _sana_controlnet() -> tuple[Any, dict[str, Any]]:
@@ -571,9 +573,7 @@ def _sana_controlnet() -> tuple[Any, dict[str, Any]]:
         cross_attention_head_dim=config.cross_attention_head_dim, cross_attention_dim=config.cross_attention_dim,
         caption_channels=config.caption_channels, sample_size=config.sample_size,
     ))  # fmt: skip
-    parameters = inspect.signature(SanaControlNetPipeline.__init__).parameters
-    components = {name: module for name, module in base.components.items() if name in parameters}
-    pipe = SanaControlNetPipeline(**components, controlnet=controlnet)
+    pipe = _with_controlnet(SanaControlNetPipeline, base, controlnet)
     return pipe, {**inputs, "guidance_scale": 4.5, "control_image": _CONTROL}
 
 
@@ -593,12 +593,10 @@ def test_a_controlnet_is_captured_by_default_and_exact(name):
     Python float (a list of them for several ControlNets) its forward multiplies by: each value keys its graphs."""
     pipe, inputs = _CONTROLNETS[name]()
     scales = (0.7, 0.3) if "two" not in name else ([0.7, 0.5], [0.3, 0.5])
-    seeded = inputs.pop("seed_global_generator", False)
     calls = [{**inputs, "controlnet_conditioning_scale": scale} for scale in scales]
 
     def call(inputs):
-        if seeded:
-            torch.manual_seed(0)
+        torch.manual_seed(0)  # SD3's pipeline encodes the conditioning image with a sample from the global generator
         return _call(pipe, inputs)
 
     with torch.no_grad():
