@@ -44,7 +44,7 @@ class AccelerateConfig:
             wrapper's; each conditioning scale, a Python float its forward multiplies by, keys graphs of its
             own). None (default): what the pipeline's adapter was measured faster with, byte-equal to eager:
             transformer (and a second expert), VAE, a ControlNet (FLUX.1's, SD3's, Sana's, Qwen-Image's; not
-            Z-Image's, which shares the transformer's modules) and a Qwen3 text encoder (Z-Image's, FLUX.2
+            Z-Image's, which shares the transformer's modules; in fast mode its blocks compile) and a Qwen3 text encoder (Z-Image's, FLUX.2
             klein's: every prompt padded to 512 tokens); other encoders (T5, UMT5, CLIP, Qwen-Image's
             Qwen2.5-VL...) stay eager unless named here.
         warmup_runs: eager runs on the capture stream before each capture (cuBLAS workspaces,

@@ -49,6 +49,7 @@ MODES: tuple[str, ...] = (
     "fast-fp8-all-linears-attn-scaled-output",
     "bcg-no-controlnet",
     "fast-no-controlnet",
+    "fast-uncompiled-controlnet",
     "eager-fp8+cache",
     "fast-fp8+cache",
     "fast-fp8-attn+cache",
@@ -101,7 +102,7 @@ FP8_MODES: tuple[str, ...] = (
 ABLATIONS: tuple[str, ...] = ("bcg-no-te", "bcg-no-auto", "fast-no-te", "fast-no-auto", "fast-unbatched")
 ABLATIONS += ("bcg-te", "fast-te")
 ABLATIONS += ("fast-joined-output", "fast-inductor-prologue", "fast-inductor-glue")
-ABLATIONS += ("bcg-no-controlnet", "fast-no-controlnet")
+ABLATIONS += ("bcg-no-controlnet", "fast-no-controlnet", "fast-uncompiled-controlnet")
 # The modes that need an optional package (flash-attn-4): they run when named.
 OPTIONAL_PACKAGE: tuple[str, ...] = ("fast-fa4", "fast-fp8-fa4")
 # What a run without --modes compares on a GPU: ours as a user gets them, and the peers.
@@ -210,6 +211,8 @@ DESCRIPTIONS = {
     'and quantized again before the output projection (fp8_output_projection.choose(pipe.transformer, "scaled"))',
     "bcg-no-controlnet": "bcg with the ControlNet eager, not as graphs (components transformer, vae)",
     "fast-no-controlnet": "fast with the ControlNet eager, not as graphs (components transformer, vae)",
+    "fast-uncompiled-controlnet": "fast with the ControlNet's blocks eager inside its graphs, not compiled "
+    "(features.compiled_controlnet.choose)",
     "eager-fp8+cache": "eager-fp8 with the step cache (--cache)",
     "fast-fp8+cache": "fast-fp8 with the same step cache inside its graphs",
     "fast-fp8-attn+cache": "fast-fp8-attn with the same step cache inside its graphs",
@@ -236,7 +239,7 @@ EXACT.update({"fast-joined-output": False, "fast-fp8-joined-output": False, "fas
 EXACT.update({name: False for name in MODES if name.endswith("-inductor-prologue")})
 EXACT.update({name: False for name in MODES if "-all-linears" in name})
 EXACT.update({"eager+cachedit": True, "bcg+cachedit": True, "fast+cachedit": False})
-EXACT.update({"bcg-no-controlnet": True, "fast-no-controlnet": False})
+EXACT.update({"bcg-no-controlnet": True, "fast-no-controlnet": False, "fast-uncompiled-controlnet": False})
 OURS = ("bcg", "bcg-no-te", "bcg-te", "bcg-no-auto", "fast", "fast-no-te", "fast-te", "fast-no-auto", "fast-unbatched")
 OURS += ("bcg+cachedit", "fast+cachedit")
 OURS += ("bcg+cache", "fast+cache", "fast-unbatched+cache", "bcg-fp8", "fast-fp8", "fast-fp8-attn", "fast-fp8+cache")
@@ -245,7 +248,7 @@ OURS += ("fast-fp8-uncompiled-te", "fast-fp8-compiled-vae", "fast-fp8-patched-va
 OURS += ("fast-fp8-attn-bf16-prologue", "fast-joined-output", "fast-fp8-joined-output", "fast-inductor-glue")
 OURS += tuple(name for name in MODES if "-all-linears" in name or name.endswith("-inductor-prologue"))
 OURS += ("fast-fa4", "fast-fp8-fa4")
-OURS += ("bcg-no-controlnet", "fast-no-controlnet")
+OURS += ("bcg-no-controlnet", "fast-no-controlnet", "fast-uncompiled-controlnet")
 FAST = ("fast", "fast-no-te", "fast-te", "fast-no-auto", "fast-unbatched", "fast+cache", "fast-fp8", "fast-fp8-attn")
 FAST += ("fast-fp8-torchao-ff", "fast-fp8-attn-triton", "fast-fp8-attn+cache", "fast-fp8-unfused-qkv")
 FAST += ("fast-fp8-uncompiled-te", "fast-fp8-compiled-vae", "fast-fp8-patched-vae", "fast-fp8-inductor-glue")
@@ -253,7 +256,7 @@ FAST += ("fast-fp8+cache", "fast+cachedit", "fast-unbatched+cache", "fast-fp8-at
 FAST += ("fast-joined-output", "fast-fp8-joined-output", "fast-inductor-glue")
 FAST += tuple(name for name in MODES if "-all-linears" in name or name.endswith("-inductor-prologue"))
 FAST += ("fast-fa4", "fast-fp8-fa4")
-FAST += ("fast-no-controlnet",)
+FAST += ("fast-no-controlnet", "fast-uncompiled-controlnet")
 
 
 def baseline(name: str) -> str:

@@ -20,7 +20,7 @@ import torch
 from diffusers.utils import BaseOutput
 
 from bcg_diffusion import accelerate, eager, restore, stats
-from bcg_diffusion.features import compiled_text_encoder, fp8_attention, fused_qkv, vae_decoder
+from bcg_diffusion.features import compiled_controlnet, compiled_text_encoder, fp8_attention, fused_qkv, vae_decoder
 from bcg_diffusion.features.quantization import FP8, block_linears, quantize_transformer
 from bcg_diffusion.features.step_caching import enable_cache
 from bcg_diffusion.patches import block_glue, fp8_feed_forward, fp8_output_projection, stacked_output
@@ -170,6 +170,7 @@ class ModeOptions:
     torchao_feed_forward: bool = False  # -torchao-ff: our FP8 feed-forward kernel off
     unfused_qkv: bool = False  # -unfused-qkv: query, key and value projected apart
     uncompiled_text_encoder: bool = False  # -uncompiled-te: the text encoder's layers eager
+    uncompiled_controlnet: bool = False  # -uncompiled-controlnet: the ControlNet's blocks eager
     compiled_vae: bool = False  # -compiled-vae: the VAE decoder compiled whole (an opt-in)
     patched_vae: bool = False  # -patched-vae: the VAE decoder contiguous, only its group norms patched
     inductor_glue: bool = False  # -inductor-glue: the FP8 block glue compiled by inductor
@@ -198,6 +199,7 @@ def parse(name: str) -> ModeOptions:
         ("-torchao-ff", "torchao_feed_forward"),
         ("-unfused-qkv", "unfused_qkv"),
         ("-uncompiled-te", "uncompiled_text_encoder"),
+        ("-uncompiled-controlnet", "uncompiled_controlnet"),
         ("-compiled-vae", "compiled_vae"),
         ("-patched-vae", "patched_vae"),
         ("-inductor-glue", "inductor_glue"),
@@ -248,6 +250,10 @@ def prepare(
         fused_qkv.choose(pipe.transformer, False)
     if options.uncompiled_text_encoder and getattr(pipe, "text_encoder", None) is not None:
         compiled_text_encoder.choose(pipe.text_encoder, False)
+    if options.uncompiled_controlnet:
+        if getattr(pipe, "controlnet", None) is None:
+            raise ValueError(f"{type(pipe).__name__} has no ControlNet for {name} to leave uncompiled")
+        compiled_controlnet.choose(pipe.controlnet, False)
     if options.compiled_vae:
         vae_decoder.choose(pipe.vae, "compiled")
     if options.patched_vae:

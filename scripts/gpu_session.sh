@@ -226,7 +226,7 @@ case "$phase" in
   bench-flux|bench-flux-controlnet|bench-klein|bench-wan|bench-qwen-edit|bench-hunyuan-image)
     case "$phase" in
       bench-flux) pipeline=flux; modes=eager,fast,fast-inductor-glue,fast-fp8,fast-fp8-inductor-glue,fast-fp8-attn; runs=2 ;;
-      bench-flux-controlnet) pipeline=flux-controlnet; modes=eager,bcg,bcg-no-controlnet,fast,fast-no-controlnet; runs=2 ;;
+      bench-flux-controlnet) pipeline=flux-controlnet; modes=eager,bcg,bcg-no-controlnet,fast,fast-uncompiled-controlnet,fast-no-controlnet; runs=2 ;;
       bench-klein) pipeline=flux2-klein; modes=eager,bcg,fast,fast-fp8,fast-fp8-attn; runs=5 ;;
       bench-wan) pipeline=wan; modes=eager,fast-fp8-attn; runs=1 ;;
       bench-qwen-edit) pipeline=qwen-image-edit; modes=eager,fast,fast-fp8,fast-fp8-attn; runs=2 ;;
