@@ -25,6 +25,7 @@ from bcg_diffusion.features.quantization import FP8, block_linears, quantize_tra
 from bcg_diffusion.features.step_caching import enable_cache
 from bcg_diffusion.patches import block_glue, fp8_feed_forward, fp8_output_projection, stacked_output
 from bcg_diffusion.patches.attention import choose_qk_prologue
+from bcg_diffusion.pipelines import PipelineAdapter
 
 from .catalog import (  # noqa: F401 - the names, re-exported for the modules that import them from here
     ABLATIONS,
@@ -87,15 +88,7 @@ def pipeline_copy(pipe: Any) -> Any:
     encoders and scheduler objects (the parts that modes patch or that hold per-call state), and the
     pipeline's own settings (``boundary_ratio`` of Wan 2.2...)."""
     components = dict(pipe.components)
-    for name in (
-        "transformer",
-        "transformer_2",
-        "controlnet",
-        "vae",
-        "text_encoder",
-        "text_encoder_2",
-        "text_encoder_3",
-    ):
+    for name in PipelineAdapter.targets:  # every component a runner can hold, so a mode may patch it
         if components.get(name) is not None:
             components[name] = weight_sharing_copy(components[name])
     components["scheduler"] = copy.deepcopy(components["scheduler"])
@@ -250,9 +243,9 @@ def prepare(
         fused_qkv.choose(pipe.transformer, False)
     if options.uncompiled_text_encoder and getattr(pipe, "text_encoder", None) is not None:
         compiled_text_encoder.choose(pipe.text_encoder, False)
+    if (options.no_controlnet or options.uncompiled_controlnet) and getattr(pipe, "controlnet", None) is None:
+        raise ValueError(f"{type(pipe).__name__} has no ControlNet for mode {name}")
     if options.uncompiled_controlnet:
-        if getattr(pipe, "controlnet", None) is None:
-            raise ValueError(f"{type(pipe).__name__} has no ControlNet for {name} to leave uncompiled")
         compiled_controlnet.choose(pipe.controlnet, False)
     if options.compiled_vae:
         vae_decoder.choose(pipe.vae, "compiled")
@@ -305,8 +298,6 @@ def _prepare(
     elif name.endswith("-te"):
         components = WITH_TEXT_ENCODERS
     if no_controlnet:
-        if getattr(pipe, "controlnet", None) is None:
-            raise ValueError(f"{type(pipe).__name__} has no ControlNet for the -no-controlnet modes to leave eager")
         components = WITHOUT_CONTROLNET
     auto_breaks = not name.endswith("-no-auto")
     if name in ("bcg", "bcg-no-te", "bcg-te", "bcg-no-auto"):

@@ -120,7 +120,7 @@ def call_inputs(
 
 @functools.lru_cache(maxsize=4)
 def _inputs(name: str, weights: str, device: Any, width: int, height: int, frames: int | None) -> dict[str, Any]:
-    from .coverage_models import FULL, TINY, Size
+    from .coverage_models import FULL, TINY, Size, _image
 
     spec = PUBLISHED[name]
     if weights == "tiny":
@@ -131,8 +131,6 @@ def _inputs(name: str, weights: str, device: Any, width: int, height: int, frame
         inputs = FULL[spec.coverage].inputs(device, Size("bench", width, height, frames))
     for key in ("image", "control_image"):  # the edit pipelines' input, a ControlNet's: the output's size
         if key in inputs and _is_image(inputs[key]):
-            from .coverage_models import _image
-
             inputs[key] = _image(width, height)
     for key in ("width", "height", "num_frames", "guidance_scale", "guidance_scale_2", "true_cfg_scale"):
         inputs.pop(key, None)
