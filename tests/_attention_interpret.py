@@ -8,27 +8,11 @@ the first case out of tolerance; prints one line per case.
 
 from __future__ import annotations
 
-import os
+import _interpreter  # noqa: F401 - first: Triton's interpreter on, its loop bounds read under NumPy 2.4
+import torch
+import torch.nn.functional as F
 
-os.environ["TRITON_INTERPRET"] = "1"
-
-import torch  # noqa: E402 - after the environment Triton reads on import
-import torch.nn.functional as F  # noqa: E402
-import triton.runtime.interpreter as interpreter  # noqa: E402
-
-from bcg_diffusion.kernels import attention  # noqa: E402
-
-_patch_tensor = interpreter._patch_lang_tensor
-
-
-def _patch_tensor_index(tensor, scope):  # noqa: ANN001, ANN202
-    """Triton 3.6's interpreter takes a loop bound from an argument with ``int()`` of a one-element array, which
-    numpy 2.4 refuses; the element itself is what it means."""
-    _patch_tensor(tensor, scope)
-    scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-
-interpreter._patch_lang_tensor = _patch_tensor_index
+from bcg_diffusion.kernels import attention
 
 TOKENS, HEAD_DIM = 150, 64  # a partial last block of keys for both kernels (64 and 128 keys a block)
 

@@ -9,27 +9,12 @@ decoder with the kernels forced on the CPU, against diffusers' own decoder.
 from __future__ import annotations
 
 import itertools
-import os
 
-os.environ["TRITON_INTERPRET"] = "1"
+import _interpreter  # noqa: F401 - first: Triton's interpreter on, its loop bounds read under NumPy 2.4
+import torch
+import torch.nn.functional as F
 
-import torch  # noqa: E402 - after the environment Triton reads on import
-import torch.nn.functional as F  # noqa: E402
-from triton.runtime import interpreter  # noqa: E402
-
-from bcg_diffusion.kernels import group_norm, vae_glue  # noqa: E402
-
-# Triton 3.6's interpreter turns a loop bound into a Python int with ``int()`` of a one-element array,
-# which NumPy 2.4 refuses; the GPU compiler is unaffected. Read the element instead.
-_patch_lang_tensor = interpreter._patch_lang_tensor
-
-
-def _index_by_element(tensor, scope) -> None:  # noqa: ANN001
-    _patch_lang_tensor(tensor, scope)
-    scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-
-interpreter._patch_lang_tensor = _index_by_element
+from bcg_diffusion.kernels import group_norm, vae_glue
 
 # float32: moments summed in another order (a few ulps); float16: one step where a float32 difference
 # crosses a rounding boundary.
