@@ -41,8 +41,8 @@ class AccelerateConfig:
             are always padded to 512 tokens: one capture serves every prompt; byte-equal to eager on an
             H200), ``"text_encoder_2"``, ``"text_encoder_3"`` (the pipeline's other text encoders:
             FLUX.1's T5, SD3's), and ``"controlnet"`` (a ControlNet's forward, or several ControlNets'
-            wrapper's; each conditioning scale, a Python float its forward multiplies by, keys graphs of its
-            own). None (default): what the pipeline's adapter was measured faster with, byte-equal to eager:
+            wrapper's; one ControlNet's conditioning scale is applied after its graphs, so every scale replays
+            one capture; several ControlNets' list of scales keys graphs of its own). None (default): what the pipeline's adapter was measured faster with, byte-equal to eager:
             transformer (and a second expert), VAE, a ControlNet (FLUX.1's, SD3's, Sana's, Qwen-Image's; not
             Z-Image's, which shares the transformer's modules; in fast mode its blocks compile) and a Qwen3 text encoder (Z-Image's, FLUX.2
             klein's: every prompt padded to 512 tokens); other encoders (T5, UMT5, CLIP, Qwen-Image's

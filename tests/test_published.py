@@ -28,8 +28,10 @@ from diffusers.models.attention_dispatch import attention_backend
 from diffusers.models.attention_dispatch import dispatch_attention_fn as diffusers_dispatch
 
 from bcg_diffusion import BCGWarning, accelerate, eager, restore, stats
+from bcg_diffusion.core import tree
 from bcg_diffusion.features import compiled_controlnet, fp8_attention
 from bcg_diffusion.features.compiled_controlnet import COMPILED_CONTROLNET
+from bcg_diffusion.features.controlnet_scale import CONTROLNET_SCALE
 from bcg_diffusion.features.quantization import default_filter
 from bcg_diffusion.kernels import attention as triton_kernels
 from bcg_diffusion.models import build_pipeline
@@ -599,7 +601,8 @@ _CONTROLNETS = {
 @pytest.mark.parametrize("name", list(_CONTROLNETS))
 def test_a_controlnet_is_captured_by_default_and_exact(name):
     """A ControlNet's forward runs as graphs by default (FLUX.1's gained 3-8% at 512², runs 221, 223). The scale is a
-    Python float (a list of them for several ControlNets) its forward multiplies by: each value keys its graphs."""
+    Python float its forward multiplies every sample by, last: one ControlNet's is applied after its graphs, so one
+    capture serves both scales; the list of several ControlNets' scales keys their graphs."""
     pipe, inputs = _CONTROLNETS[name]()
     scales = (0.7, 0.3) if "two" not in name else ([0.7, 0.5], [0.3, 0.5])
     calls = [{**inputs, "controlnet_conditioning_scale": scale} for scale in scales]
@@ -616,7 +619,91 @@ def test_a_controlnet_is_captured_by_default_and_exact(name):
         for _ in range(2):
             assert all(torch.equal(call(inputs), want) for inputs, want in zip(calls, expected))
         report = assert_graphs_ran(pipe, components=("transformer", "controlnet"))
-        assert report["components"]["controlnet"]["captures"] == 2, report["components"]  # one per scale
+        several = "two" in name
+        assert report["components"]["controlnet"]["captures"] == (2 if several else 1), report["components"]
+        assert (CONTROLNET_SCALE in report["patches"]) is not several, report["patches"]
+    finally:
+        restore(pipe)
+
+
+def _controlnet_kwargs(pipe: Any, inputs: dict[str, Any]) -> dict[str, Any]:
+    """The keyword arguments ``pipe`` (eager) passes its ControlNet at the first step."""
+    seen = []
+    forward = pipe.controlnet.forward
+
+    def recording(*args, **kwargs):
+        seen.append(
+            {key: value.clone() if isinstance(value, torch.Tensor) else value for key, value in kwargs.items()}
+        )
+        return forward(*args, **kwargs)
+
+    pipe.controlnet.forward = recording
+    try:
+        _call(pipe, inputs, steps=1)
+    finally:
+        del pipe.controlnet.forward
+    return seen[0]
+
+
+@pytest.mark.filterwarnings("ignore:.*has no adapter")
+def test_one_controlnet_capture_serves_every_scale_and_a_direct_call():
+    """One ControlNet's scale is applied after its graphs: new scales after the capture, the 0.0 a pipeline passes
+    once ``control_guidance_end`` is past, and the ControlNet called directly with its scale positional replay the
+    one capture with eager's bytes; a scale given as a tensor is an input of a graph of its own."""
+    pipe, inputs = TINY["FLUX.1 ControlNet"]()
+    calls = [
+        {**inputs, "controlnet_conditioning_scale": 0.7},
+        {**inputs, "controlnet_conditioning_scale": 0.45, "control_guidance_end": 0.5},  # 0.0 at the second step
+        {**inputs, "controlnet_conditioning_scale": 1.0},
+    ]
+    kwargs = _controlnet_kwargs(pipe, inputs)
+    del kwargs["conditioning_scale"]
+    head = [kwargs.pop(name) for name in ("hidden_states", "controlnet_cond", "controlnet_mode")]  # its first three
+
+    def direct(scale):
+        leaves, _ = tree.flatten(pipe.controlnet(*head, scale, **kwargs))
+        return leaves
+
+    scales = (0.6, 0.2, torch.tensor(0.35))
+    with torch.no_grad():
+        expected = [_call(pipe, call) for call in calls]
+        expected_direct = [direct(scale) for scale in scales]
+    assert len({image.sum().item() for image in expected}) == 3  # each scale reaches the image
+    accelerate(pipe, debug=True)
+    try:
+        with torch.no_grad():
+            for _ in range(2):
+                assert all(torch.equal(_call(pipe, call), want) for call, want in zip(calls, expected))
+            assert stats(pipe)["components"]["controlnet"]["captures"] == 1, stats(pipe)["components"]
+            for scale, want in zip(scales, expected_direct):
+                assert all(map(torch.equal, direct(scale), want))
+        report = assert_graphs_ran(pipe, components=("transformer", "controlnet"))
+        # + one for the direct calls' positional arguments (both floats), one for the tensor scale
+        assert report["components"]["controlnet"]["captures"] == 3, report["components"]
+        assert CONTROLNET_SCALE in report["patches"]
+    finally:
+        restore(pipe)
+
+
+@pytest.mark.filterwarnings("ignore:.*has no adapter")
+def test_a_controlnet_whose_class_overrides_the_forward_keys_its_graphs_on_the_scale():
+    """Its forward may use the scale anywhere: the scale stays in the signature, each one its own capture."""
+    from diffusers import FluxControlNetModel
+
+    class Overriding(FluxControlNetModel):
+        def forward(self, *args, **kwargs):
+            return super().forward(*args, **kwargs)
+
+    pipe, inputs = TINY["FLUX.1 ControlNet"]()
+    pipe.controlnet.__class__ = Overriding
+    calls = [{**inputs, "controlnet_conditioning_scale": scale} for scale in (0.7, 0.3)]
+    with torch.no_grad():
+        expected = [_call(pipe, call) for call in calls]
+    accelerate(pipe, debug=True)
+    try:
+        assert all(torch.equal(_call(pipe, call), want) for call, want in zip(calls, expected))
+        report = assert_graphs_ran(pipe, components=("transformer", "controlnet"))
+        assert report["components"]["controlnet"]["captures"] == 2 and CONTROLNET_SCALE not in report["patches"]
     finally:
         restore(pipe)
 

@@ -7,7 +7,7 @@ the weights before they compile (and before the fused query, key and value proje
 from its originals, and before the GELU epilogue looks for plain projections and the
 FP8 feed-forward for FP8 ones; the FP8 block glue needs the last two), FP8 attention and FlashAttention-4 mark the attention modules before they compile,
 compiled blocks patch the attention processors before CFG batching asks what they accept, and a ControlNet's
-blocks compile after them; the text
+blocks compile after them (its conditioning scale, applied after its graphs, wraps its runner's call); the text
 encoder's layers compile after text trimming wraps its forward, as the VAE decoder does (the encoder follows
 the decoder's choice); CFG across
 GPUs wraps the transformer's call last, outside everything else; CFG batch hints wrap the prompt
@@ -22,6 +22,7 @@ from .cfg_batching import CfgBatchHints, CfgBatching
 from .cfg_parallel import CfgParallel
 from .compiled_blocks import CompiledBlocks
 from .compiled_controlnet import CompiledControlNet
+from .controlnet_scale import ControlNetScale
 from .compiled_text_encoder import TEXT_ENCODER_FEATURES
 from .context_parallel import ContextParallel
 from .fa4_attention import Fa4Attention
@@ -50,6 +51,7 @@ FEATURES: list[type[Feature]] = [
     Fa4Attention,
     CompiledBlocks,
     CompiledControlNet,
+    ControlNetScale,
     CfgBatching,
     CfgParallel,
     TextTrimming,

@@ -40,7 +40,7 @@ import warnings
 import weakref
 from typing import Any
 
-__all__ = ["FOLLOWED", "TESTED", "changed", "digest", "installable"]
+__all__ = ["FOLLOWED", "TESTED", "changed", "digest", "installable", "resolve"]
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +63,7 @@ _HOOKS = "diffusers.hooks"
 _WAN_VAE = "diffusers.models.autoencoders.autoencoder_kl_wan"
 _QWEN_VAE = "diffusers.models.autoencoders.autoencoder_kl_qwenimage"
 _CACHE_DIT = "cache_dit.caching"
+_CONTROLNETS = "diffusers.models.controlnets"
 
 # patch name -> {dotted path of a function it depends on: its digest in the tested versions}
 FOLLOWED: dict[str, dict[str, str]] = {
@@ -191,6 +192,14 @@ FOLLOWED: dict[str, dict[str, str]] = {
             "213969c1fc1d9290"
         ),
     },
+    # both modes: a single ControlNet's conditioning scale applied after its graphs (features.controlnet_scale),
+    # right where its forward multiplies every sample it returns by it, last
+    "controlnet scale (FLUX.1)": {f"{_CONTROLNETS}.controlnet_flux.FluxControlNetModel.forward": "3a5248d8064b9456"},
+    "controlnet scale (SD3)": {f"{_CONTROLNETS}.controlnet_sd3.SD3ControlNetModel.forward": "96fc15eae15fdf05"},
+    "controlnet scale (Qwen-Image)": {
+        f"{_CONTROLNETS}.controlnet_qwenimage.QwenImageControlNetModel.forward": "ec408c966cc3f5ea"
+    },
+    "controlnet scale (Sana)": {f"{_CONTROLNETS}.controlnet_sana.SanaControlNetModel.forward": "82febebea4c12750"},
     # step caching: how each of diffusers' cache hooks decides, and what it keeps (mirrored in step_caching.kinds)
     "step caching: FirstBlockCache": {
         f"{_HOOKS}.first_block_cache.FBCSharedBlockState.__init__": "3b727d7dfabe1778",
@@ -244,7 +253,7 @@ _DIGESTS: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
 _VERDICTS: dict[str, tuple[tuple[int, ...], list[Any], list[str]]] = {}
 
 
-def _resolve(path: str) -> Any:
+def resolve(path: str) -> Any:
     """The object a dotted path names: its package, then attributes, importing submodules on the way (a
     class's attributes read as its ``__dict__`` holds them; a property's getter). Raises ImportError or
     AttributeError."""
@@ -268,7 +277,7 @@ def _resolve(path: str) -> Any:
 def digest(path: str) -> str:
     """The digest of the source of the function ``path`` names, as installed now (see the module docstring).
     Raises ImportError, AttributeError (not there) or OSError / TypeError (no source to read)."""
-    return _digest_of(_resolve(path))
+    return _digest_of(resolve(path))
 
 
 def _digest_of(target: Any) -> str:
@@ -297,7 +306,7 @@ def changed(patch: str) -> list[str]:
     objects: list[Any] = []
     for path in FOLLOWED[patch]:
         try:
-            objects.append(_resolve(path))
+            objects.append(resolve(path))
         except (ImportError, AttributeError) as exc:
             objects.append(exc)
     key = tuple(map(id, objects))
