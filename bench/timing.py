@@ -26,7 +26,7 @@ from . import measure, report
 from .caching import cache_config, cachedit_options, describe_cachedit
 from .caching import describe as describe_cache
 from .cases import Case
-from .modes import CACHED, CACHEDIT, DESCRIPTIONS, EXACT, SEPARATE, PreparedMode, baseline, prepare
+from .modes import CACHED, CACHEDIT, DESCRIPTIONS, EXACT, SEPARATE, PreparedMode, baseline, parse, prepare
 from .published import PUBLISHED
 from .published import build as published_build
 
@@ -310,9 +310,21 @@ def _compare_with_reference(
     entry["identical_to_reference"] = bool(runs) and all(entry["runs_identical_to_reference"])
 
 
+def profiled(name: str) -> bool:
+    """Whether ``--profile`` profiles mode ``name``: eager and every mode of ours or a peer's that its name alone sets
+    up, but not those with a step cache (its config comes with the timed runs), with text encoders named (``-te``:
+    the profile passes prompt embeddings, so it would time nothing of theirs) or in :data:`SEPARATE` (graphs of
+    their own, run apart)."""
+    options = parse(name)
+    return not (options.cache or options.cachedit or options.base in ("bcg-te", "fast-te") or name in SEPARATE)
+
+
 def _profile_case(base: Any, case: Case, args: argparse.Namespace, result: dict[str, Any]) -> None:
-    for name in ("eager", "bcg", "fast"):  # the profile's prompt embeddings are precomputed: no "-te" modes
-        if name not in args.modes or result["modes"].get(name, {}).get("error"):
+    skipped = [name for name in args.modes if not profiled(name)]
+    if skipped:
+        logger.info("%s: --profile leaves out %s (see bench.timing.profiled)", case.label, ", ".join(skipped))
+    for name in args.modes:
+        if not profiled(name) or result["modes"].get(name, {}).get("error"):
             continue
         mode = prepare(name, base, args.device)
         try:

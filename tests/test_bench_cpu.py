@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from bench import cli, report
+from bench.timing import profiled
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -22,7 +23,7 @@ def record(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
     argv = ["--pipeline", "qwen-image", "--weights", "tiny", "--device", "cpu", "--resolutions", "32x32"]
     argv += ["--steps", "2", "--guidance", "4", "--batch", "2", "--prompts", "mixed", "--runs", "2"]
-    argv += ["--modes", "eager,bcg", "--profile", "--out", str(out), "--no-progress"]
+    argv += ["--modes", "eager,bcg,bcg-no-auto", "--profile", "--out", str(out), "--no-progress"]
     assert cli.main(argv) == 0
     return out, json.loads((out / "results.json").read_text())
 
@@ -47,13 +48,20 @@ def test_case_fields(record):
         assert mode["first_call_s"] > 0 and mode["identical"] and len(mode["md5"]) == 32
         # every timed run is compared with eager's first call (eager's own runs too: not with themselves)
         assert mode["runs_identical"] == [True, True]
-    profile = case["modes"]["bcg"]["denoise_profile"]  # on CPU: walls only, no kernel time
-    assert profile["wall_s"] > 0 and profile["kernel_s"] == 0 and profile["kernel_share"] == {}
+    for name in ("eager", "bcg", "bcg-no-auto"):  # --profile profiles every mode its name sets up
+        profile = case["modes"][name]["denoise_profile"]  # on CPU: walls only, no kernel time
+        assert profile["wall_s"] > 0 and profile["kernel_s"] == 0 and profile["kernel_share"] == {}
     graphs = case["modes"]["bcg"]["graphs"]
     # true CFG with two prompts of different lengths: cond, uncond (masked path) and the VAE
     assert graphs["captures"] == 3 and graphs["eager_fallbacks"] == 0
     # 4 calls (first, warm-up, 2 runs) x (2 steps x 2 transformer calls + 1 decode), less the 3 captures
     assert graphs["replays"] == 4 * 5 - 3
+
+
+def test_profile_takes_every_mode_its_name_sets_up():
+    # Before, only eager, bcg and fast: `--modes fast-fp8-attn --profile` profiled nothing, and said nothing
+    assert all(map(profiled, ("eager", "bcg-no-auto", "fast-fp8-attn", "fast-no-te", "compile")))
+    assert not any(map(profiled, ("fast+cache", "bcg+cachedit", "fast-te", "compile-max")))
 
 
 def _refused(capsys, main, argv) -> str:
