@@ -22,9 +22,9 @@ from .cfg_batching import CfgBatchHints, CfgBatching
 from .cfg_parallel import CfgParallel
 from .compiled_blocks import CompiledBlocks
 from .compiled_controlnet import CompiledControlNet
-from .controlnet_scale import ControlNetScale
 from .compiled_text_encoder import TEXT_ENCODER_FEATURES
 from .context_parallel import ContextParallel
+from .controlnet_scale import ControlNetScale
 from .fa4_attention import Fa4Attention
 from .fp8_attention import Fp8Attention
 from .fp8_feed_forward import Fp8FeedForward

@@ -6,15 +6,17 @@ the ControlNet's graphs on it: every new scale (a slider in a demo, and 0.0 for 
 ``control_guidance_end``) would capture again and keep that graph's memory until ``max_signatures`` evicts it.
 
 Instead the runner is called with ``conditioning_scale=1.0`` and each tensor it returns is multiplied by the
-call's scale afterwards, eagerly: one kernel per sample (six at 1024² for a six-block FLUX.1 ControlNet, tens of
-microseconds). The bytes are eager's: multiplying by 1.0 gives every value back as it was, and the multiplication
-afterwards is the forward's own last line, the same operation on the same operands. A scale of 1.0 adds nothing.
+call's scale afterwards, eagerly: one small kernel per sample it returns (six a step for a six-block FLUX.1
+ControlNet). The bytes are eager's: multiplying by 1.0 gives every value back as it was, and the multiplication
+afterwards is the forward's own last computation, the same operation on the same operands. A scale of 1.0 adds
+nothing.
 
 Applies, in both modes, to an accelerated ControlNet whose forward is one of :data:`SCALED_LAST` and is the code
 it was read from (:mod:`bcg_diffusion.patches.followed`; changed code warns and keeps the scale in the
 signature). Not to a ControlNet whose class overrides the forward, one wrapped by diffusers' hooks, or the
 wrappers of several ControlNets (``FluxMultiControlNetModel``...), whose forward sums each ControlNet's scaled
-samples: a list of scales keys their graphs. A scale given as a tensor goes into the graph as one.
+samples: a list of scales keys their graphs. A scale given as a tensor goes into the graph as one; a scale
+of any other type than ``int`` or ``float`` passes as it is.
 ``stats()["patches"]`` names it where it applies.
 """
 
@@ -80,7 +82,7 @@ class ControlNetScale(Feature):
             positional = len(args) > position
             scale = args[position] if positional else kwargs.get(_ARGUMENT, 1.0)
             if isinstance(scale, bool) or not isinstance(scale, (int, float)):
-                return call(*args, **kwargs)  # a tensor scale: an input of the graph
+                return call(*args, **kwargs)  # a tensor (an input of the graph) or another type: as it is
             if positional:
                 args = (*args[:position], 1.0, *args[position + 1 :])
             else:
