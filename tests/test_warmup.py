@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import pytest
 import torch
@@ -134,5 +135,80 @@ def test_a_warm_up_larger_than_max_signatures_warns():
         with pytest.warns(BCGWarning, match="max_signatures=2 evicted"):
             result = warm_up(pipe, [(64, 64), (48, 96)], cfg=(False,))
         assert result["captures"] == 4 and stats(pipe)["evictions"] == 2
+    finally:
+        restore(pipe)
+
+
+def _flux_controlnet(kind: str) -> Any:
+    """Tiny FLUX.1 with a ControlNet (``kind``: one, a union one, two in a wrapper) and text encoders that take
+    prompts (CLIP and T5 over the package's offline tokenizer), as a warm-up calls it."""
+    from diffusers import FluxControlNetModel, FluxControlNetPipeline, FluxMultiControlNetModel
+    from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
+
+    from bcg_diffusion.models.tokenizer import build_offline_tokenizer
+    from bench.coverage_models import TINY, live_controlnet
+
+    pipe, _ = TINY["FLUX.1 ControlNet"]()
+    if kind == "union":
+        pipe = FluxControlNetPipeline(**{**pipe.components, "controlnet": live_controlnet(FluxControlNetModel(
+            in_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=16, num_attention_heads=2,
+            joint_attention_dim=32, pooled_projection_dim=32, axes_dims_rope=[4, 6, 6], num_mode=4,
+        ))})  # fmt: skip
+    elif kind == "two":
+        second = TINY["FLUX.1 ControlNet"]()[0].controlnet
+        pipe = FluxControlNetPipeline(
+            **{**pipe.components, "controlnet": FluxMultiControlNetModel([pipe.controlnet, second])}
+        )
+    tokenizer = build_offline_tokenizer()
+    clip_tokenizer = build_offline_tokenizer()
+    clip_tokenizer.model_max_length = 77  # CLIP's positions
+    vocabulary = -(-len(tokenizer) // 64) * 64
+    torch.manual_seed(0)
+    clip = CLIPTextModel(CLIPTextConfig(
+        vocab_size=vocabulary, hidden_size=32, intermediate_size=37, num_hidden_layers=1, num_attention_heads=4,
+        max_position_embeddings=77, bos_token_id=0, eos_token_id=0,
+    ))  # fmt: skip
+    t5 = T5EncoderModel(T5Config(vocab_size=vocabulary, d_model=32, d_kv=8, d_ff=37, num_layers=1, num_heads=4))
+    # eval(): a model made from its config is in training mode, and T5's dropout would draw every call
+    pipe.register_modules(
+        text_encoder=clip.eval(), tokenizer=clip_tokenizer, text_encoder_2=t5.eval(), tokenizer_2=tokenizer
+    )
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+@pytest.mark.filterwarnings("ignore:.*has no adapter")
+@pytest.mark.parametrize("kind", ["one", "union", "two"])
+def test_a_controlnet_pipeline_warms_up_with_a_control_image_of_its_own(kind):
+    """``warmup=`` on a ControlNet pipeline: the warm-up calls it with a grey control image of each size (one per
+    ControlNet, and mode 0 for a union ControlNet). Before, diffusers refused the call (no control image) and
+    ``accelerate`` raised. Serving calls at that size, with another image, mode and scale, capture nothing new and
+    give eager's bytes."""
+    pipe = _flux_controlnet(kind)
+    control = torch.rand(1, 3, 32, 32, generator=torch.Generator().manual_seed(1))
+    several = kind == "two"
+    serving = {
+        "prompt": DEFAULT_WARMUP_PROMPT,
+        "control_image": [control, control.flip(-1)] if several else control,
+        "controlnet_conditioning_scale": [1.0, 1.0] if several else 0.6,  # a list of scales keys graphs: the warm-up's
+        "control_mode": 2 if kind == "union" else None,
+        "height": 32,
+        "width": 32,
+        "num_inference_steps": 2,
+        "output_type": "pt",
+    }
+
+    def call():
+        return pipe(**serving, generator=torch.Generator().manual_seed(1)).images
+
+    accelerate(pipe, debug=True, lazy_capture=False, warmup=[(32, 32)], warmup_cfg=(False,))
+    try:
+        warmed = stats(pipe)
+        assert warmed["components"]["controlnet"]["captures"] == 1, warmed["components"]
+        image = call()
+        assert_graphs_ran(pipe, warmed, captures=False)
+        assert stats(pipe)["misses"] == 0
+        with eager(pipe):
+            assert torch.equal(image, call())
     finally:
         restore(pipe)
