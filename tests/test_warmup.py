@@ -139,13 +139,70 @@ def test_a_warm_up_larger_than_max_signatures_warns():
         restore(pipe)
 
 
-def _flux_controlnet(kind: str) -> Any:
-    """Tiny FLUX.1 with a ControlNet (``kind``: one, a union one, two in a wrapper) and text encoders that take
-    prompts (CLIP and T5 over the package's offline tokenizer), as a warm-up calls it."""
-    from diffusers import FluxControlNetModel, FluxControlNetPipeline, FluxMultiControlNetModel
-    from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
+def _with_text_encoders(pipe: Any) -> Any:
+    """``pipe`` (a tiny FLUX.1 or Wan pipeline built to take prompt embeddings) with tiny text encoders that take
+    prompts, over the package's offline tokenizer: FLUX.1's CLIP and T5, Wan's UMT5; as a warm-up calls it."""
+    from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel, UMT5EncoderModel
 
     from bcg_diffusion.models.tokenizer import build_offline_tokenizer
+
+    tokenizer = build_offline_tokenizer()
+    vocabulary = -(-len(tokenizer) // 64) * 64
+    t5 = T5Config(vocab_size=vocabulary, d_model=32, d_kv=8, d_ff=37, num_layers=1, num_heads=4)
+    torch.manual_seed(0)
+    # eval(): a model made from its config is in training mode, and T5's dropout would draw every call
+    if "text_encoder_2" not in pipe.components:  # Wan
+        pipe.register_modules(text_encoder=UMT5EncoderModel(t5).eval(), tokenizer=tokenizer)
+    else:
+        clip_tokenizer = build_offline_tokenizer()
+        clip_tokenizer.model_max_length = 77  # CLIP's positions
+        clip = CLIPTextModel(CLIPTextConfig(
+            vocab_size=vocabulary, hidden_size=32, intermediate_size=37, num_hidden_layers=1, num_attention_heads=4,
+            max_position_embeddings=77, bos_token_id=0, eos_token_id=0,
+        ))  # fmt: skip
+        pipe.register_modules(
+            text_encoder=clip.eval(), tokenizer=clip_tokenizer, text_encoder_2=T5EncoderModel(t5).eval(),
+            tokenizer_2=tokenizer,
+        )  # fmt: skip
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+@pytest.mark.filterwarnings("ignore:.*has no adapter")
+@pytest.mark.parametrize("name", ["FLUX.1", "Wan 2.1 T2V"])
+def test_after_warm_up_the_generic_adapters_serving_calls_never_capture(name):
+    """``warmup=`` on pipelines of the generic adapter (FLUX.1 with its two text encoders, Wan with UMT5 and 81
+    frames, their defaults): serving calls at that size, CFG off and on, replay what it captured."""
+    from bench.coverage_models import TINY
+
+    pipe = _with_text_encoders(TINY[name]()[0])
+    video = name.startswith("Wan")
+
+    def call(cfg):
+        kwargs = adapter_for(pipe).warmup_kwargs(32, 32, cfg, DEFAULT_WARMUP_PROMPT)
+        kwargs.update(output_type="pt", generator=torch.Generator().manual_seed(1))
+        out = pipe(**kwargs)
+        return out.frames if video else out.images
+
+    accelerate(pipe, debug=True, lazy_capture=False, warmup=[(32, 32)])
+    try:
+        warmed = stats(pipe)
+        assert warmed["components"]["transformer"]["captures"] >= 1
+        for cfg in (False, True):
+            image = call(cfg)
+            with eager(pipe):
+                assert torch.equal(image, call(cfg))
+        assert_graphs_ran(pipe, warmed, captures=False)
+        assert stats(pipe)["misses"] == 0
+    finally:
+        restore(pipe)
+
+
+def _flux_controlnet(kind: str) -> Any:
+    """Tiny FLUX.1 with a ControlNet (``kind``: one, a union one, two in a wrapper) and text encoders that take
+    prompts."""
+    from diffusers import FluxControlNetModel, FluxControlNetPipeline, FluxMultiControlNetModel
+
     from bench.coverage_models import TINY, live_controlnet
 
     pipe, _ = TINY["FLUX.1 ControlNet"]()
@@ -159,22 +216,7 @@ def _flux_controlnet(kind: str) -> Any:
         pipe = FluxControlNetPipeline(
             **{**pipe.components, "controlnet": FluxMultiControlNetModel([pipe.controlnet, second])}
         )
-    tokenizer = build_offline_tokenizer()
-    clip_tokenizer = build_offline_tokenizer()
-    clip_tokenizer.model_max_length = 77  # CLIP's positions
-    vocabulary = -(-len(tokenizer) // 64) * 64
-    torch.manual_seed(0)
-    clip = CLIPTextModel(CLIPTextConfig(
-        vocab_size=vocabulary, hidden_size=32, intermediate_size=37, num_hidden_layers=1, num_attention_heads=4,
-        max_position_embeddings=77, bos_token_id=0, eos_token_id=0,
-    ))  # fmt: skip
-    t5 = T5EncoderModel(T5Config(vocab_size=vocabulary, d_model=32, d_kv=8, d_ff=37, num_layers=1, num_heads=4))
-    # eval(): a model made from its config is in training mode, and T5's dropout would draw every call
-    pipe.register_modules(
-        text_encoder=clip.eval(), tokenizer=clip_tokenizer, text_encoder_2=t5.eval(), tokenizer_2=tokenizer
-    )
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
+    return _with_text_encoders(pipe)
 
 
 @pytest.mark.filterwarnings("ignore:.*has no adapter")
