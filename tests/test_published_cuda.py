@@ -6,7 +6,8 @@ bfloat16 on the GPU. In fast mode with ``attention="fp8"``, the graphs give the 
 blocks without graphs (``eager(pipe)``), the images differ from bf16 fast mode's (the FP8 kernel ran) but
 stay near them, and the kernel in ``stats()`` is cuDNN's where ``nvidia-cudnn-frontend`` is installed.
 Wan 2.2 with only its second expert runs through real graphs, equal to eager; with both, fast mode compiles
-both and replays their compiled bytes.
+both and replays their compiled bytes. A FLUX.1 ControlNet's graphs serve every conditioning scale with eager's
+bytes.
 """
 
 from __future__ import annotations
@@ -201,3 +202,28 @@ def test_flux_fp8_fast_mode_runs_its_block_glue_in_our_kernels_and_replays_their
     finally:
         restore(pipe)
         torch._dynamo.reset()
+
+
+def test_a_controlnets_graphs_serve_every_scale_with_eagers_bytes():
+    """FLUX.1 with a ControlNet through real graphs in bf16: calls at three conditioning scales, one of them 0.0
+    after ``control_guidance_end``, replay one capture of the ControlNet (its scale applied after its graphs) and
+    give eager's bytes."""
+    pipe, inputs = TINY["FLUX.1 ControlNet"]()
+    pipe.to("cuda", torch.bfloat16)
+    inputs = {k: _on_gpu(v) for k, v in inputs.items()}
+    calls = [
+        {**inputs, "controlnet_conditioning_scale": 0.7},
+        {**inputs, "controlnet_conditioning_scale": 0.45, "control_guidance_end": 0.5},
+        {**inputs, "controlnet_conditioning_scale": 1.0},
+    ]
+    expected = [_call(pipe, call, device="cuda") for call in calls]
+    assert not torch.equal(expected[0], expected[1])  # the scale reaches the image
+    accelerate(pipe)
+    try:
+        for _ in range(2):
+            assert all(torch.equal(_call(pipe, call, device="cuda"), want) for call, want in zip(calls, expected))
+        report = stats(pipe)
+        controlnet = report["components"]["controlnet"]
+        assert controlnet["captures"] == 1 and controlnet["replays"] > 0 and report["eager_fallbacks"] == 0, report
+    finally:
+        restore(pipe)
