@@ -42,11 +42,12 @@ class AccelerateConfig:
             H200), ``"text_encoder_2"``, ``"text_encoder_3"`` (the pipeline's other text encoders:
             FLUX.1's T5, SD3's), and ``"controlnet"`` (a ControlNet's forward, or several ControlNets'
             wrapper's; one ControlNet's conditioning scale is applied after its graphs, so every scale replays
-            one capture; several ControlNets' list of scales keys graphs of its own). None (default): what the pipeline's adapter was measured faster with, byte-equal to eager:
+            one capture; several ControlNets' list of scales keys graphs of its own). None (default): what
+            the pipeline's adapter was measured faster with, byte-equal to eager:
             transformer (and a second expert), VAE, a ControlNet (FLUX.1's, SD3's, Sana's, Qwen-Image's; not
-            Z-Image's, which shares the transformer's modules; in fast mode its blocks compile) and a Qwen3 text encoder (Z-Image's, FLUX.2
-            klein's: every prompt padded to 512 tokens); other encoders (T5, UMT5, CLIP, Qwen-Image's
-            Qwen2.5-VL...) stay eager unless named here.
+            Z-Image's, which shares the transformer's modules; in fast mode its blocks compile) and a Qwen3 text
+            encoder (Z-Image's, FLUX.2 klein's: every prompt padded to 512 tokens); other encoders (T5, UMT5,
+            CLIP, Qwen-Image's Qwen2.5-VL...) stay eager unless named here.
         warmup_runs: eager runs on the capture stream before each capture (cuBLAS workspaces,
             lazily built caches such as RoPE tables). At least 1.
         capture_error_mode: ``cudaStreamCaptureMode`` for captures: ``"thread_local"`` (default)

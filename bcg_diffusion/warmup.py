@@ -47,6 +47,8 @@ def warm_up(
       64-token bucket up to ``max_sequence_length``, so any prompt's encoding replays.
 
     Lengths not covered are captured later (lazy capture) or run eagerly (``lazy_capture=False``).
+    Img2img, inpaint and ControlNet pipelines are called with grey images of each size that the warm-up makes
+    itself (:func:`~bcg_diffusion.pipelines.base.image_inputs`), unless ``call_kwargs`` give them.
     ``call_kwargs`` are passed to every call (e.g. ``cfg_truncation=0.5`` for Z-Image, whose batch
     then drops mid-run: a signature of its own).
 

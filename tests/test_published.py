@@ -648,9 +648,10 @@ def _controlnet_kwargs(pipe: Any, inputs: dict[str, Any]) -> dict[str, Any]:
 
 @pytest.mark.filterwarnings("ignore:.*has no adapter")
 def test_one_controlnet_capture_serves_every_scale_and_a_direct_call():
-    """One ControlNet's scale is applied after its graphs: new scales after the capture, the 0.0 a pipeline passes
-    once ``control_guidance_end`` is past, and the ControlNet called directly with its scale positional replay the
-    one capture with eager's bytes; a scale given as a tensor is an input of a graph of its own."""
+    """One ControlNet's scale is applied after its graphs: new scales after the capture and the 0.0 a pipeline passes
+    once ``control_guidance_end`` is past replay the one capture with eager's bytes; so do two direct calls of the
+    ControlNet with their scales positional (one capture of their own: arguments by position are another
+    signature); a scale given as a tensor is an input of a graph of its own."""
     pipe, inputs = TINY["FLUX.1 ControlNet"]()
     calls = [
         {**inputs, "controlnet_conditioning_scale": 0.7},

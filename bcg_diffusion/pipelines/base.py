@@ -58,13 +58,14 @@ class WarmupRequest:
 
 
 def image_inputs(pipe: Any, request: WarmupRequest) -> dict[str, Any]:
-    """What an img2img, inpaint or ControlNet relative needs on top of a text-to-image call, for a warm-up at the
-    request's size: a grey ``image`` (``strength`` 1.0, so every warm-up step runs the transformer) and, for
-    inpainting, a ``mask_image`` over its left half; for a ControlNet, a grey ``control_image`` (one per
-    ControlNet of a wrapper of several, each at scale 1.0) and, for a union ControlNet (FLUX.1's, whose forward refuses a call without
-    one), ``control_mode`` 0. Their signatures are the serving calls' at that size: the transformer and the ControlNet see tensors of the
-    same shapes, the mode is a tensor too, and the VAE's ``encode`` of an image is not accelerated. What
-    ``request.call_kwargs`` gives is not replaced; nothing for pipelines that take no image."""
+    """What an img2img, inpaint or ControlNet relative needs on top of a text-to-image call, for a warm-up at
+    the request's size: a grey ``image`` (``strength`` 1.0, so every warm-up step runs the transformer) and,
+    for inpainting, a ``mask_image`` over its left half; for a ControlNet, a grey ``control_image`` (one per
+    ControlNet of a wrapper of several, each at scale 1.0) and, for a union ControlNet (FLUX.1's, whose
+    forward refuses a call without one), ``control_mode`` 0. Their signatures are the serving calls' at that
+    size: the transformer and the ControlNet see tensors of the same shapes, the mode is a tensor too, and the
+    VAE's ``encode`` of an image is not accelerated. What ``request.call_kwargs`` gives is not replaced;
+    nothing for pipelines that take no image."""
     parameters = inspect.signature(type(pipe).__call__).parameters
     width, height = request.width, request.height
     inputs: dict[str, Any] = {}
