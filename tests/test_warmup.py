@@ -254,3 +254,49 @@ def test_a_controlnet_pipeline_warms_up_with_a_control_image_of_its_own(kind):
             assert torch.equal(image, call())
     finally:
         restore(pipe)
+
+
+def test_a_controlnet_inpainting_pipeline_warms_up_with_a_control_mask_of_its_own():
+    """Qwen-Image's ControlNet inpainting (a ControlNet that also takes the mask): the warm-up brings a control
+    mask as well as a control image. Before, diffusers refused the call (no mask) and ``accelerate`` raised.
+    Serving calls with another image and mask capture nothing new and give eager's bytes."""
+    import inspect
+
+    from diffusers import QwenImageControlNetInpaintPipeline, QwenImageControlNetModel
+
+    from bench.coverage_models import live_controlnet
+
+    base = _pipe("qwen-image")
+    config = base.transformer.config
+    controlnet = live_controlnet(QwenImageControlNetModel(
+        patch_size=config.patch_size, in_channels=config.in_channels, out_channels=config.out_channels,
+        num_layers=1, attention_head_dim=config.attention_head_dim, num_attention_heads=config.num_attention_heads,
+        joint_attention_dim=config.joint_attention_dim, axes_dims_rope=config.axes_dims_rope,
+        extra_condition_channels=4,  # the mask, packed 2x2 with the latents
+    ))  # fmt: skip
+    parameters = inspect.signature(QwenImageControlNetInpaintPipeline.__init__).parameters
+    components = {name: module for name, module in base.components.items() if name in parameters}
+    pipe = QwenImageControlNetInpaintPipeline(**components, controlnet=controlnet)
+    pipe.set_progress_bar_config(disable=True)
+    control = torch.rand(1, 3, 64, 64, generator=torch.Generator().manual_seed(1))
+    mask = torch.zeros(1, 1, 64, 64)
+    mask[..., 16:48, 16:48] = 1.0
+
+    def call():
+        torch.manual_seed(0)  # the pipeline encodes the control image with a sample from the global generator
+        return pipe(
+            prompt=DEFAULT_WARMUP_PROMPT, control_image=control, control_mask=mask, height=64, width=64,
+            num_inference_steps=2, output_type="pt", generator=torch.Generator().manual_seed(1),
+        ).images  # fmt: skip
+
+    accelerate(pipe, debug=True, lazy_capture=False, warmup=[(64, 64)], warmup_cfg=(False,))
+    try:
+        warmed = stats(pipe)
+        assert warmed["components"]["controlnet"]["captures"] == 1, warmed["components"]
+        image = call()
+        assert_graphs_ran(pipe, warmed, captures=False)
+        assert stats(pipe)["misses"] == 0
+        with eager(pipe):
+            assert torch.equal(image, call())
+    finally:
+        restore(pipe)

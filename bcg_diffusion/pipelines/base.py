@@ -61,23 +61,26 @@ def image_inputs(pipe: Any, request: WarmupRequest) -> dict[str, Any]:
     """What an img2img, inpaint or ControlNet relative needs on top of a text-to-image call, for a warm-up at
     the request's size: a grey ``image`` (``strength`` 1.0, so every warm-up step runs the transformer) and,
     for inpainting, a ``mask_image`` over its left half; for a ControlNet, a grey ``control_image`` (one per
-    ControlNet of a wrapper of several, each at scale 1.0) and, for a union ControlNet (FLUX.1's, whose
-    forward refuses a call without one), ``control_mode`` 0. Their signatures are the serving calls' at that
+    ControlNet of a wrapper of several, each at scale 1.0; for ControlNet inpainting that mask as its
+    ``control_mask``) and, for a union ControlNet (FLUX.1's, whose forward refuses a call without one),
+    ``control_mode`` 0. Their signatures are the serving calls' at that
     size: the transformer and the ControlNet see tensors of the same shapes, the mode is a tensor too, and the
     VAE's ``encode`` of an image is not accelerated. What ``request.call_kwargs`` gives is not replaced;
     nothing for pipelines that take no image."""
     parameters = inspect.signature(type(pipe).__call__).parameters
     width, height = request.width, request.height
+    mask = PIL.Image.new("L", (width, height), 0)
+    mask.paste(255, (0, 0, width // 2, height))
     inputs: dict[str, Any] = {}
     if "image" in parameters and not any(key in request.call_kwargs for key in ("image", "mask_image")):
         inputs["image"] = PIL.Image.new("RGB", (width, height), (128, 128, 128))
         if "strength" in parameters:
             inputs["strength"] = 1.0
         if "mask_image" in parameters:
-            mask = PIL.Image.new("L", (width, height), 0)
-            mask.paste(255, (0, 0, width // 2, height))
             inputs["mask_image"] = mask
     if "control_image" in parameters and "control_image" not in request.call_kwargs:
+        if "control_mask" in parameters and "control_mask" not in request.call_kwargs:
+            inputs["control_mask"] = mask  # ControlNet inpainting (Qwen-Image's, SD3's)
         controlnet = getattr(pipe, "controlnet", None)
         nets = getattr(controlnet, "nets", None)
         grey = PIL.Image.new("RGB", (width, height), (128, 128, 128))
