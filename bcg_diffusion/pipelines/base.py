@@ -60,41 +60,52 @@ class WarmupRequest:
 def image_inputs(pipe: Any, request: WarmupRequest) -> dict[str, Any]:
     """What an img2img, inpaint or ControlNet relative needs on top of a text-to-image call, for a warm-up at
     the request's size: a grey ``image`` (``strength`` 1.0, so every warm-up step runs the transformer) and,
-    for inpainting, a ``mask_image`` over its left half; for a ControlNet, a grey ``control_image`` (one per
-    ControlNet of a wrapper of several, each at scale 1.0; for ControlNet inpainting that mask as its
-    ``control_mask``) and, for a union ControlNet (FLUX.1's, whose forward refuses a call without one),
-    ``control_mode`` 0. Their signatures are the serving calls' at that
-    size: the transformer and the ControlNet see tensors of the same shapes, the mode is a tensor too, and the
-    VAE's ``encode`` of an image is not accelerated. What ``request.call_kwargs`` gives is not replaced;
-    nothing for pipelines that take no image."""
+    for inpainting, a ``mask_image`` over its left half; for a ControlNet, what :func:`control_inputs` gives.
+    Their signatures are the serving calls' at that size: the transformer and the ControlNet see tensors of
+    the same shapes, and the VAE's ``encode`` of an image is not accelerated. What ``request.call_kwargs``
+    gives is not replaced; nothing for pipelines that take no image."""
     parameters = inspect.signature(type(pipe).__call__).parameters
-    width, height = request.width, request.height
-    mask = PIL.Image.new("L", (width, height), 0)
-    mask.paste(255, (0, 0, width // 2, height))
     inputs: dict[str, Any] = {}
     if "image" in parameters and not any(key in request.call_kwargs for key in ("image", "mask_image")):
-        inputs["image"] = PIL.Image.new("RGB", (width, height), (128, 128, 128))
+        inputs["image"] = _grey_image(request)
         if "strength" in parameters:
             inputs["strength"] = 1.0
         if "mask_image" in parameters:
-            inputs["mask_image"] = mask
+            inputs["mask_image"] = _left_half_mask(request)
     if "control_image" in parameters and "control_image" not in request.call_kwargs:
-        if "control_mask" in parameters and "control_mask" not in request.call_kwargs:
-            inputs["control_mask"] = mask  # ControlNet inpainting (Qwen-Image's, SD3's)
-        controlnet = getattr(pipe, "controlnet", None)
-        nets = getattr(controlnet, "nets", None)
-        grey = PIL.Image.new("RGB", (width, height), (128, 128, 128))
-        inputs["control_image"] = grey if nets is None else [grey] * len(nets)
-        if (
-            nets is not None
-            and "controlnet_conditioning_scale" in parameters
-            and "controlnet_conditioning_scale" not in request.call_kwargs
-        ):
-            inputs["controlnet_conditioning_scale"] = [1.0] * len(nets)  # FLUX.1's pipeline takes no float here
-        union = any(getattr(net, "union", False) is True for net in (nets if nets is not None else [controlnet]))
-        if union and "control_mode" in parameters and "control_mode" not in request.call_kwargs:
-            inputs["control_mode"] = 0
+        given = set(request.call_kwargs)
+        inputs.update((key, value) for key, value in control_inputs(pipe, request).items() if key not in given)
     return inputs
+
+
+def control_inputs(pipe: Any, request: WarmupRequest) -> dict[str, Any]:
+    """A ControlNet pipeline's warm-up inputs, of those its ``__call__`` takes: a grey ``control_image`` (one per
+    ControlNet of a wrapper of several, each at ``controlnet_conditioning_scale`` 1.0, which FLUX.1's pipeline
+    takes only as a list there), ``control_mask`` for ControlNet inpainting (Qwen-Image's, SD3's: the left
+    half), and ``control_mode`` 0 for a union ControlNet (FLUX.1's, whose forward refuses a call without one; the
+    mode reaches the graphs as a tensor, so any mode replays them)."""
+    parameters = inspect.signature(type(pipe).__call__).parameters
+    controlnet = getattr(pipe, "controlnet", None)
+    nets = getattr(controlnet, "nets", None)
+    grey = _grey_image(request)
+    inputs: dict[str, Any] = {"control_image": grey if nets is None else [grey] * len(nets)}
+    if nets is not None and "controlnet_conditioning_scale" in parameters:
+        inputs["controlnet_conditioning_scale"] = [1.0] * len(nets)
+    if "control_mask" in parameters:
+        inputs["control_mask"] = _left_half_mask(request)
+    if "control_mode" in parameters and any(getattr(net, "union", False) is True for net in nets or [controlnet]):
+        inputs["control_mode"] = 0
+    return inputs
+
+
+def _grey_image(request: WarmupRequest) -> PIL.Image.Image:
+    return PIL.Image.new("RGB", (request.width, request.height), (128, 128, 128))
+
+
+def _left_half_mask(request: WarmupRequest) -> PIL.Image.Image:
+    mask = PIL.Image.new("L", (request.width, request.height), 0)
+    mask.paste(255, (0, 0, request.width // 2, request.height))
+    return mask
 
 
 class PipelineAdapter:
