@@ -219,6 +219,22 @@ def _flux_controlnet(kind: str) -> Any:
     return _with_text_encoders(pipe)
 
 
+def _served_as_warmed_up(pipe: Any, size: tuple[int, int], call: Any) -> None:
+    """``pipe`` accelerated with a warm-up at ``size`` (CFG off, lazy capture off) captured its ControlNet once;
+    then ``call()`` replays with no capture and no miss, and gives eager's bytes. Restores ``pipe``."""
+    accelerate(pipe, debug=True, lazy_capture=False, warmup=[size], warmup_cfg=(False,))
+    try:
+        warmed = stats(pipe)
+        assert warmed["components"]["controlnet"]["captures"] == 1, warmed["components"]
+        image = call()
+        assert_graphs_ran(pipe, warmed, captures=False)
+        assert stats(pipe)["misses"] == 0
+        with eager(pipe):
+            assert torch.equal(image, call())
+    finally:
+        restore(pipe)
+
+
 @pytest.mark.filterwarnings("ignore:.*has no adapter")
 @pytest.mark.parametrize("kind", ["one", "union", "two"])
 def test_a_controlnet_pipeline_warms_up_with_a_control_image_of_its_own(kind):
@@ -243,17 +259,7 @@ def test_a_controlnet_pipeline_warms_up_with_a_control_image_of_its_own(kind):
     def call():
         return pipe(**serving, generator=torch.Generator().manual_seed(1)).images
 
-    accelerate(pipe, debug=True, lazy_capture=False, warmup=[(32, 32)], warmup_cfg=(False,))
-    try:
-        warmed = stats(pipe)
-        assert warmed["components"]["controlnet"]["captures"] == 1, warmed["components"]
-        image = call()
-        assert_graphs_ran(pipe, warmed, captures=False)
-        assert stats(pipe)["misses"] == 0
-        with eager(pipe):
-            assert torch.equal(image, call())
-    finally:
-        restore(pipe)
+    _served_as_warmed_up(pipe, (32, 32), call)
 
 
 def test_a_controlnet_inpainting_pipeline_warms_up_with_a_control_mask_of_its_own():
@@ -289,14 +295,4 @@ def test_a_controlnet_inpainting_pipeline_warms_up_with_a_control_mask_of_its_ow
             num_inference_steps=2, output_type="pt", generator=torch.Generator().manual_seed(1),
         ).images  # fmt: skip
 
-    accelerate(pipe, debug=True, lazy_capture=False, warmup=[(64, 64)], warmup_cfg=(False,))
-    try:
-        warmed = stats(pipe)
-        assert warmed["components"]["controlnet"]["captures"] == 1, warmed["components"]
-        image = call()
-        assert_graphs_ran(pipe, warmed, captures=False)
-        assert stats(pipe)["misses"] == 0
-        with eager(pipe):
-            assert torch.equal(image, call())
-    finally:
-        restore(pipe)
+    _served_as_warmed_up(pipe, (64, 64), call)
