@@ -19,13 +19,11 @@ rounding only, hence fast mode's; the images stay byte-identical to the same com
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 import torch
 
-from ..core.hooks import MethodPatches
-from .base import Feature, Setup
-from .compiled_blocks import BlockCompiles, compile_modules
+from .base import Setup
+from .compiled_parts import CompiledParts, compile_defaults, set_choice
 
 __all__ = ["COMPILED_CONTROLNET", "CONTROLNET_CHOICE", "CompiledControlNet", "choose"]
 
@@ -44,38 +42,20 @@ def choose(controlnet: torch.nn.Module, compiled: bool) -> None:
 
     Raises TypeError for anything but True or False.
     """
-    if not isinstance(compiled, bool):
-        raise TypeError(f"compiled must be True or False, got {compiled!r}")
-    setattr(controlnet, CONTROLNET_CHOICE, compiled)
+    set_choice(controlnet, CONTROLNET_CHOICE, compiled)
 
 
-class CompiledControlNet(Feature):
+class CompiledControlNet(CompiledParts):
     name = "compiled controlnet"
     component = "controlnet"
-    defaults = {"controlnet_compiles": 0, "controlnet_compile_seconds": 0.0, "controlnet_compile_failure": None}
+    defaults = compile_defaults("controlnet")
+    choice = CONTROLNET_CHOICE
+    patch_name = COMPILED_CONTROLNET
 
-    def __init__(self) -> None:
-        self.compiled: BlockCompiles | None = None
-
-    @classmethod
-    def create(cls, setup: Setup) -> CompiledControlNet | None:
-        return cls() if setup.config.mode == "fast" and cls.component in setup.accelerated else None
-
-    def prepare(self, setup: Setup, patches: MethodPatches) -> None:
-        controlnet = setup.modules[self.component]
-        if getattr(controlnet, CONTROLNET_CHOICE, True) is False:
-            return
+    def parts(self, setup: Setup, module: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
         transformer = getattr(setup.pipe, "transformer", None)
         classes = tuple(getattr(transformer, "_repeated_blocks", None) or ())
-        blocks = [(name, block) for name, block in controlnet.named_modules() if type(block).__name__ in classes]
+        blocks = [(name, block) for name, block in module.named_modules() if type(block).__name__ in classes]
         if not blocks:
-            logger.info("fast mode: %s holds none of its transformer's blocks %s", type(controlnet).__name__, classes)
-            return
-        self.compiled = compile_modules(blocks, patches)
-        logger.info("fast mode: compiling %d blocks of %s", len(blocks), type(controlnet).__name__)
-
-    def stats(self) -> dict[str, Any]:
-        return {} if self.compiled is None else self.compiled.report("controlnet_")
-
-    def patch_names(self) -> list[str]:
-        return [] if self.compiled is None else [COMPILED_CONTROLNET]
+            logger.info("fast mode: %s holds none of its transformer's blocks %s", type(module).__name__, classes)
+        return blocks

@@ -43,13 +43,11 @@ default.
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 import torch
 
-from ..core.hooks import MethodPatches
-from .base import Feature, Setup
-from .compiled_blocks import BlockCompiles, compile_modules
+from .base import Setup
+from .compiled_parts import CompiledParts, compile_defaults, set_choice
 
 __all__ = [
     "COMPILED_TEXT_ENCODER",
@@ -76,9 +74,7 @@ def choose(text_encoder: torch.nn.Module, compiled: bool) -> None:
 
     Raises TypeError for anything but True or False.
     """
-    if not isinstance(compiled, bool):
-        raise TypeError(f"compiled must be True or False, got {compiled!r}")
-    setattr(text_encoder, TEXT_ENCODER_CHOICE, compiled)
+    set_choice(text_encoder, TEXT_ENCODER_CHOICE, compiled)
 
 
 _LAYER_SUFFIXES = ("DecoderLayer", "EncoderLayer", "Block")
@@ -114,58 +110,34 @@ def _worth_compiling(model: torch.nn.Module) -> bool:
     return any(p.is_cuda for p in model.parameters())
 
 
-def _defaults(component: str) -> dict[str, Any]:
-    return {f"{component}_compiles": 0, f"{component}_compile_seconds": 0.0, f"{component}_compile_failure": None}
-
-
-class CompiledTextEncoder(Feature):
+class CompiledTextEncoder(CompiledParts):
     name = "compiled text encoder"
     component = "text_encoder"
-    defaults = _defaults("text_encoder")
+    defaults = compile_defaults("text_encoder")
+    choice = TEXT_ENCODER_CHOICE
+    patch_name = COMPILED_TEXT_ENCODER
 
-    def __init__(self) -> None:
-        self.compiled: BlockCompiles | None = None
-
-    @classmethod
-    def create(cls, setup: Setup) -> CompiledTextEncoder | None:
-        return cls() if setup.config.mode == "fast" and cls.component in setup.accelerated else None
-
-    def prepare(self, setup: Setup, patches: MethodPatches) -> None:
-        encoder = setup.modules[self.component]
-        if getattr(encoder, TEXT_ENCODER_CHOICE, True) is False or not _worth_compiling(encoder):
-            return
-        parts = layer_parts(encoder)
-        if not parts:
-            logger.info("fast mode: %s names no decoder layers; its layers stay eager", type(encoder).__name__)
-            return
-        self.compiled = compile_modules(parts, patches)
-        logger.info("fast mode: compiling the %d layer parts of %s", len(parts), type(encoder).__name__)
-
-    def stats(self) -> dict[str, Any]:
-        if self.compiled is None:
-            return {}
-        return self.compiled.report(f"{self.component}_")
-
-    def patch_names(self) -> list[str]:
-        if self.compiled is None:
+    def parts(self, setup: Setup, module: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+        if not _worth_compiling(module):
             return []
-        return [
-            COMPILED_TEXT_ENCODER
-            if self.component == "text_encoder"
-            else f"{COMPILED_TEXT_ENCODER} ({self.component})"
-        ]
+        parts = layer_parts(module)
+        if not parts:
+            logger.info("fast mode: %s names no decoder layers; its layers stay eager", type(module).__name__)
+        return parts
 
 
 class CompiledTextEncoder2(CompiledTextEncoder):
     name = "compiled text encoder 2"
     component = "text_encoder_2"  # FLUX.1's T5, SD3's second CLIP
-    defaults = _defaults("text_encoder_2")
+    defaults = compile_defaults("text_encoder_2")
+    patch_name = f"{COMPILED_TEXT_ENCODER} (text_encoder_2)"
 
 
 class CompiledTextEncoder3(CompiledTextEncoder):
     name = "compiled text encoder 3"
     component = "text_encoder_3"  # SD3's T5
-    defaults = _defaults("text_encoder_3")
+    defaults = compile_defaults("text_encoder_3")
+    patch_name = f"{COMPILED_TEXT_ENCODER} (text_encoder_3)"
 
 
 # One feature per text encoder a pipeline can hold (pipelines.base.PipelineAdapter.targets).

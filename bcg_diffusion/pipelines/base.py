@@ -60,7 +60,7 @@ class WarmupRequest:
 def image_inputs(pipe: Any, request: WarmupRequest) -> dict[str, Any]:
     """What an img2img, inpaint or ControlNet relative needs on top of a text-to-image call, for a warm-up at
     the request's size: a grey ``image`` (``strength`` 1.0, so every warm-up step runs the transformer) and,
-    for inpainting, a ``mask_image`` over its left half; for a ControlNet, what :func:`control_inputs` gives.
+    for inpainting, a ``mask_image`` over its left half; for a ControlNet, what :func:`_control_inputs` gives.
     Their signatures are the serving calls' at that size: the transformer and the ControlNet see tensors of
     the same shapes, and the VAE's ``encode`` of an image is not accelerated. What ``request.call_kwargs``
     gives is not replaced; nothing for pipelines that take no image."""
@@ -74,17 +74,18 @@ def image_inputs(pipe: Any, request: WarmupRequest) -> dict[str, Any]:
             inputs["mask_image"] = _left_half_mask(request)
     if "control_image" in parameters and "control_image" not in request.call_kwargs:
         given = set(request.call_kwargs)
-        inputs.update((key, value) for key, value in control_inputs(pipe, request).items() if key not in given)
+        inputs.update(
+            (key, value) for key, value in _control_inputs(pipe, request, parameters).items() if key not in given
+        )
     return inputs
 
 
-def control_inputs(pipe: Any, request: WarmupRequest) -> dict[str, Any]:
-    """A ControlNet pipeline's warm-up inputs, of those its ``__call__`` takes: a grey ``control_image`` (one per
+def _control_inputs(pipe: Any, request: WarmupRequest, parameters: Mapping[str, Any]) -> dict[str, Any]:
+    """A ControlNet pipeline's warm-up inputs, of those its ``__call__`` takes (``parameters``): a grey ``control_image`` (one per
     ControlNet of a wrapper of several, each at ``controlnet_conditioning_scale`` 1.0, which FLUX.1's pipeline
     takes only as a list there), ``control_mask`` for ControlNet inpainting (Qwen-Image's, SD3's: the left
     half), and ``control_mode`` 0 for a union ControlNet (FLUX.1's, whose forward refuses a call without one; the
     mode reaches the graphs as a tensor, so any mode replays them)."""
-    parameters = inspect.signature(type(pipe).__call__).parameters
     controlnet = getattr(pipe, "controlnet", None)
     nets = getattr(controlnet, "nets", None)
     grey = _grey_image(request)
