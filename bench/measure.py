@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import math
 import os
@@ -22,6 +23,14 @@ def synchronize(device: torch.device) -> None:
     """Wait for ``device``'s queued work (nothing to wait for on a CPU)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def release_memory(device: torch.device) -> None:
+    """Collect what Python no longer holds, then give the CUDA caching allocator's free blocks back, so that
+    what comes next (another mode's weights and graphs) finds that memory."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def reset_peak(device: torch.device) -> None:

@@ -9,7 +9,6 @@ profile runs afterwards.
 from __future__ import annotations
 
 import argparse
-import gc
 import logging
 import statistics
 import time
@@ -83,9 +82,7 @@ def run(args: argparse.Namespace, record: dict[str, Any], progress: Any) -> None
                     _profile_case(base, case, args, result)
                 report.write(record, args.out)  # after every case: a cut-short run keeps what it measured
             del base
-            gc.collect()
-            if args.device.type == "cuda":
-                torch.cuda.empty_cache()
+            measure.release_memory(args.device)
 
 
 def run_case(
@@ -117,9 +114,7 @@ def run_case(
                 entry["eager_same_group_s"] = entries["eager"].get("latency_s")
             result["modes"][name] = entry
         del entries
-        gc.collect()  # the group's pipeline copies and graphs, before the next group prepares its own
-        if args.device.type == "cuda":
-            torch.cuda.empty_cache()
+        measure.release_memory(args.device)  # the group's pipeline copies and graphs, before the next group's
         if checkpoint is not None:
             checkpoint()
     return result
@@ -278,13 +273,26 @@ def _time_group(
             made = 1 + args.warmup + len(timings)
             entry["graphs"]["transformer_captures_per_call"] = entry["graphs"]["transformer_captures"] / made
         _compare_with_reference(prepared[name], case, device, entry, run_images.get(name, []))
-    for name, mode in prepared.items():
+    mode = None  # the loop's last mode: its copy too must go when _tear_down lets it go
+    _tear_down(prepared, entries, case.label, device)
+    return entries
+
+
+def _tear_down(prepared: dict[str, Any], entries: dict[str, dict[str, Any]], label: str, device: Any) -> None:
+    """Tear every mode of ``prepared`` down (a failure noted in its entry: the group's timings stand), each
+    one's pipeline copy let go, and its memory freed, before the next: a teardown may move weights back to the
+    GPU (``restore`` dequantizes an FP8 transformer), and two restored copies of Wan 2.1's 14B transformer
+    beside the modes not yet torn down did not fit an 80 GB GPU (runs 230 and 231)."""
+    while prepared:
+        name = next(iter(prepared))
+        mode = prepared.pop(name)
         try:
             mode.teardown()
-        except Exception as exc:  # the group's timings stand: its pipeline copies go with it
-            logger.exception("mode %s: tearing it down failed on %s; its timings above stand", name, case.label)
+        except Exception as exc:
+            logger.exception("mode %s: tearing it down failed on %s; its timings above stand", name, label)
             entries[name]["teardown_error"] = f"{type(exc).__name__}: {exc}"
-    return entries
+        del mode
+        measure.release_memory(device)
 
 
 def _compare(images: torch.Tensor, reference: torch.Tensor) -> dict[str, Any]:

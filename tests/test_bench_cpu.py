@@ -647,3 +647,32 @@ def test_a_mode_that_fails_to_tear_down_keeps_the_groups_timings(tmp_path, monke
     assert ours["teardown_error"] == "OutOfMemoryError: CUDA out of memory (test)", ours
     assert "mode bcg: tearing it down failed" in caplog.text
     assert "teardown failed" in (tmp_path / "results.md").read_text()
+
+
+def test_each_modes_pipeline_copy_goes_before_the_next_mode_is_torn_down(tmp_path, monkeypatch):
+    """Tearing a mode down may move weights back to the GPU (``restore`` dequantizes an FP8 transformer): with a
+    restored copy of a 14B transformer still held, the next FP8 mode's teardown ran out of memory (Wan 2.1,
+    two FP8 modes, H100, runs 230 and 231). So the group lets each copy go before it tears the next mode down."""
+    import weakref
+
+    from bench import timing
+
+    real_prepare, copies, alive_at_teardown = timing.prepare, [], []
+
+    def prepare_recording(name, *args, **kwargs):
+        mode = real_prepare(name, *args, **kwargs)
+        copies.append(weakref.ref(mode.pipe.transformer))
+        real_teardown, index = mode.teardown, len(copies) - 1
+
+        def teardown():
+            alive_at_teardown.append(sum(ref() is not None for ref in copies[:index]))
+            real_teardown()
+
+        mode.teardown = teardown
+        return mode
+
+    monkeypatch.setattr(timing, "prepare", prepare_recording)
+    argv = ["--pipeline", "z-image", "--weights", "tiny", "--device", "cpu", "--resolutions", "32x32", "--steps", "2"]
+    argv += ["--modes", "eager,bcg,fast", "--runs", "1", "--warmup", "0", "--out", str(tmp_path), "--no-progress"]
+    assert cli.main(argv) == 0
+    assert alive_at_teardown == [0, 0, 0], alive_at_teardown

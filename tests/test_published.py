@@ -19,6 +19,7 @@ import collections
 import contextlib
 import functools
 import inspect
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -589,11 +590,35 @@ def _sana_controlnet() -> tuple[Any, dict[str, Any]]:
     return pipe, {**inputs, "guidance_scale": 4.5, "control_image": _CONTROL}
 
 
+def _in_a_wrapper(build: Callable[[], tuple[Any, dict[str, Any]]]) -> Callable[[], tuple[Any, dict[str, Any]]]:
+    """``build``'s tiny ControlNet pipeline with its ControlNet inside its family's wrapper of several
+    (``FluxMultiControlNetModel``, as FLUX.1's Union ControlNets are loaded; SD3's; Qwen-Image's), called with one
+    condition: a list of one control image."""
+    from diffusers import FluxMultiControlNetModel, QwenImageMultiControlNetModel, SD3MultiControlNetModel
+
+    wrappers = {
+        "Flux": FluxMultiControlNetModel,
+        "SD3": SD3MultiControlNetModel,
+        "Qwen": QwenImageMultiControlNetModel,
+    }
+
+    def in_a_wrapper() -> tuple[Any, dict[str, Any]]:
+        pipe, inputs = build()
+        wrapper = next(cls for prefix, cls in wrappers.items() if type(pipe.controlnet).__name__.startswith(prefix))
+        pipe = type(pipe)(**{**pipe.components, "controlnet": wrapper([pipe.controlnet])})
+        return pipe, {**inputs, "control_image": [inputs["control_image"]]}
+
+    return in_a_wrapper
+
+
 _CONTROLNETS = {
     "FLUX.1": TINY["FLUX.1 ControlNet"],
     "FLUX.1, two ControlNets": _flux_multi_controlnet,
+    "FLUX.1, one ControlNet in a wrapper": _in_a_wrapper(TINY["FLUX.1 ControlNet"]),
     "Qwen-Image": _qwen_image_controlnet,
+    "Qwen-Image, one ControlNet in a wrapper": _in_a_wrapper(_qwen_image_controlnet),
     "SD3": _sd3_controlnet,
+    "SD3, one ControlNet in a wrapper": _in_a_wrapper(_sd3_controlnet),
     "Sana": _sana_controlnet,
 }
 
@@ -603,9 +628,11 @@ _CONTROLNETS = {
 def test_a_controlnet_is_captured_by_default_and_exact(name):
     """A ControlNet's forward runs as graphs by default (FLUX.1's gained 3-8% at 512², runs 221, 223). The scale is a
     Python float its forward multiplies every sample by, last: one ControlNet's is applied after its graphs, so one
-    capture serves both scales; the list of several ControlNets' scales keys their graphs."""
+    capture serves both scales, alone or in a wrapper called with one condition; the list of several ControlNets'
+    scales keys their graphs."""
     pipe, inputs = _CONTROLNETS[name]()
-    scales = (0.7, 0.3) if "two" not in name else ([0.7, 0.5], [0.3, 0.5])
+    scales = {"two": ([0.7, 0.5], [0.3, 0.5]), "wrapper": ([0.7], [0.3])}
+    scales = next((pair for word, pair in scales.items() if word in name), (0.7, 0.3))
     calls = [{**inputs, "controlnet_conditioning_scale": scale} for scale in scales]
 
     def call(inputs):
@@ -620,9 +647,8 @@ def test_a_controlnet_is_captured_by_default_and_exact(name):
         for _ in range(2):
             assert all(torch.equal(call(inputs), want) for inputs, want in zip(calls, expected))
         report = assert_graphs_ran(pipe, components=("transformer", "controlnet"))
-        several = "two" in name
-        assert report["components"]["controlnet"]["captures"] == (2 if several else 1), report["components"]
-        assert (CONTROLNET_SCALE in report["patches"]) is not several, report["patches"]
+        assert report["components"]["controlnet"]["captures"] == (2 if "two" in name else 1), report["components"]
+        assert CONTROLNET_SCALE in report["patches"], report["patches"]  # two ControlNets: their wrapper's too
     finally:
         restore(pipe)
 
@@ -683,6 +709,47 @@ def test_one_controlnet_capture_serves_every_scale_and_a_direct_call():
         # + one for the direct calls' positional arguments (both floats), one for the tensor scale
         assert report["components"]["controlnet"]["captures"] == 3, report["components"]
         assert CONTROLNET_SCALE in report["patches"]
+    finally:
+        restore(pipe)
+
+
+@pytest.mark.filterwarnings("ignore:.*has no adapter")
+def test_a_wrappers_one_condition_replays_one_capture_and_several_conditions_key_their_own():
+    """FLUX.1's Union ControlNet as its model card loads it (one ControlNet in ``FluxMultiControlNetModel``): every
+    scale of one condition, and the ``[0.0]`` after ``control_guidance_end``, replay one capture with eager's bytes;
+    two conditions (the one ControlNet called for each, their samples summed) key graphs of their own, with eager's
+    bytes; a ControlNet whose forward is not the one read, swapped in after ``accelerate``, keys each scale."""
+    from diffusers import FluxControlNetModel
+
+    pipe, inputs = _CONTROLNETS["FLUX.1, one ControlNet in a wrapper"]()
+    one = [
+        {**inputs, "controlnet_conditioning_scale": [0.7]},
+        {**inputs, "controlnet_conditioning_scale": [0.45], "control_guidance_end": 0.5},  # [0.0] at the second step
+        {**inputs, "controlnet_conditioning_scale": [1.0]},
+    ]
+    two = {**inputs, "control_image": [_CONTROL, _CONTROL.flip(-1)], "controlnet_conditioning_scale": [0.7, 0.5]}
+    with torch.no_grad():
+        expected = [_call(pipe, call) for call in (*one, two)]
+    assert len({image.sum().item() for image in expected}) == 4  # each call's scales reach the image
+    accelerate(pipe, debug=True)
+    try:
+        with torch.no_grad():
+            for _ in range(2):
+                assert all(torch.equal(_call(pipe, call), want) for call, want in zip(one, expected))
+            assert stats(pipe)["components"]["controlnet"]["captures"] == 1, stats(pipe)["components"]
+            assert torch.equal(_call(pipe, two), expected[3])
+            assert stats(pipe)["components"]["controlnet"]["captures"] == 2, stats(pipe)["components"]
+            forward = FluxControlNetModel.forward
+
+            class Overriding(FluxControlNetModel):
+                def forward(self, *args, **kwargs):
+                    return forward(self, *args, **kwargs)
+
+            pipe.controlnet.nets[0].__class__ = Overriding
+            assert all(torch.equal(_call(pipe, call), want) for call, want in zip(one[::2], expected[::2]))
+        report = assert_graphs_ran(pipe, components=("transformer", "controlnet"))
+        # + [0.7] in the signature; [1.0] is the signature the one capture was made with
+        assert report["components"]["controlnet"]["captures"] == 3, report["components"]
     finally:
         restore(pipe)
 

@@ -18,6 +18,7 @@ from test_published import PIPELINES
 
 from bcg_diffusion import accelerate, eager, restore, stats
 from bcg_diffusion.kernels import cudnn_fp8_attention
+from bcg_diffusion.patches.wan_attention import WAN_ATTENTION_PATCH
 from bench.coverage import _call
 from bench.coverage_models import TINY
 from bench.measure import psnr
@@ -90,6 +91,8 @@ def test_fp8_attention_graphs_equal_their_compiled_blocks(name):
     report, fp8, bf16 = fast_mode_with(name, attention="fp8")
     kernel = "cudnn" if cudnn_fp8_attention.unavailable(torch.device("cuda")) is None else "triton"
     assert report["fp8_attention_kernels"] == {kernel: report["fp8_attention_modules"]} and report["attention"]
+    if name.startswith("Wan") and kernel == "cudnn":  # the query and key quantized at their norms' bounds
+        assert WAN_ATTENTION_PATCH.name in report["patches"], report["patches"]
     assert not torch.equal(fp8, bf16)
     assert psnr(fp8.float().cpu(), bf16.float().cpu()) > 25, psnr(fp8.float().cpu(), bf16.float().cpu())
 

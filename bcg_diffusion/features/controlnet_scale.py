@@ -13,10 +13,12 @@ nothing.
 
 Applies, in both modes, to an accelerated ControlNet whose forward is one of :data:`SCALED_LAST` and is the code
 it was read from (:mod:`bcg_diffusion.patches.followed`; changed code warns and keeps the scale in the
-signature). Not to a ControlNet whose class overrides the forward, one wrapped by diffusers' hooks, or the
-wrappers of several ControlNets (``FluxMultiControlNetModel``...), whose forward sums each ControlNet's scaled
-samples: a list of scales keys their graphs. A scale given as a tensor goes into the graph as one; a scale
-of any other type than ``int`` or ``float`` passes as it is.
+signature). Also to the wrappers of several ControlNets of :data:`ONE_CONDITION` (``FluxMultiControlNetModel``,
+as FLUX.1's Union ControlNets are loaded, SD3's, Qwen-Image's) called with one condition, so a list of one scale:
+their forward then returns their first ControlNet's output as it is, whose forward must be the one read too.
+With several conditions a wrapper sums each ControlNet's scaled samples, and the list of scales keys its
+graphs. Not to a ControlNet whose class overrides the forward, or one wrapped by diffusers' hooks. A scale given
+as a tensor goes into the graph as one; a scale of any other type than ``int`` or ``float`` passes as it is.
 ``stats()["patches"]`` names it where it applies.
 """
 
@@ -31,7 +33,7 @@ from ..core.tree import flatten, unflatten
 from ..patches.followed import FOLLOWED, installable, resolve
 from .base import Feature, Setup, Target
 
-__all__ = ["CONTROLNET_SCALE", "SCALED_LAST", "ControlNetScale"]
+__all__ = ["CONTROLNET_SCALE", "ONE_CONDITION", "SCALED_LAST", "ControlNetScale"]
 
 CONTROLNET_SCALE = "controlnet scale after its graphs"  # its name in stats()["patches"]
 
@@ -40,21 +42,45 @@ CONTROLNET_SCALE = "controlnet scale after its graphs"  # its name in stats()["p
 SCALED_LAST = {
     path: name for name, paths in FOLLOWED.items() if name.startswith("controlnet scale (") for path in paths
 }
+# The wrappers of several ControlNets whose forward, given one condition, calls their first ControlNet and returns
+# its output as it is: the wrapper's forward -> its entry in FOLLOWED, whose second path is that ControlNet's forward.
+ONE_CONDITION = {
+    next(iter(paths)): name for name, paths in FOLLOWED.items() if name.startswith("controlnet scale, one condition")
+}
 _ARGUMENT = "conditioning_scale"
 
 logger = logging.getLogger(__name__)
 
 
-def _followed_name(forward: Callable[..., Any]) -> str | None:
-    """The :data:`SCALED_LAST` entry whose function ``forward`` (a bound method) runs, or None."""
+def _runs(forward: Callable[..., Any], path: str) -> bool:
+    """Whether ``forward`` (a bound method) runs the function at ``path`` (False where diffusers has none)."""
     function = getattr(forward, "__func__", None)
-    for path, name in SCALED_LAST.items():
-        try:
-            if function is not None and function is resolve(path):
-                return name
-        except (ImportError, AttributeError):
-            continue  # a diffusers without that ControlNet
+    try:
+        return function is not None and function is resolve(path)
+    except (ImportError, AttributeError):
+        return False  # a diffusers without that ControlNet
+
+
+def _followed_name(forward: Callable[..., Any], table: dict[str, str]) -> str | None:
+    """The entry of ``table`` (:data:`SCALED_LAST` or :data:`ONE_CONDITION`) whose function ``forward`` runs, or
+    None."""
+    return next((name for path, name in table.items() if _runs(forward, path)), None)
+
+
+def _first_net_reason(module: Any, name: str) -> str | None:
+    """Why a wrapper of several ControlNets (``module``, whose forward is :data:`ONE_CONDITION`'s entry ``name``)
+    cannot have its scale applied after its graphs: its first ControlNet's forward is not the one that entry
+    read (a subclass's own, diffusers' hooks). None where it is."""
+    nets = getattr(module, "nets", None)
+    net_forward = list(FOLLOWED[name])[1]
+    if not nets or not _runs(nets[0].forward, net_forward):
+        return f"its first ControlNet's forward is not {net_forward}"
     return None
+
+
+def _one(scales: Any) -> Any:
+    """The one scale of a list or tuple of one, else None."""
+    return scales[0] if isinstance(scales, list | tuple) and len(scales) == 1 else None
 
 
 class ControlNetScale(Feature):
@@ -69,24 +95,35 @@ class ControlNetScale(Feature):
         return cls() if cls.component in setup.accelerated else None
 
     def wrap_call(self, target: Target, call: Callable[..., Any]) -> Callable[..., Any]:
-        followed = _followed_name(target.original)
-        if followed is None:
-            logger.info("%s keys its graphs on its conditioning scale", type(target.module).__name__)
+        label = type(target.module).__name__
+        followed, several = _followed_name(target.original, SCALED_LAST), False
+        if followed is None:  # a wrapper of several ControlNets, perhaps
+            followed = _followed_name(target.original, ONE_CONDITION)
+            several = followed is not None
+        reason = "its forward is not one read" if followed is None else None
+        if several and reason is None:
+            reason = _first_net_reason(target.module, followed)
+        if reason is not None:
+            logger.info("%s keys its graphs on its conditioning scale: %s", label, reason)
             return call
         if not installable(followed, stacklevel=5):
             return call
         position = list(inspect.signature(target.original).parameters).index(_ARGUMENT)
+        unit = [1.0] if several else 1.0  # what the graphs are called with
         self.applied = True
 
         def scaled_after(*args: Any, **kwargs: Any) -> Any:
             positional = len(args) > position
-            scale = args[position] if positional else kwargs.get(_ARGUMENT, 1.0)
+            given = args[position] if positional else kwargs.get(_ARGUMENT, 1.0)
+            scale = _one(given) if several else given
             if isinstance(scale, bool) or not isinstance(scale, (int, float)):
-                return call(*args, **kwargs)  # a tensor (an input of the graph) or another type: as it is
+                return call(*args, **kwargs)  # a tensor (an input of the graph), several scales, another type
+            if several and _first_net_reason(target.module, followed) is not None:
+                return call(*args, **kwargs)  # its first ControlNet replaced since: the scale stays in the key
             if positional:
-                args = (*args[:position], 1.0, *args[position + 1 :])
+                args = (*args[:position], unit, *args[position + 1 :])
             else:
-                kwargs = {**kwargs, _ARGUMENT: 1.0}
+                kwargs = {**kwargs, _ARGUMENT: unit}
             outputs = call(*args, **kwargs)
             if scale == 1.0:
                 return outputs

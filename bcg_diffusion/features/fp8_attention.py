@@ -11,8 +11,10 @@ attention run on FP8 tensor cores. Two kernels can do it:
 
 Each module's choice can be set before ``accelerate`` (:func:`choose`, e.g. to compare the two). The
 quantization is plain PyTorch inside the compiled blocks, so inductor fuses it into the kernels around,
-except cuDNN's query and key, which attention's fused prologue writes in float8 itself (:func:`choose_prologue`
-turns that off, to compare).
+except cuDNN's query and key, which attention's fused prologue writes in float8 itself (FLUX.1, FLUX.2,
+Qwen-Image, Z-Image); Wan's are scaled by their norms' bounds, so that inductor quantizes them in the norm's
+kernel without a reduction (:mod:`bcg_diffusion.patches.wan_attention`). :func:`choose_prologue` turns
+either off, to compare.
 
 It changes the image more than FP8 linears do (measured in ``docs/quantization.md``), so it is never a
 default, not even under ``quantize="fp8"``; fast mode's promise holds: with graphs, the same bytes as
@@ -86,7 +88,9 @@ def choose_prologue(model: torch.nn.Module, fp8: bool) -> int:
     """Whether attention's fused prologue writes cuDNN's FP8 query and key itself (``fp8=True``, the
     default) or in bf16, quantized after it by their own pass (``False``: what fast mode did before, kept
     to measure the difference), on every attention module of ``model`` that ``attention="fp8"`` applies
-    to; returns how many. Either way the same bounds scale them. Raises TypeError for a non-bool.
+    to; returns how many. Either way the same bounds scale them, except in Wan's attention, whose query and
+    key ``False`` scales by their largest magnitudes (:mod:`bcg_diffusion.patches.wan_attention`). Raises
+    TypeError for a non-bool.
 
     >>> choose_prologue(pipe.transformer, False)  # doctest: +SKIP
     """

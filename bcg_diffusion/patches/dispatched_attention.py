@@ -44,7 +44,7 @@ from diffusers.models.attention_dispatch import dispatch_attention_fn as _diffus
 from ..core.hooks import MethodPatches
 from ..kernels import attention as triton_kernels
 from ..kernels import cudnn_fp8_attention, fa4_attention, key_padding
-from .attention import _default_backend_active
+from .attention import _default_backend_active, fp8_prologue_chosen
 from .scoped import _with_globals
 
 __all__ = [
@@ -55,6 +55,7 @@ __all__ = [
     "OWN_PROCESSORS",
     "attention_modules",
     "dispatches_attention",
+    "fp8_prologue_wanted",
     "install",
     "kernel_dispatch",
     "own_processor",
@@ -85,6 +86,22 @@ def dispatches_attention(processor: Any) -> bool:
     if code is None or DISPATCH_NAME not in code.co_names:
         return False
     return call.__globals__.get(DISPATCH_NAME) is _diffusers_dispatch
+
+
+def fp8_prologue_wanted(processor: Any, attn: torch.nn.Module, attention_mask: torch.Tensor | None) -> bool:
+    """Whether a processor's own prologue should hand cuDNN's FP8 attention its query and key quantized
+    at their norms' bounds: the processor's class sends plain calls to that kernel (:func:`install`), this
+    call is plain (no mask, backend or parallel config, diffusers' default backend active), and the module
+    has not chosen otherwise (``features.fp8_attention.choose_prologue``). Raises ValueError for a choice
+    that is not a bool."""
+    return (
+        fp8_prologue_chosen(attn)
+        and getattr(type(processor), KERNEL_OF_CLASS, None) == "cudnn-fp8"
+        and attention_mask is None
+        and processor._attention_backend is None
+        and processor._parallel_config is None
+        and _default_backend_active()
+    )
 
 
 def own_processor(module: torch.nn.Module) -> bool:

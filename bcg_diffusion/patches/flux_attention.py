@@ -39,8 +39,8 @@ from typing import Any
 import torch
 
 from ..kernels import cudnn_fp8_attention, qk_prologue
-from .attention import TAKES_FP8_ROWS, _default_backend_active, _fused_prologue, fp8_prologue_chosen
-from .dispatched_attention import DISPATCH_NAME, KERNEL_OF_CLASS
+from .attention import TAKES_FP8_ROWS, _fused_prologue
+from .dispatched_attention import DISPATCH_NAME, fp8_prologue_wanted
 from .fp8_feed_forward import Fp8Rows, linear_on_fp8
 from .scoped import ProcessorPatch
 
@@ -72,20 +72,6 @@ def _cos_sin(image_rotary_emb: Any) -> tuple[torch.Tensor, torch.Tensor] | None:
     return tuple(image_rotary_emb) if pair and all(isinstance(f, torch.Tensor) for f in image_rotary_emb) else None
 
 
-def _fp8_wanted(processor: Any, attn: torch.nn.Module, attention_mask: torch.Tensor | None) -> bool:
-    """Whether the prologue should write cuDNN's FP8 attention's query and key: the processor's class sends
-    plain calls to that kernel, this call is plain, and the module has not chosen otherwise
-    (``features.fp8_attention.choose_prologue``). Raises ValueError for a choice that is not a bool."""
-    return (
-        fp8_prologue_chosen(attn)
-        and getattr(type(processor), KERNEL_OF_CLASS, None) == "cudnn-fp8"
-        and attention_mask is None
-        and processor._attention_backend is None
-        and processor._parallel_config is None
-        and _default_backend_active()
-    )
-
-
 def _fused_attention(
     processor: Any,
     attn: torch.nn.Module,
@@ -110,7 +96,7 @@ def _fused_attention(
         return None
     weights, eps = found
     query, key, value = image
-    if _fp8_wanted(processor, attn, attention_mask):
+    if fp8_prologue_wanted(processor, attn, attention_mask):
         quantized = _fused_fp8(image, text, weights, eps, freqs)
         if quantized is not None:
             return cudnn_fp8_attention.attention_quantized(*quantized)

@@ -126,6 +126,10 @@ FOLLOWED: dict[str, dict[str, str]] = {
         _ROTARY: "a25267d425f8c5ea",
         _DISPATCH: "cd20137f05eb6b2b",
     },
+    "wan attention (fp8 at the norms' bounds)": {
+        "diffusers.models.transformers.transformer_wan.WanAttnProcessor.__call__": "13c09feedcfe814a",
+        _DISPATCH: "cd20137f05eb6b2b",
+    },
     "flux fp8 single block": {
         f"{_FLUX}.FluxSingleTransformerBlock.forward": "57350a6dab842b40",
         "diffusers.models.normalization.AdaLayerNormZeroSingle.forward": "d48dfb2b1e75e64f",
@@ -200,6 +204,20 @@ FOLLOWED: dict[str, dict[str, str]] = {
         f"{_CONTROLNETS}.controlnet_qwenimage.QwenImageControlNetModel.forward": "ec408c966cc3f5ea"
     },
     "controlnet scale (Sana)": {f"{_CONTROLNETS}.controlnet_sana.SanaControlNetModel.forward": "82febebea4c12750"},
+    # ... and where a wrapper of several ControlNets, given one condition, returns its first ControlNet's output as
+    # it is (the wrapper's forward first, then the ControlNet's it calls)
+    "controlnet scale, one condition (FLUX.1)": {
+        f"{_CONTROLNETS}.controlnet_flux.FluxMultiControlNetModel.forward": "0c973d8157150bc5",
+        f"{_CONTROLNETS}.controlnet_flux.FluxControlNetModel.forward": "3a5248d8064b9456",
+    },
+    "controlnet scale, one condition (SD3)": {
+        f"{_CONTROLNETS}.controlnet_sd3.SD3MultiControlNetModel.forward": "1bb254cc69f6ba26",
+        f"{_CONTROLNETS}.controlnet_sd3.SD3ControlNetModel.forward": "96fc15eae15fdf05",
+    },
+    "controlnet scale, one condition (Qwen-Image)": {
+        f"{_CONTROLNETS}.controlnet_qwenimage.QwenImageMultiControlNetModel.forward": "780b9a5e697632e8",
+        f"{_CONTROLNETS}.controlnet_qwenimage.QwenImageControlNetModel.forward": "ec408c966cc3f5ea",
+    },
     # step caching: how each of diffusers' cache hooks decides, and what it keeps (mirrored in step_caching.kinds)
     "step caching: FirstBlockCache": {
         f"{_HOOKS}.first_block_cache.FBCSharedBlockState.__init__": "3b727d7dfabe1778",

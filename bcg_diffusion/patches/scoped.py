@@ -45,6 +45,8 @@ class ProcessorPatch:
     Args:
         name: short name for logs and stats.
         processor_class: the processor class name (as diffusers spells it) to patch.
+        processor_module: the module that defines that class (None: any). Needed where diffusers defines
+            classes of one name in several modules (``WanAttnProcessor``: Wan's, Wan-Animate's, ChronoEdit's).
         replacements: global name in the processor's module -> our function.
         wrap_call: optional; takes the (rebound) ``__call__`` and returns the one to install, which
             may accept the keyword arguments named in ``accepts`` on top of the original's (diffusers'
@@ -56,6 +58,7 @@ class ProcessorPatch:
 
     name: str
     processor_class: str
+    processor_module: str | None = None
     replacements: dict[str, Callable[..., Any]] = field(default_factory=dict)
     wrap_call: Callable[[Callable[..., Any]], Callable[..., Any]] | None = None
     accepts: tuple[str, ...] = ()
@@ -73,6 +76,10 @@ class ProcessorPatch:
             self._subclasses[cls] = type(cls.__name__, (cls,), {"__call__": call, "__module__": cls.__module__})
         return self._subclasses[cls]
 
+    def _matches(self, processor: Any) -> bool:
+        cls = type(processor)
+        return cls.__name__ == self.processor_class and self.processor_module in (None, cls.__module__)
+
     def apply(self, model: torch.nn.Module, patches: MethodPatches) -> int:
         """Patch ``model``'s matching processors (recorded in ``patches``); returns how many.
 
@@ -85,11 +92,7 @@ class ProcessorPatch:
         if reason is not None:
             logger.info("patch %s not applied to %s: %s", self.name, type(model).__name__, reason)
             return 0
-        matching = [
-            module
-            for module in model.modules()
-            if type(module.__dict__.get("processor")).__name__ == self.processor_class
-        ]
+        matching = [module for module in model.modules() if self._matches(module.__dict__.get("processor"))]
         if not matching or (self.name in FOLLOWED and not installable(self.name, stacklevel=4)):
             return 0  # nothing to patch, or diffusers' processor is not the code ours rearranges
         count = 0

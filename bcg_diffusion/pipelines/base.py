@@ -17,6 +17,7 @@ from ..features.cfg_batching import CfgBatchSpec
 from ..patches import FunctionPatch, hunyuanimage
 from ..patches.flux_attention import FLUX_ATTENTION_PATCHES
 from ..patches.scoped import ProcessorPatch
+from ..patches.wan_attention import WAN_ATTENTION_PATCH
 
 __all__ = ["PipelineAdapter", "WarmupRequest", "attention_backend_key", "vae_layout_key"]
 
@@ -152,8 +153,9 @@ class PipelineAdapter:
         hunyuanimage.runner_forward,
     )
     # Fast mode only: patches that compile better but round differently, scoped to the accelerated model. Each
-    # applies to the processors of its class wherever they are: FLUX.1's and FLUX.2's for any pipeline.
-    fast_patches: tuple[ProcessorPatch, ...] = FLUX_ATTENTION_PATCHES
+    # applies to the processors of its class wherever they are: FLUX.1's and FLUX.2's, and Wan's under cuDNN's
+    # FP8 attention, for any pipeline.
+    fast_patches: tuple[ProcessorPatch, ...] = (*FLUX_ATTENTION_PATCHES, WAN_ATTENTION_PATCH)
     # Fast mode: how the transformer's cond and uncond calls of a step batch (None: they do not), and the
     # pipeline classes whose calls were checked to fit it (None: the tested classes).
     cfg_batch: CfgBatchSpec | None = None
