@@ -177,8 +177,8 @@ DESCRIPTIONS = {
     "fast-fp8-attn-triton": "fast-fp8-attn with our Triton FP8 attention kernel, cuDNN's or not "
     "(features.fp8_attention.choose)",
     "fast-fp8-attn-bf16-prologue": "fast-fp8-attn with cuDNN's FP8 query and key written in bf16 by attention's "
-    "prologue and quantized after it, as before the prologue wrote them in FP8 "
-    "(features.fp8_attention.choose_prologue)",
+    "prologue and quantized after it, as before the prologue wrote them in FP8; Wan's at their largest magnitudes, "
+    "not their norms' bounds (features.fp8_attention.choose_prologue)",
     "fast-fp8-torchao-ff": "fast-fp8 without our FP8 feed-forward kernel: the activation and the down projection's "
     "FP8 input scales as torchao writes them, compiled by inductor (patches.fp8_feed_forward)",
     "fast-fp8-unfused-qkv": "fast-fp8 with each attention's query, key and value projected by three FP8 products, "

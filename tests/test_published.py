@@ -592,7 +592,7 @@ def _sana_controlnet() -> tuple[Any, dict[str, Any]]:
 
 def _in_a_wrapper(build: Callable[[], tuple[Any, dict[str, Any]]]) -> Callable[[], tuple[Any, dict[str, Any]]]:
     """``build``'s tiny ControlNet pipeline with its ControlNet inside its family's wrapper of several
-    (``FluxMultiControlNetModel``, as FLUX.1's Union ControlNets are loaded; SD3's; Qwen-Image's), called with one
+    (``FluxMultiControlNetModel``, as InstantX's FLUX.1 Union ControlNet card loads it; SD3's; Qwen-Image's), called with one
     condition: a list of one control image."""
     from diffusers import FluxMultiControlNetModel, QwenImageMultiControlNetModel, SD3MultiControlNetModel
 
@@ -715,7 +715,7 @@ def test_one_controlnet_capture_serves_every_scale_and_a_direct_call():
 
 @pytest.mark.filterwarnings("ignore:.*has no adapter")
 def test_a_wrappers_one_condition_replays_one_capture_and_several_conditions_key_their_own():
-    """FLUX.1's Union ControlNet as its model card loads it (one ControlNet in ``FluxMultiControlNetModel``): every
+    """FLUX.1's Union ControlNet as InstantX's card loads it (one ControlNet in ``FluxMultiControlNetModel``): every
     scale of one condition, and the ``[0.0]`` after ``control_guidance_end``, replay one capture with eager's bytes;
     two conditions (the one ControlNet called for each, their samples summed) key graphs of their own, with eager's
     bytes; a ControlNet whose forward is not the one read, swapped in after ``accelerate``, keys each scale."""

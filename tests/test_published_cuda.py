@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_published import PIPELINES
+from test_published import PIPELINES, _in_a_wrapper
 
 from bcg_diffusion import accelerate, eager, restore, stats
 from bcg_diffusion.kernels import cudnn_fp8_attention
@@ -207,17 +207,21 @@ def test_flux_fp8_fast_mode_runs_its_block_glue_in_our_kernels_and_replays_their
         torch._dynamo.reset()
 
 
-def test_a_controlnets_graphs_serve_every_scale_with_eagers_bytes():
-    """FLUX.1 with a ControlNet through real graphs in bf16: calls at three conditioning scales, one of them 0.0
-    after ``control_guidance_end``, replay one capture of the ControlNet (its scale applied after its graphs) and
-    give eager's bytes."""
-    pipe, inputs = TINY["FLUX.1 ControlNet"]()
+@pytest.mark.filterwarnings("ignore:.*has no adapter")
+@pytest.mark.parametrize("wrapped", [False, True], ids=["alone", "in a wrapper"])
+def test_a_controlnets_graphs_serve_every_scale_with_eagers_bytes(wrapped):
+    """FLUX.1 with a ControlNet through real graphs in bf16, alone or in ``FluxMultiControlNetModel`` with one
+    condition (as InstantX's Union ControlNet card loads it): calls at three conditioning scales, one of them 0.0 after
+    ``control_guidance_end``, replay one capture of the ControlNet (its scale applied after its graphs) and give
+    eager's bytes."""
+    pipe, inputs = (_in_a_wrapper(TINY["FLUX.1 ControlNet"]) if wrapped else TINY["FLUX.1 ControlNet"])()
     pipe.to("cuda", torch.bfloat16)
-    inputs = {k: _on_gpu(v) for k, v in inputs.items()}
+    inputs = {k: [_on_gpu(i) for i in v] if isinstance(v, list) else _on_gpu(v) for k, v in inputs.items()}
+    scales = ([0.7], [0.45], [1.0]) if wrapped else (0.7, 0.45, 1.0)
     calls = [
-        {**inputs, "controlnet_conditioning_scale": 0.7},
-        {**inputs, "controlnet_conditioning_scale": 0.45, "control_guidance_end": 0.5},
-        {**inputs, "controlnet_conditioning_scale": 1.0},
+        {**inputs, "controlnet_conditioning_scale": scales[0]},
+        {**inputs, "controlnet_conditioning_scale": scales[1], "control_guidance_end": 0.5},
+        {**inputs, "controlnet_conditioning_scale": scales[2]},
     ]
     expected = [_call(pipe, call, device="cuda") for call in calls]
     assert not torch.equal(expected[0], expected[1])  # the scale reaches the image
