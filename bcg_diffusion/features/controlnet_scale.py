@@ -13,9 +13,9 @@ nothing.
 
 Applies, in both modes, to an accelerated ControlNet whose forward is one of :data:`SCALED_LAST` and is the code
 it was read from (:mod:`bcg_diffusion.patches.followed`; changed code warns and keeps the scale in the
-signature). Also to the wrappers of several ControlNets of :data:`ONE_CONDITION` (``FluxMultiControlNetModel``,
-as InstantX's FLUX.1 Union ControlNet card loads it; SD3's, Qwen-Image's) called with one condition, so a list of one scale:
-their forward then returns their first ControlNet's output as it is, whose forward must be the one read too.
+signature). Also to the wrappers of several ControlNets of :data:`ONE_CONDITION` (``FluxMultiControlNetModel``, as
+InstantX's FLUX.1 Union ControlNet card loads it; SD3's, Qwen-Image's) called with one condition, so a list of one
+scale: their forward then returns their first ControlNet's output as it is, whose forward must be the one read too.
 With several conditions a wrapper sums each ControlNet's scaled samples, and the list of scales keys its
 graphs. Not to a ControlNet whose class overrides the forward, or one wrapped by diffusers' hooks. A scale given
 as a tensor goes into the graph as one; a scale of any other type than ``int`` or ``float`` passes as it is.
