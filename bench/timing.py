@@ -273,12 +273,11 @@ def _time_group(
             made = 1 + args.warmup + len(timings)
             entry["graphs"]["transformer_captures_per_call"] = entry["graphs"]["transformer_captures"] / made
         _compare_with_reference(prepared[name], case, device, entry, run_images.get(name, []))
-    mode = None  # the loop's last mode: its copy too must go when _tear_down lets it go
     _tear_down(prepared, entries, case.label, device)
     return entries
 
 
-def _tear_down(prepared: dict[str, Any], entries: dict[str, dict[str, Any]], label: str, device: Any) -> None:
+def _tear_down(prepared: dict[str, Any], entries: dict[str, dict[str, Any]], label: str, device: torch.device) -> None:
     """Tear every mode of ``prepared`` down (a failure noted in its entry: the group's timings stand), each
     one's pipeline copy let go, and its memory freed, before the next: a teardown may move weights back to the
     GPU (``restore`` dequantizes an FP8 transformer), and two restored copies of Wan 2.1's 14B transformer

@@ -19,7 +19,7 @@ frames, CFG 5, on one H100: 3.960 and 3.969 s a step against 3.988 and 3.985 s w
 (0.4–0.7%, the benchmark's ``fast-fp8-attn`` against ``fast-fp8-attn-bf16-prologue`` in both orders, runs 230
 and 231), with the same PSNR against bf16 eager.
 
-The ``__call__`` below is diffusers' (0.42), with each attention call through :func:`_attend`. Every call
+The ``__call__`` below is diffusers' (0.42), with each attention call through :func:`_attention`'s. Every call
 that is not plain or whose norms give no bound, and every call where the module chose the largest magnitudes
 (``features.fp8_attention.choose_prologue(model, False)``), goes to the processor's own
 ``dispatch_attention_fn`` as before.
