@@ -15,9 +15,9 @@ At Wan's ``n`` of 5,120 the bound is looser than FLUX's per-head one (``sqrt(128
 2.6 binades of e4m3's range on values the rows never reach, which costs precision only below
 ``0.0025 * max|w|``. On random rows with norm weights around 1, attention's error against float32 was the
 same with either scale (5.9% and 7.0%: the probabilities' e4m3 rounding dominates). Wan 2.1 14B at 832×480, 81
-frames, CFG 5, on one H100: 3.960 and 3.969 s a step against 3.988 and 3.985 s with the largest magnitudes
-(0.4–0.7%, the benchmark's ``fast-fp8-attn`` against ``fast-fp8-attn-bf16-prologue`` in both orders, runs 230
-and 231), with the same PSNR against bf16 eager.
+frames, CFG 5, on one H100: 3.960, 3.969 and 3.950 s a step against 3.988, 3.985 and 3.979 s with the largest
+magnitudes (0.4–0.7%, the benchmark's ``fast-fp8-attn`` against ``fast-fp8-attn-bf16-prologue`` in both orders,
+runs 230, 231 and 233), with the same PSNR against bf16 eager.
 
 The ``__call__`` below is diffusers' (0.42), with each attention call through :func:`_attention`'s. Every call
 that is not plain or whose norms give no bound, and every call where the module chose the largest magnitudes
