@@ -13,12 +13,20 @@ nothing.
 
 Applies, in both modes, to an accelerated ControlNet whose forward is one of :data:`SCALED_LAST` and is the code
 it was read from (:mod:`bcg_diffusion.patches.followed`; changed code warns and keeps the scale in the
-signature). Also to the wrappers of several ControlNets of :data:`ONE_CONDITION` (``FluxMultiControlNetModel``, as
-InstantX's FLUX.1 Union ControlNet card loads it; SD3's, Qwen-Image's) called with one condition, so a list of one
-scale: their forward then returns their first ControlNet's output as it is, whose forward must be the one read too.
-With several conditions a wrapper sums each ControlNet's scaled samples, and the list of scales keys its
-graphs. Not to a ControlNet whose class overrides the forward, or one wrapped by diffusers' hooks. A scale given
-as a tensor goes into the graph as one; a scale of any other type than ``int`` or ``float`` passes as it is.
+signature). Also to the wrappers of several ControlNets, whose forward calls a ControlNet per condition and sums
+their scaled samples:
+
+* FLUX.1's (``FluxMultiControlNetModel``, as InstantX's FLUX.1 Union ControlNet card loads one): its graphs run each
+  condition's ControlNet at scale 1.0 and return their outputs apart; each is multiplied by its condition's
+  scale and they are summed after the graphs, as the wrapper sums them
+  (:mod:`bcg_diffusion.patches.flux_multi_controlnet`). One capture serves every list of scales of one length.
+* SD3's and Qwen-Image's (:data:`ONE_CONDITION`), called with one condition, so a list of one scale: their forward
+  then returns their first ControlNet's output as it is. With several conditions the list of scales keys their
+  graphs.
+
+Each ControlNet a wrapper calls must run the forward read too. Not to a ControlNet whose class overrides the
+forward, or one wrapped by diffusers' hooks. A scale given as a tensor goes into the graph as one; a scale of any
+other type than ``int`` or ``float`` passes as it is.
 ``stats()["patches"]`` names it where it applies.
 """
 
@@ -26,10 +34,11 @@ from __future__ import annotations
 
 import inspect
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from typing import Any
 
 from ..core.tree import flatten, unflatten
+from ..patches import flux_multi_controlnet
 from ..patches.followed import FOLLOWED, installable, resolve
 from .base import Feature, Setup, Target
 
@@ -47,6 +56,8 @@ SCALED_LAST = {
 ONE_CONDITION = {
     next(iter(paths)): name for name, paths in FOLLOWED.items() if name.startswith("controlnet scale, one condition")
 }
+# FLUX.1's wrapper of several ControlNets, split in two (patches.flux_multi_controlnet), and the ControlNet it calls
+_EACH_CONDITION_FORWARD, _EACH_CONDITION_NET_FORWARD = tuple(FOLLOWED[flux_multi_controlnet.FOLLOWED_NAME])
 _ARGUMENT = "conditioning_scale"
 
 logger = logging.getLogger(__name__)
@@ -83,18 +94,47 @@ def _one(scales: Any) -> Any:
     return scales[0] if isinstance(scales, list | tuple) and len(scales) == 1 else None
 
 
+def _number(scale: Any) -> bool:
+    """Whether ``scale`` is a Python number, which a graph would replay as the constant it was captured with (a
+    tensor is an input of the graph; a bool is left as it is)."""
+    return isinstance(scale, int | float) and not isinstance(scale, bool)
+
+
+def _scaled(outputs: Any, scale: float) -> Any:
+    """``outputs`` with every tensor multiplied by ``scale``, as the ControlNet's forward ends (1.0: as they are)."""
+    if scale == 1.0:
+        return outputs
+    samples, spec = flatten(outputs)
+    return unflatten(spec, [sample * scale for sample in samples])
+
+
 class ControlNetScale(Feature):
     name = "controlnet scale"
     component = "controlnet"
 
     def __init__(self) -> None:
         self.applied = False
+        self.each_condition = False  # FLUX.1's wrapper of several: its runner calls each condition's ControlNet
 
     @classmethod
     def create(cls, setup: Setup) -> ControlNetScale | None:
         return cls() if cls.component in setup.accelerated else None
 
+    def runner_fn(
+        self, target: Target, fn: Callable[..., Any], state_key: Callable[[], Hashable] | None
+    ) -> tuple[Callable[..., Any], Callable[[], Hashable] | None]:
+        if target.component != self.component:
+            return fn, state_key
+        if _runs(fn, _EACH_CONDITION_FORWARD) and installable(flux_multi_controlnet.FOLLOWED_NAME, stacklevel=5):
+            self.each_condition = True
+            return flux_multi_controlnet.each_condition(target.module), state_key
+        return fn, state_key
+
     def wrap_call(self, target: Target, call: Callable[..., Any]) -> Callable[..., Any]:
+        if target.component != self.component:  # every runner's call passes through each feature
+            return call
+        if self.each_condition:
+            return self._each_condition(target, call)
         label = type(target.module).__name__
         followed, several = _followed_name(target.original, SCALED_LAST), False
         if followed is None:  # a wrapper of several ControlNets, perhaps
@@ -116,7 +156,7 @@ class ControlNetScale(Feature):
             positional = len(args) > position
             given = args[position] if positional else kwargs.get(_ARGUMENT, 1.0)
             scale = _one(given) if several else given
-            if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+            if not _number(scale):
                 return call(*args, **kwargs)  # a tensor (an input of the graph), several scales, another type
             if several and _first_net_reason(target.module, followed) is not None:
                 return call(*args, **kwargs)  # its first ControlNet replaced since: the scale stays in the key
@@ -124,13 +164,39 @@ class ControlNetScale(Feature):
                 args = (*args[:position], unit, *args[position + 1 :])
             else:
                 kwargs = {**kwargs, _ARGUMENT: unit}
-            outputs = call(*args, **kwargs)
-            if scale == 1.0:
-                return outputs
-            samples, spec = flatten(outputs)
-            return unflatten(spec, [sample * scale for sample in samples])
+            return _scaled(call(*args, **kwargs), scale)
 
         return scaled_after
 
+    def _each_condition(self, target: Target, call: Callable[..., Any]) -> Callable[..., Any]:
+        """FLUX.1's wrapper of several ControlNets, whose runner returns each condition's ControlNet output
+        (:func:`~bcg_diffusion.patches.flux_multi_controlnet.each_condition`): called with every scale 1.0 where each
+        scale is a Python number and each ControlNet called runs the forward read, each output then multiplied by
+        its condition's scale; else with the scales as given. Either way the outputs are summed after the graphs
+        (:func:`~bcg_diffusion.patches.flux_multi_controlnet.summed`)."""
+        position = list(inspect.signature(target.original).parameters).index(_ARGUMENT)
+        self.applied = True
+
+        def scaled_after_each(*args: Any, **kwargs: Any) -> Any:
+            positional = len(args) > position
+            given = args[position] if positional else kwargs.get(_ARGUMENT)
+            nets = flux_multi_controlnet.conditions_nets(target.module, len(given)) if _sized(given) else []
+            scales = list(given) if _sized(given) and all(map(_number, given)) else None
+            if scales is None or not all(_runs(net.forward, _EACH_CONDITION_NET_FORWARD) for net in nets):
+                return flux_multi_controlnet.summed(call(*args, **kwargs))  # the scales go into the graphs
+            unit = [1.0] * len(scales)
+            if positional:
+                args = (*args[:position], unit, *args[position + 1 :])
+            else:
+                kwargs = {**kwargs, _ARGUMENT: unit}
+            outputs = call(*args, **kwargs)
+            return flux_multi_controlnet.summed([_scaled(output, s) for output, s in zip(outputs, scales)])
+
+        return scaled_after_each
+
     def patch_names(self) -> list[str]:
         return [CONTROLNET_SCALE] if self.applied else []
+
+
+def _sized(scales: Any) -> bool:
+    return isinstance(scales, list | tuple)
