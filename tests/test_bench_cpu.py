@@ -617,30 +617,43 @@ def test_the_benchmark_runs_from_any_directory_once_installed(tmp_path):
         assert done.returncode == 0 and "modes (--modes)" in done.stdout, done.stderr[-2000:]
 
 
-def test_a_mode_that_fails_to_tear_down_keeps_the_groups_timings(tmp_path, monkeypatch, caplog):
-    """Run 202: Wan 2.1 14B with fast-fp8 and fast-fp8-fa4 on an 80 GB GPU timed both, then the first one's
-    restore ran out of memory moving its original weights back while the other held its FP8 copy, and the
-    exception lost every timing of the group."""
+def _teardowns_wrapped(monkeypatch, wrap) -> None:
+    """The benchmark's modes prepared as they are, each one's teardown replaced by ``wrap(name, mode, teardown)``."""
     from bench import timing
 
     real_prepare = timing.prepare
 
-    def prepare_with_failing_teardown(name, *args, **kwargs):
+    def prepare(name, *args, **kwargs):
         mode = real_prepare(name, *args, **kwargs)
-        if name == "bcg":
-            real_teardown = mode.teardown
-
-            def teardown():
-                real_teardown()
-                raise torch.OutOfMemoryError("CUDA out of memory (test)")
-
-            mode.teardown = teardown
+        mode.teardown = wrap(name, mode, mode.teardown)
         return mode
 
-    monkeypatch.setattr(timing, "prepare", prepare_with_failing_teardown)
+    monkeypatch.setattr(timing, "prepare", prepare)
+
+
+def _tiny_z_image(tmp_path, modes: str) -> list[str]:
+    """The benchmark's arguments for ``modes`` on tiny Z-Image, one timed run, on the CPU."""
     argv = ["--pipeline", "z-image", "--weights", "tiny", "--device", "cpu", "--resolutions", "32x32", "--steps", "2"]
-    argv += ["--modes", "eager,bcg", "--runs", "1", "--warmup", "0", "--out", str(tmp_path), "--no-progress"]
-    assert cli.main(argv) == 0
+    return argv + ["--modes", modes, "--runs", "1", "--warmup", "0", "--out", str(tmp_path), "--no-progress"]
+
+
+def test_a_mode_that_fails_to_tear_down_keeps_the_groups_timings(tmp_path, monkeypatch, caplog):
+    """Run 202: Wan 2.1 14B with fast-fp8 and fast-fp8-fa4 on an 80 GB GPU timed both, then the first one's
+    restore ran out of memory moving its original weights back while the other held its FP8 copy, and the
+    exception lost every timing of the group."""
+
+    def failing(name, mode, teardown):
+        if name != "bcg":
+            return teardown
+
+        def failing_teardown():
+            teardown()
+            raise torch.OutOfMemoryError("CUDA out of memory (test)")
+
+        return failing_teardown
+
+    _teardowns_wrapped(monkeypatch, failing)
+    assert cli.main(_tiny_z_image(tmp_path, "eager,bcg")) == 0
     (case,) = json.loads((tmp_path / "results.json").read_text())["cases"]
     ours = case["modes"]["bcg"]
     assert ours["latency_s"]["median"] > 0 and ours["identical"], ours
@@ -655,24 +668,18 @@ def test_each_modes_pipeline_copy_goes_before_the_next_mode_is_torn_down(tmp_pat
     two FP8 modes, H100, runs 230 and 231). So the group lets each copy go before it tears the next mode down."""
     import weakref
 
-    from bench import timing
+    copies, alive_at_teardown = [], []
 
-    real_prepare, copies, alive_at_teardown = timing.prepare, [], []
-
-    def prepare_recording(name, *args, **kwargs):
-        mode = real_prepare(name, *args, **kwargs)
+    def recording(name, mode, teardown):
+        index = len(copies)
         copies.append(weakref.ref(mode.pipe.transformer))
-        real_teardown, index = mode.teardown, len(copies) - 1
 
-        def teardown():
+        def recorded_teardown():  # holds no reference to the mode: only its index
             alive_at_teardown.append(sum(ref() is not None for ref in copies[:index]))
-            real_teardown()
+            teardown()
 
-        mode.teardown = teardown
-        return mode
+        return recorded_teardown
 
-    monkeypatch.setattr(timing, "prepare", prepare_recording)
-    argv = ["--pipeline", "z-image", "--weights", "tiny", "--device", "cpu", "--resolutions", "32x32", "--steps", "2"]
-    argv += ["--modes", "eager,bcg,fast", "--runs", "1", "--warmup", "0", "--out", str(tmp_path), "--no-progress"]
-    assert cli.main(argv) == 0
+    _teardowns_wrapped(monkeypatch, recording)
+    assert cli.main(_tiny_z_image(tmp_path, "eager,bcg,fast")) == 0
     assert alive_at_teardown == [0, 0, 0], alive_at_teardown
