@@ -94,6 +94,19 @@ def _one(scales: Any) -> Any:
     return scales[0] if isinstance(scales, list | tuple) and len(scales) == 1 else None
 
 
+def _sized(scales: Any) -> bool:
+    """Whether ``scales`` is a list or tuple: the scales of a wrapper of several ControlNets."""
+    return isinstance(scales, list | tuple)
+
+
+def _with_scale(args: tuple, kwargs: dict[str, Any], position: int, scale: Any) -> tuple[tuple, dict[str, Any]]:
+    """A call's arguments with ``scale`` as its conditioning scale, given by position (``position``) or by name
+    as the call gave it."""
+    if len(args) > position:
+        return (*args[:position], scale, *args[position + 1 :]), kwargs
+    return args, {**kwargs, _ARGUMENT: scale}
+
+
 def _number(scale: Any) -> bool:
     """Whether ``scale`` is a Python number, which a graph would replay as the constant it was captured with (a
     tensor is an input of the graph; a bool is left as it is)."""
@@ -153,17 +166,13 @@ class ControlNetScale(Feature):
         self.applied = True
 
         def scaled_after(*args: Any, **kwargs: Any) -> Any:
-            positional = len(args) > position
-            given = args[position] if positional else kwargs.get(_ARGUMENT, 1.0)
+            given = args[position] if len(args) > position else kwargs.get(_ARGUMENT, 1.0)
             scale = _one(given) if several else given
             if not _number(scale):
                 return call(*args, **kwargs)  # a tensor (an input of the graph), several scales, another type
             if several and _first_net_reason(target.module, followed) is not None:
                 return call(*args, **kwargs)  # its first ControlNet replaced since: the scale stays in the key
-            if positional:
-                args = (*args[:position], unit, *args[position + 1 :])
-            else:
-                kwargs = {**kwargs, _ARGUMENT: unit}
+            args, kwargs = _with_scale(args, kwargs, position, unit)
             return _scaled(call(*args, **kwargs), scale)
 
         return scaled_after
@@ -178,17 +187,12 @@ class ControlNetScale(Feature):
         self.applied = True
 
         def scaled_after_each(*args: Any, **kwargs: Any) -> Any:
-            positional = len(args) > position
-            given = args[position] if positional else kwargs.get(_ARGUMENT)
+            given = args[position] if len(args) > position else kwargs.get(_ARGUMENT)
             nets = flux_multi_controlnet.conditions_nets(target.module, len(given)) if _sized(given) else []
             scales = list(given) if _sized(given) and all(map(_number, given)) else None
             if scales is None or not all(_runs(net.forward, _EACH_CONDITION_NET_FORWARD) for net in nets):
                 return flux_multi_controlnet.summed(call(*args, **kwargs))  # the scales go into the graphs
-            unit = [1.0] * len(scales)
-            if positional:
-                args = (*args[:position], unit, *args[position + 1 :])
-            else:
-                kwargs = {**kwargs, _ARGUMENT: unit}
+            args, kwargs = _with_scale(args, kwargs, position, [1.0] * len(scales))
             outputs = call(*args, **kwargs)
             return flux_multi_controlnet.summed([_scaled(output, s) for output, s in zip(outputs, scales)])
 
@@ -196,7 +200,3 @@ class ControlNetScale(Feature):
 
     def patch_names(self) -> list[str]:
         return [CONTROLNET_SCALE] if self.applied else []
-
-
-def _sized(scales: Any) -> bool:
-    return isinstance(scales, list | tuple)
