@@ -590,10 +590,12 @@ def _sana_controlnet() -> tuple[Any, dict[str, Any]]:
     return pipe, {**inputs, "guidance_scale": 4.5, "control_image": _CONTROL}
 
 
-def _in_a_wrapper(build: Callable[[], tuple[Any, dict[str, Any]]]) -> Callable[[], tuple[Any, dict[str, Any]]]:
-    """``build``'s tiny ControlNet pipeline with its ControlNet inside its family's wrapper of several
-    (``FluxMultiControlNetModel``, as InstantX's FLUX.1 Union ControlNet card loads it; SD3's; Qwen-Image's), called with one
-    condition: a list of one control image."""
+def _in_a_wrapper(
+    build: Callable[[], tuple[Any, dict[str, Any]]], conditions: int = 1, nets: int = 1
+) -> Callable[[], tuple[Any, dict[str, Any]]]:
+    """``build``'s tiny ControlNet pipeline with ``nets`` ControlNets (the second one built again, with weights of
+    its own) inside its family's wrapper of several (``FluxMultiControlNetModel``, as InstantX's FLUX.1 Union
+    ControlNet card loads one; SD3's; Qwen-Image's), called with ``conditions`` control images."""
     from diffusers import FluxMultiControlNetModel, QwenImageMultiControlNetModel, SD3MultiControlNetModel
 
     wrappers = {
@@ -604,9 +606,16 @@ def _in_a_wrapper(build: Callable[[], tuple[Any, dict[str, Any]]]) -> Callable[[
 
     def in_a_wrapper() -> tuple[Any, dict[str, Any]]:
         pipe, inputs = build()
+        controlnets = [pipe.controlnet]
+        for seed in range(1, nets):
+            controlnets.append(build()[0].controlnet)
+            generator = torch.Generator().manual_seed(seed)
+            for parameter in controlnets[-1].parameters():
+                torch.nn.init.normal_(parameter, std=0.2, generator=generator)
         wrapper = next(cls for prefix, cls in wrappers.items() if type(pipe.controlnet).__name__.startswith(prefix))
-        pipe = type(pipe)(**{**pipe.components, "controlnet": wrapper([pipe.controlnet])})
-        return pipe, {**inputs, "control_image": [inputs["control_image"]]}
+        pipe = type(pipe)(**{**pipe.components, "controlnet": wrapper(controlnets)})
+        images = [inputs["control_image"], inputs["control_image"].flip(-1)][:conditions]
+        return pipe, {**inputs, "control_image": images}
 
     return in_a_wrapper
 
@@ -619,6 +628,8 @@ _CONTROLNETS = {
     "Qwen-Image, one ControlNet in a wrapper": _in_a_wrapper(_qwen_image_controlnet),
     "SD3": _sd3_controlnet,
     "SD3, one ControlNet in a wrapper": _in_a_wrapper(_sd3_controlnet),
+    "SD3, two ControlNets": _in_a_wrapper(_sd3_controlnet, conditions=2, nets=2),
+    "Qwen-Image, two conditions of one ControlNet": _in_a_wrapper(_qwen_image_controlnet, conditions=2),
     "Sana": _sana_controlnet,
 }
 
@@ -628,8 +639,8 @@ _CONTROLNETS = {
 def test_a_controlnet_is_captured_by_default_and_exact(name):
     """A ControlNet's forward runs as graphs by default (FLUX.1's gained 3-8% at 512², runs 221, 223). The scale is a
     Python float its forward multiplies every sample by, last: one ControlNet's is applied after its graphs, so one
-    capture serves both scales, alone or in a wrapper: FLUX.1's with every list of scales of one length, SD3's and
-    Qwen-Image's called with one condition."""
+    capture serves both scales, alone or in a wrapper of several, which serves every list of scales of one length
+    (its graphs run each condition's ControlNet at scale 1.0; its scales and sum come after them)."""
     pipe, inputs = _CONTROLNETS[name]()
     scales = {"two": ([0.7, 0.5], [0.3, 0.5]), "wrapper": ([0.7], [0.3])}
     scales = next((pair for word, pair in scales.items() if word in name), (0.7, 0.3))

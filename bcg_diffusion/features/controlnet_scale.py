@@ -13,20 +13,15 @@ nothing.
 
 Applies, in both modes, to an accelerated ControlNet whose forward is one of :data:`SCALED_LAST` and is the code
 it was read from (:mod:`bcg_diffusion.patches.followed`; changed code warns and keeps the scale in the
-signature). Also to the wrappers of several ControlNets, whose forward calls a ControlNet per condition and sums
-their scaled samples:
+signature). Also to the wrappers of several ControlNets (FLUX.1's ``FluxMultiControlNetModel``, as InstantX's
+FLUX.1 Union ControlNet card loads one; SD3's; Qwen-Image's), whose forward calls a ControlNet per condition and
+sums their scaled samples: their graphs run each condition's ControlNet at scale 1.0 and return the outputs apart;
+each is multiplied by its condition's scale and they are summed after the graphs, as the wrapper sums them
+(:mod:`bcg_diffusion.patches.multi_controlnet`). One capture serves every list of scales of one length. Each
+ControlNet a wrapper calls must run the forward read too, or the scales go into the graphs.
 
-* FLUX.1's (``FluxMultiControlNetModel``, as InstantX's FLUX.1 Union ControlNet card loads one): its graphs run each
-  condition's ControlNet at scale 1.0 and return their outputs apart; each is multiplied by its condition's
-  scale and they are summed after the graphs, as the wrapper sums them
-  (:mod:`bcg_diffusion.patches.flux_multi_controlnet`). One capture serves every list of scales of one length.
-* SD3's and Qwen-Image's (:data:`ONE_CONDITION`), called with one condition, so a list of one scale: their forward
-  then returns their first ControlNet's output as it is. With several conditions the list of scales keys their
-  graphs.
-
-Each ControlNet a wrapper calls must run the forward read too. Not to a ControlNet whose class overrides the
-forward, or one wrapped by diffusers' hooks. A scale given as a tensor goes into the graph as one; a scale of any
-other type than ``int`` or ``float`` passes as it is.
+Not to a ControlNet whose class overrides the forward, or one wrapped by diffusers' hooks. A scale given as a
+tensor goes into the graph as one; a scale of any other type than ``int`` or ``float`` passes as it is.
 ``stats()["patches"]`` names it where it applies.
 """
 
@@ -38,11 +33,11 @@ from collections.abc import Callable, Hashable
 from typing import Any
 
 from ..core.tree import flatten, unflatten
-from ..patches import flux_multi_controlnet
+from ..patches import multi_controlnet
 from ..patches.followed import FOLLOWED, installable, resolve
 from .base import Feature, Setup, Target
 
-__all__ = ["CONTROLNET_SCALE", "ONE_CONDITION", "SCALED_LAST", "ControlNetScale"]
+__all__ = ["CONTROLNET_SCALE", "SCALED_LAST", "ControlNetScale"]
 
 CONTROLNET_SCALE = "controlnet scale after its graphs"  # its name in stats()["patches"]
 
@@ -51,13 +46,6 @@ CONTROLNET_SCALE = "controlnet scale after its graphs"  # its name in stats()["p
 SCALED_LAST = {
     path: name for name, paths in FOLLOWED.items() if name.startswith("controlnet scale (") for path in paths
 }
-# The wrappers of several ControlNets whose forward, given one condition, calls their first ControlNet and returns
-# its output as it is: the wrapper's forward -> its entry in FOLLOWED, whose second path is that ControlNet's forward.
-ONE_CONDITION = {
-    next(iter(paths)): name for name, paths in FOLLOWED.items() if name.startswith("controlnet scale, one condition")
-}
-# FLUX.1's wrapper of several ControlNets, split in two (patches.flux_multi_controlnet), and the ControlNet it calls
-_EACH_CONDITION_FORWARD, _EACH_CONDITION_NET_FORWARD = tuple(FOLLOWED[flux_multi_controlnet.FOLLOWED_NAME])
 _ARGUMENT = "conditioning_scale"
 
 logger = logging.getLogger(__name__)
@@ -72,26 +60,9 @@ def _runs(forward: Callable[..., Any], path: str) -> bool:
         return False  # a diffusers without that ControlNet
 
 
-def _followed_name(forward: Callable[..., Any], table: dict[str, str]) -> str | None:
-    """The entry of ``table`` (:data:`SCALED_LAST` or :data:`ONE_CONDITION`) whose function ``forward`` runs, or
-    None."""
-    return next((name for path, name in table.items() if _runs(forward, path)), None)
-
-
-def _first_net_reason(module: Any, name: str) -> str | None:
-    """Why a wrapper of several ControlNets (``module``, whose forward is :data:`ONE_CONDITION`'s entry ``name``)
-    cannot have its scale applied after its graphs: its first ControlNet's forward is not the one that entry
-    read (a subclass's own, diffusers' hooks). None where it is."""
-    nets = getattr(module, "nets", None)
-    net_forward = list(FOLLOWED[name])[1]
-    if not nets or not _runs(nets[0].forward, net_forward):
-        return f"its first ControlNet's forward is not {net_forward}"
-    return None
-
-
-def _one(scales: Any) -> Any:
-    """The one scale of a list or tuple of one, else None."""
-    return scales[0] if isinstance(scales, list | tuple) and len(scales) == 1 else None
+def _followed_name(forward: Callable[..., Any]) -> str | None:
+    """The :data:`SCALED_LAST` entry whose function ``forward`` runs, or None."""
+    return next((name for path, name in SCALED_LAST.items() if _runs(forward, path)), None)
 
 
 def _sized(scales: Any) -> bool:
@@ -127,7 +98,7 @@ class ControlNetScale(Feature):
 
     def __init__(self) -> None:
         self.applied = False
-        self.each_condition = False  # FLUX.1's wrapper of several: its runner calls each condition's ControlNet
+        self.split: multi_controlnet.Split | None = None  # a wrapper of several: its forward in two halves
 
     @classmethod
     def create(cls, setup: Setup) -> ControlNetScale | None:
@@ -138,63 +109,55 @@ class ControlNetScale(Feature):
     ) -> tuple[Callable[..., Any], Callable[[], Hashable] | None]:
         if target.component != self.component:
             return fn, state_key
-        if _runs(fn, _EACH_CONDITION_FORWARD) and installable(flux_multi_controlnet.FOLLOWED_NAME, stacklevel=5):
-            self.each_condition = True
-            return flux_multi_controlnet.each_condition(target.module), state_key
+        split = next((split for path, split in multi_controlnet.SPLITS.items() if _runs(fn, path)), None)
+        if split is not None and installable(split.followed, stacklevel=5):
+            self.split = split
+            return split.each_condition(target.module), state_key
         return fn, state_key
 
     def wrap_call(self, target: Target, call: Callable[..., Any]) -> Callable[..., Any]:
         if target.component != self.component:  # every runner's call passes through each feature
             return call
-        if self.each_condition:
-            return self._each_condition(target, call)
-        label = type(target.module).__name__
-        followed, several = _followed_name(target.original, SCALED_LAST), False
-        if followed is None:  # a wrapper of several ControlNets, perhaps
-            followed = _followed_name(target.original, ONE_CONDITION)
-            several = followed is not None
-        reason = "its forward is not one read" if followed is None else None
-        if several and reason is None:
-            reason = _first_net_reason(target.module, followed)
-        if reason is not None:
-            logger.info("%s keys its graphs on its conditioning scale: %s", label, reason)
+        if self.split is not None:
+            return self._each_condition(target, call, self.split)
+        followed = _followed_name(target.original)
+        if followed is None:
+            logger.info("%s keys its graphs on its conditioning scale", type(target.module).__name__)
             return call
         if not installable(followed, stacklevel=5):
             return call
         position = list(inspect.signature(target.original).parameters).index(_ARGUMENT)
-        unit = [1.0] if several else 1.0  # what the graphs are called with
         self.applied = True
 
         def scaled_after(*args: Any, **kwargs: Any) -> Any:
-            given = args[position] if len(args) > position else kwargs.get(_ARGUMENT, 1.0)
-            scale = _one(given) if several else given
+            scale = args[position] if len(args) > position else kwargs.get(_ARGUMENT, 1.0)
             if not _number(scale):
-                return call(*args, **kwargs)  # a tensor (an input of the graph), several scales, another type
-            if several and _first_net_reason(target.module, followed) is not None:
-                return call(*args, **kwargs)  # its first ControlNet replaced since: the scale stays in the key
-            args, kwargs = _with_scale(args, kwargs, position, unit)
+                return call(*args, **kwargs)  # a tensor (an input of the graph) or another type: as it is
+            args, kwargs = _with_scale(args, kwargs, position, 1.0)
             return _scaled(call(*args, **kwargs), scale)
 
         return scaled_after
 
-    def _each_condition(self, target: Target, call: Callable[..., Any]) -> Callable[..., Any]:
-        """FLUX.1's wrapper of several ControlNets, whose runner returns each condition's ControlNet output
-        (:func:`~bcg_diffusion.patches.flux_multi_controlnet.each_condition`): called with every scale 1.0 where each
-        scale is a Python number and each ControlNet called runs the forward read, each output then multiplied by
-        its condition's scale; else with the scales as given. Either way the outputs are summed after the graphs
-        (:func:`~bcg_diffusion.patches.flux_multi_controlnet.summed`)."""
+    def _each_condition(
+        self, target: Target, call: Callable[..., Any], split: multi_controlnet.Split
+    ) -> Callable[..., Any]:
+        """A wrapper of several ControlNets, whose runner returns each condition's ControlNet output
+        (``split.each_condition``): called with every scale 1.0 where each scale is a Python number and each
+        ControlNet called runs the forward read, each output then multiplied by its condition's scale; else with
+        the scales as given. Either way the outputs are summed after the graphs (``split.summed``)."""
         position = list(inspect.signature(target.original).parameters).index(_ARGUMENT)
+        net_forward = list(FOLLOWED[split.followed])[1]
         self.applied = True
 
         def scaled_after_each(*args: Any, **kwargs: Any) -> Any:
             given = args[position] if len(args) > position else kwargs.get(_ARGUMENT)
-            nets = flux_multi_controlnet.conditions_nets(target.module, len(given)) if _sized(given) else []
             scales = list(given) if _sized(given) and all(map(_number, given)) else None
-            if scales is None or not all(_runs(net.forward, _EACH_CONDITION_NET_FORWARD) for net in nets):
-                return flux_multi_controlnet.summed(call(*args, **kwargs))  # the scales go into the graphs
+            nets = split.nets(target.module, len(scales)) if scales is not None else []
+            if scales is None or not all(_runs(net.forward, net_forward) for net in nets):
+                return split.summed(call(*args, **kwargs))  # the scales go into the graphs
             args, kwargs = _with_scale(args, kwargs, position, [1.0] * len(scales))
             outputs = call(*args, **kwargs)
-            return flux_multi_controlnet.summed([_scaled(output, s) for output, s in zip(outputs, scales)])
+            return split.summed([_scaled(output, scale) for output, scale in zip(outputs, scales)])
 
         return scaled_after_each
 

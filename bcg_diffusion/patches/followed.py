@@ -204,18 +204,17 @@ FOLLOWED: dict[str, dict[str, str]] = {
         f"{_CONTROLNETS}.controlnet_qwenimage.QwenImageControlNetModel.forward": "ec408c966cc3f5ea"
     },
     "controlnet scale (Sana)": {f"{_CONTROLNETS}.controlnet_sana.SanaControlNetModel.forward": "82febebea4c12750"},
-    # ... FLUX.1's wrapper of several ControlNets split into each condition's call and their sum
-    # (patches.flux_multi_controlnet; the wrapper's forward first, then the ControlNet's it calls) ...
+    # ... and in the wrappers of several ControlNets, split into each condition's call and their sum
+    # (patches.multi_controlnet; the wrapper's forward first, then the ControlNet's it calls)
     "controlnet scale, each condition (FLUX.1)": {
         f"{_CONTROLNETS}.controlnet_flux.FluxMultiControlNetModel.forward": "0c973d8157150bc5",
         f"{_CONTROLNETS}.controlnet_flux.FluxControlNetModel.forward": "3a5248d8064b9456",
     },
-    # ... and the others' where, given one condition, they return their first ControlNet's output as it is
-    "controlnet scale, one condition (SD3)": {
+    "controlnet scale, each condition (SD3)": {
         f"{_CONTROLNETS}.controlnet_sd3.SD3MultiControlNetModel.forward": "1bb254cc69f6ba26",
         f"{_CONTROLNETS}.controlnet_sd3.SD3ControlNetModel.forward": "96fc15eae15fdf05",
     },
-    "controlnet scale, one condition (Qwen-Image)": {
+    "controlnet scale, each condition (Qwen-Image)": {
         f"{_CONTROLNETS}.controlnet_qwenimage.QwenImageMultiControlNetModel.forward": "780b9a5e697632e8",
         f"{_CONTROLNETS}.controlnet_qwenimage.QwenImageControlNetModel.forward": "ec408c966cc3f5ea",
     },

@@ -1,5 +1,6 @@
-"""FLUX.1's wrapper of several ControlNets in two halves (``patches/flux_multi_controlnet.py``): each condition's
-ControlNet call, then their sum, give the wrapper's own bytes."""
+"""The wrappers of several ControlNets in two halves (``patches/multi_controlnet.py``): each condition's ControlNet
+call, then their sum, give the wrapper's own bytes (here FLUX.1's, called directly; SD3's and Qwen-Image's through
+their pipelines in ``tests/test_published.py``)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import pytest
 import torch
 from diffusers import FluxMultiControlNetModel
 
-from bcg_diffusion.patches import flux_multi_controlnet
+from bcg_diffusion.patches.multi_controlnet import FLUX_WRAPPER, QWEN_IMAGE_WRAPPER, SD3_WRAPPER, SPLITS
 from bench.coverage_models import TINY
 
 
@@ -47,12 +48,22 @@ def test_each_condition_then_the_sum_give_the_wrappers_bytes(nets, conditions):
     inputs = _inputs(pipe, conditions)
     with torch.no_grad():
         want = wrapper(**inputs)
-        outputs = flux_multi_controlnet.each_condition(wrapper)(**inputs)
-        got = flux_multi_controlnet.summed(outputs)
+        outputs = SPLITS[FLUX_WRAPPER].each_condition(wrapper)(**inputs)
+        got = SPLITS[FLUX_WRAPPER].summed(outputs)
     assert len(outputs) == conditions
     assert _equal(got[0], want[0]) and _equal(got[1], want[1])
 
 
-def test_no_condition_is_refused():
+@pytest.mark.parametrize("wrapper", [FLUX_WRAPPER, SD3_WRAPPER, QWEN_IMAGE_WRAPPER])
+def test_no_condition_is_refused(wrapper):
     with pytest.raises(ValueError, match="no condition"):
-        flux_multi_controlnet.summed([])
+        SPLITS[wrapper].summed([])
+
+
+def test_every_split_names_the_code_it_follows():
+    """Each split's entry follows its wrapper's forward, then the ControlNet's forward it calls."""
+    from bcg_diffusion.patches.followed import FOLLOWED, changed, resolve
+
+    for path, split in SPLITS.items():
+        assert list(FOLLOWED[split.followed])[0] == path and changed(split.followed) == []
+        assert callable(resolve(list(FOLLOWED[split.followed])[1]))
