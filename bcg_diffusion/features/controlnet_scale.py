@@ -146,14 +146,15 @@ class ControlNetScale(Feature):
         ControlNet called runs the forward read, each output then multiplied by its condition's scale; else with
         the scales as given. Either way the outputs are summed after the graphs (``split.summed``)."""
         position = list(inspect.signature(target.original).parameters).index(_ARGUMENT)
-        net_forward = list(FOLLOWED[split.followed])[1]
+        # resolved once here, not on every call: this runs before each of the ControlNet's replays
+        net_forward = resolve(list(FOLLOWED[split.followed])[1])
         self.applied = True
 
         def scaled_after_each(*args: Any, **kwargs: Any) -> Any:
             given = args[position] if len(args) > position else kwargs.get(_ARGUMENT)
             scales = list(given) if _sized(given) and all(map(_number, given)) else None
             nets = split.nets(target.module, len(scales)) if scales is not None else []
-            if scales is None or not all(_runs(net.forward, net_forward) for net in nets):
+            if scales is None or any(getattr(net.forward, "__func__", None) is not net_forward for net in nets):
                 return split.summed(call(*args, **kwargs))  # the scales go into the graphs
             args, kwargs = _with_scale(args, kwargs, position, [1.0] * len(scales))
             outputs = call(*args, **kwargs)
