@@ -6,15 +6,15 @@ bfloat16 on the GPU. In fast mode with ``attention="fp8"``, the graphs give the 
 blocks without graphs (``eager(pipe)``), the images differ from bf16 fast mode's (the FP8 kernel ran) but
 stay near them, and the kernel in ``stats()`` is cuDNN's where ``nvidia-cudnn-frontend`` is installed.
 Wan 2.2 with only its second expert runs through real graphs, equal to eager; with both, fast mode compiles
-both and replays their compiled bytes. A FLUX.1 ControlNet's graphs serve every conditioning scale with eager's
-bytes.
+both and replays their compiled bytes. ControlNets' graphs (FLUX.1's alone and in
+a wrapper, SD3's two, Qwen-Image's two conditions) serve every conditioning scale with eager's bytes.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from test_published import PIPELINES, _in_a_wrapper
+from test_published import _CONTROLNETS, PIPELINES
 
 from bcg_diffusion import accelerate, eager, restore, stats
 from bcg_diffusion.kernels import cudnn_fp8_attention
@@ -207,28 +207,43 @@ def test_flux_fp8_fast_mode_runs_its_block_glue_in_our_kernels_and_replays_their
         torch._dynamo.reset()
 
 
+# Per case: the ControlNet pipeline (tests/test_published.py) and its three calls' conditioning scales.
+_CONTROLNET_SCALES = {
+    "FLUX.1": (0.7, 0.45, 1.0),
+    "FLUX.1, one ControlNet in a wrapper": ([0.7], [0.45], [1.0]),
+    "SD3, two ControlNets": ([0.7, 0.5], [0.45, 0.2], [1.0, 1.0]),
+    "Qwen-Image, two conditions of one ControlNet": ([0.7, 0.5], [0.45, 0.2], [1.0, 1.0]),
+}
+
+
 @pytest.mark.filterwarnings("ignore:.*has no adapter")
-@pytest.mark.parametrize("wrapped", [False, True], ids=["alone", "in a wrapper"])
-def test_a_controlnets_graphs_serve_every_scale_with_eagers_bytes(wrapped):
-    """FLUX.1 with a ControlNet through real graphs in bf16, alone or in ``FluxMultiControlNetModel`` with one
-    condition (as InstantX's Union ControlNet card loads it): calls at three conditioning scales, one of them 0.0 after
-    ``control_guidance_end``, replay one capture of the ControlNet (its scale applied after its graphs) and give
+@pytest.mark.parametrize("case", list(_CONTROLNET_SCALES))
+def test_a_controlnets_graphs_serve_every_scale_with_eagers_bytes(case):
+    """A ControlNet pipeline through real graphs in bf16: FLUX.1's ControlNet alone or in ``FluxMultiControlNetModel``
+    with one condition (as InstantX's Union ControlNet card loads it), SD3's wrapper of two ControlNets and
+    Qwen-Image's of one ControlNet with two conditions. Calls at three sets of scales, one of them 0.0 after
+    ``control_guidance_end``, replay one capture of the ControlNet (the scales applied after its graphs) and give
     eager's bytes."""
-    pipe, inputs = (_in_a_wrapper(TINY["FLUX.1 ControlNet"]) if wrapped else TINY["FLUX.1 ControlNet"])()
+    pipe, inputs = _CONTROLNETS[case]()
     pipe.to("cuda", torch.bfloat16)
     inputs = {k: [_on_gpu(i) for i in v] if isinstance(v, list) else _on_gpu(v) for k, v in inputs.items()}
-    scales = ([0.7], [0.45], [1.0]) if wrapped else (0.7, 0.45, 1.0)
+    scales = _CONTROLNET_SCALES[case]
     calls = [
         {**inputs, "controlnet_conditioning_scale": scales[0]},
         {**inputs, "controlnet_conditioning_scale": scales[1], "control_guidance_end": 0.5},
         {**inputs, "controlnet_conditioning_scale": scales[2]},
     ]
-    expected = [_call(pipe, call, device="cuda") for call in calls]
+
+    def call(inputs):
+        torch.manual_seed(0)  # SD3's pipeline encodes the conditioning image with a sample from the global generator
+        return _call(pipe, inputs, device="cuda")
+
+    expected = [call(inputs) for inputs in calls]
     assert not torch.equal(expected[0], expected[1])  # the scale reaches the image
     accelerate(pipe)
     try:
         for _ in range(2):
-            assert all(torch.equal(_call(pipe, call, device="cuda"), want) for call, want in zip(calls, expected))
+            assert all(torch.equal(call(inputs), want) for inputs, want in zip(calls, expected))
         report = stats(pipe)
         controlnet = report["components"]["controlnet"]
         assert controlnet["captures"] == 1 and controlnet["replays"] > 0 and report["eager_fallbacks"] == 0, report
