@@ -59,6 +59,7 @@ __all__ = [
     "install",
     "kernel_dispatch",
     "own_processor",
+    "sends_to_cudnn_fp8",
 ]
 
 DISPATCH_NAME = "dispatch_attention_fn"
@@ -88,6 +89,12 @@ def dispatches_attention(processor: Any) -> bool:
     return call.__globals__.get(DISPATCH_NAME) is _diffusers_dispatch
 
 
+def sends_to_cudnn_fp8(processor: Any) -> bool:
+    """Whether ``processor``'s class sends its plain calls to cuDNN's FP8 kernel (``attention="fp8"`` on cuDNN,
+    :func:`install`)."""
+    return getattr(type(processor), KERNEL_OF_CLASS, None) == "cudnn-fp8"
+
+
 def fp8_prologue_wanted(processor: Any, attn: torch.nn.Module, attention_mask: torch.Tensor | None) -> bool:
     """Whether a processor's own prologue should hand cuDNN's FP8 attention its query and key quantized
     at their norms' bounds: the processor's class sends plain calls to that kernel (:func:`install`), this
@@ -96,7 +103,7 @@ def fp8_prologue_wanted(processor: Any, attn: torch.nn.Module, attention_mask: t
     that is not a bool."""
     return (
         fp8_prologue_chosen(attn)
-        and getattr(type(processor), KERNEL_OF_CLASS, None) == "cudnn-fp8"
+        and sends_to_cudnn_fp8(processor)
         and attention_mask is None
         and processor._attention_backend is None
         and processor._parallel_config is None

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from ..kernels import cudnn_fp8_attention
-from .dispatched_attention import DISPATCH_NAME, KERNEL_OF_CLASS, fp8_prologue_wanted
+from .dispatched_attention import DISPATCH_NAME, fp8_prologue_wanted, sends_to_cudnn_fp8
 from .scoped import ProcessorPatch
 
 __all__ = ["WAN_ATTENTION_PATCH"]
@@ -142,12 +142,11 @@ def _wan_call(call: Callable[..., Any]) -> Callable[..., Any]:
     return __call__
 
 
-def _sends_to_cudnn_fp8(model: torch.nn.Module) -> str | None:
+def _unused(model: torch.nn.Module) -> str | None:
     """Why the patch does not apply to ``model``: none of its processors sends plain calls to cuDNN's FP8
     kernel (``attention="fp8"`` installs that before fast mode's patches), so the bounds would go unused."""
-    for module in model.modules():
-        if getattr(type(module.__dict__.get("processor")), KERNEL_OF_CLASS, None) == "cudnn-fp8":
-            return None
+    if any(sends_to_cudnn_fp8(module.__dict__.get("processor")) for module in model.modules()):
+        return None
     return "no attention processor sends its calls to cuDNN's FP8 kernel"
 
 
@@ -156,5 +155,5 @@ WAN_ATTENTION_PATCH = ProcessorPatch(
     processor_class="WanAttnProcessor",
     processor_module=WAN_MODULE,
     wrap_call=_wan_call,
-    condition=_sends_to_cudnn_fp8,
+    condition=_unused,
 )
