@@ -33,6 +33,7 @@ import torch.nn.functional as F
 
 from bcg_diffusion.patches.attention import _cudnn_attention
 from bench.probes.probe_fa4_attention import SHAPES
+from bench.probes.probe_fast_floor import capture_graph, replay_ms
 
 _SMI_FIELDS = "timestamp,clocks.sm,power.draw,temperature.gpu,clocks_event_reasons.active"
 
@@ -92,32 +93,6 @@ class ClockLog:
         if self.process is not None:
             self.process.terminate()
         self.file.close()
-
-
-def _capture(fn: Callable[[], object]) -> torch.cuda.CUDAGraph:
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph
-
-
-def burst_ms(graph: torch.cuda.CUDAGraph, runs: int = 20) -> float:
-    """Median ms of one replay, each replay followed by a host sync (the GPU idles between them)."""
-    times = []
-    for _ in range(runs):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def sustained_ms(graph: torch.cuda.CUDAGraph, seconds: float) -> float:
@@ -201,11 +176,11 @@ def main() -> None:
                 flush=True,
             )
             for name, attention in _layouts(batch, tokens, heads).items():
-                graph = _capture(lambda attention=attention: [attention() for _ in range(5)])
+                graph, _ = capture_graph(lambda attention=attention: [attention() for _ in range(5)])
                 kernels = kernel_ms(graph)
                 attn_name = max(kernels, key=lambda n: kernels[n][0] * kernels[n][1])
                 print(f"   {name}: kernel {attn_name[:110]}", flush=True)
-                for way, measure in (("burst", burst_ms), ("sustained", lambda g: sustained_ms(g, args.seconds))):
+                for way, measure in (("burst", replay_ms), ("sustained", lambda g: sustained_ms(g, args.seconds))):
                     started = time.time()
                     ms = measure(graph) / 5
                     clock.phase(way, started)
@@ -218,7 +193,7 @@ def main() -> None:
             attention = _layouts(batch, tokens, heads)["cudnn [B,S,H,D] views (fast mode)"]
             for fp8 in (False, True):
                 products = _feed_forward(batch * tokens, fp8)
-                graph = _capture(lambda a=attention, p=products: [(a(), p()) for _ in range(5)][-1])
+                graph, _ = capture_graph(lambda a=attention, p=products: [(a(), p()) for _ in range(5)][-1])
                 started = time.time()
                 sustained_ms(graph, args.seconds)
                 kernels = kernel_ms(graph)

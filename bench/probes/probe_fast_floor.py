@@ -32,8 +32,8 @@ from bench.cases import Case
 from bench.measure import kernel_kind, timed_call
 
 
-def graph_replay_ms(fn: Callable[[], Any], runs: int = 20) -> tuple[float, Any]:
-    """Median ms of ``fn`` replayed from one CUDA graph (two warm-ups on a side stream first)."""
+def capture_graph(fn: Callable[[], Any]) -> tuple[torch.cuda.CUDAGraph, Any]:
+    """A CUDA graph of ``fn`` and the output it holds (two warm-ups on a side stream first)."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -43,6 +43,11 @@ def graph_replay_ms(fn: Callable[[], Any], runs: int = 20) -> tuple[float, Any]:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = fn()
+    return graph, out
+
+
+def replay_ms(graph: torch.cuda.CUDAGraph, runs: int = 20) -> float:
+    """Median ms of one replay of ``graph``, each followed by a host sync (the GPU idles between them)."""
     times = []
     for _ in range(runs):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -51,7 +56,13 @@ def graph_replay_ms(fn: Callable[[], Any], runs: int = 20) -> tuple[float, Any]:
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end))
-    return statistics.median(times), out
+    return statistics.median(times)
+
+
+def graph_replay_ms(fn: Callable[[], Any], runs: int = 20) -> tuple[float, Any]:
+    """Median ms of ``fn`` replayed from one CUDA graph (two warm-ups on a side stream first)."""
+    graph, out = capture_graph(fn)
+    return replay_ms(graph, runs), out
 
 
 def random_block(block: torch.nn.Module) -> torch.nn.Module:
