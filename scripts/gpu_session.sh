@@ -108,6 +108,9 @@
 #   probe-cfg-batch-gain  what one batch of FLUX.1's true-CFG pair saves against two calls (512², 1024²; transformer
 #                    replayed from a CUDA graph, bench/probes/probe_cfg_batch_gain.py); CFG_BATCH_ARGS="--model wan
 #                    --replays 3": Wan 2.1 14B's CFG pair at 832x480x81
+#   probe-attention-load  cuDNN's bf16 attention at Edit-2511's and FLUX.1's shapes in two layouts, in bursts, sustained
+#                    and between a block's products, with nvidia-smi's SM clock and power (about a minute;
+#                    bench/probes/probe_attention_under_load.py, ATTENTION_LOAD_ARGS)
 #   readme-rows      Z-Image-Turbo 512² and 1024², 8 steps (eager, bcg, fast, fast-fp8, fast-fp8-attn; 3 runs) and
 #                    Qwen-Image 1024², 50 steps, true CFG 4 (eager, fast, fast-fp8, fast-fp8-attn; 2 runs): the README's rows
 #   tests-state Python state read by captures and object arguments, exact and fast (tiny)
@@ -178,7 +181,7 @@
 #                    for `python scripts/screenshot_replay.py DIR OUT.png` here (the GPU machine has no browser)
 # Everything it writes is under $OUT (logs, results.json/.md/.png); copy it to bench/results/<date>-h200/.
 set -uo pipefail
-[ $# -gt 0 ] || { echo "usage: scripts/gpu_session.sh fa4-stage|fa4-install|tests-fa4|probe-fa4|readme-rows|probe-cfg-batch-gain|probe-vae-coders|bench-text-encoders|tests-published|probe-flux|bench-flux|bench-flux-controlnet|bench-klein|bench-wan|bench-qwen-edit|bench-hunyuan-image|tests-key-padding|probe-wan-vae|bench-stacked-qwen-512|tests-fp8-output|bench-fp8-output-qwen|bench-fp8-output-z|fp8-prologue|probe-stacked|bench-fp8-prologue-qwen|bench-stacked-qwen|bench-fp8-prologue-z|qwen-block-glue|bench-block-glue-qwen|probe-attention|probe-cudnn-fp8|tests-vae-fused|bench-fused-qkv-z|tests-fused-qkv|tests-cudnn-fp8|bench-cudnn-fp8-z|bench-cudnn-fp8-qwen|tests-kernels|probe-fp8-ff|bench-fp8-ff-qwen|bench-kernels-qwen|bench-kernels-z|bench-cachedit-qwen|tests-state|bench-state|tests|tests-full|tests-fast|tests-coexist|tests-shared|tests-cache|bench-cache-qwen-1024|bench-cache-qwen-512|bench-cache-z|bench-cfg-cache-qwen|bench-cfg-cache-qwen-1024|bench-cfg-cache-qwen-512|tests-quant|tests-auto|probe-hand-patches|bench-auto|coverage|bench-fp8-z|bench-fp8-qwen|warm-start-fp8-z|probe-fp8-groups|probe-fp8-block|hotswap-z|tests-z|te-z|fast-check|profile-qwen|profile-z|fast-qwen-50|ab-attention|probe-floor|probe-outside|probe-norms|probe-blocks|compile-max-qwen|memory-z|bench-z|warm-start-z|first-call-qwen-none|first-call-qwen-magcache|first-call-qwen-cachedit|first-call-qwen-fp8|bench-qwen|bench-qwen-512|bench-qwen-1024|issue2|parallel|parallel-cfg|serving|demo ..." >&2; exit 2; }
+[ $# -gt 0 ] || { echo "usage: scripts/gpu_session.sh fa4-stage|fa4-install|tests-fa4|probe-fa4|probe-attention-load|readme-rows|probe-cfg-batch-gain|probe-vae-coders|bench-text-encoders|tests-published|probe-flux|bench-flux|bench-flux-controlnet|bench-klein|bench-wan|bench-qwen-edit|bench-hunyuan-image|tests-key-padding|probe-wan-vae|bench-stacked-qwen-512|tests-fp8-output|bench-fp8-output-qwen|bench-fp8-output-z|fp8-prologue|probe-stacked|bench-fp8-prologue-qwen|bench-stacked-qwen|bench-fp8-prologue-z|qwen-block-glue|bench-block-glue-qwen|probe-attention|probe-cudnn-fp8|tests-vae-fused|bench-fused-qkv-z|tests-fused-qkv|tests-cudnn-fp8|bench-cudnn-fp8-z|bench-cudnn-fp8-qwen|tests-kernels|probe-fp8-ff|bench-fp8-ff-qwen|bench-kernels-qwen|bench-kernels-z|bench-cachedit-qwen|tests-state|bench-state|tests|tests-full|tests-fast|tests-coexist|tests-shared|tests-cache|bench-cache-qwen-1024|bench-cache-qwen-512|bench-cache-z|bench-cfg-cache-qwen|bench-cfg-cache-qwen-1024|bench-cfg-cache-qwen-512|tests-quant|tests-auto|probe-hand-patches|bench-auto|coverage|bench-fp8-z|bench-fp8-qwen|warm-start-fp8-z|probe-fp8-groups|probe-fp8-block|hotswap-z|tests-z|te-z|fast-check|profile-qwen|profile-z|fast-qwen-50|ab-attention|probe-floor|probe-outside|probe-norms|probe-blocks|compile-max-qwen|memory-z|bench-z|warm-start-z|first-call-qwen-none|first-call-qwen-magcache|first-call-qwen-cachedit|first-call-qwen-fp8|bench-qwen|bench-qwen-512|bench-qwen-1024|issue2|parallel|parallel-cfg|serving|demo ..." >&2; exit 2; }
 out=${OUT:-/tmp/bcg-out}
 mkdir -p "$out"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -214,6 +217,10 @@ case "$phase" in
   probe-fa4)
     timeout 300 python3 -m bench.probes.probe_fa4_attention ${FA4_PROBE_ARGS:-} 2>&1 | grep -v "Warning\|warn(" \
       | tee "$out/probe-fa4.log" | tail -40
+    ;;
+  probe-attention-load)
+    timeout 150 python3 -m bench.probes.probe_attention_under_load ${ATTENTION_LOAD_ARGS:-} 2>&1 \
+      | grep -v "Warning\|warn(" | tee "$out/probe-attention-load.log" | tail -40
     ;;
   tests-published)
     timeout "${PUBLISHED_TESTS_TIMEOUT:-300}" python3 -m pytest -m cuda -q -rs -p no:cacheprovider --tb=short \
