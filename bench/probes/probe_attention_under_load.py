@@ -32,15 +32,17 @@ import torch
 import torch.nn.functional as F
 
 from bcg_diffusion.patches.attention import _cudnn_attention
+from bench.measure import kernel_kind
 from bench.probes.probe_fa4_attention import SHAPES
-from bench.probes.probe_fast_floor import capture_graph, replay_ms
+from bench.probes.probe_fast_floor import capture_graph, gpu_kernels, replay_ms
 
-_SMI_FIELDS = "timestamp,clocks.sm,power.draw,temperature.gpu,clocks_event_reasons.active"
+_SMI_FIELDS = "clocks.sm,power.draw,clocks_event_reasons.active"
 
 
 class ClockLog:
-    """``nvidia-smi`` sampling the SM clock and power every 50 ms into a file, with named phases marked by
-    wall time; :meth:`summary` gives each phase's mean clock (MHz) and power (W)."""
+    """``nvidia-smi`` sampling the SM clock, the power draw and the clock event reasons every 50 ms into a file.
+    :meth:`start` marks where a phase's samples begin and :meth:`summary` gives their mean clock (MHz) and
+    power (W): samples are written as they are taken, so a phase's are the lines added since its start."""
 
     def __init__(self) -> None:
         self.file = tempfile.NamedTemporaryFile("w+", suffix=".csv")  # noqa: SIM115 - open for the probe's life, closed by close()
@@ -59,29 +61,29 @@ class ClockLog:
         except OSError as error:  # no nvidia-smi: the times still come, without clocks
             print(f"nvidia-smi not started ({error}): no clock or power figures", flush=True)
             self.process = None
-        self.phases: list[tuple[str, float, float]] = []
+        self.first = 0
 
-    def phase(self, name: str, started: float) -> None:
-        self.phases.append((name, started, time.time()))
+    def _lines(self) -> list[str]:
+        self.file.flush()
+        with open(self.file.name) as samples:
+            return samples.readlines()
 
-    def summary(self, name: str) -> str:
+    def start(self) -> None:
+        self.first = len(self._lines()) if self.process is not None else 0
+
+    def summary(self) -> str:
+        """The samples since :meth:`start`, as one line ("" without nvidia-smi)."""
         if self.process is None:
             return ""
-        self.file.flush()
-        _, start, end = next(p for p in reversed(self.phases) if p[0] == name)
         clocks, powers, reasons = [], [], set()
-        with open(self.file.name) as samples:
-            for line in samples:
-                fields = [f.strip() for f in line.split(",")]
-                try:
-                    stamp = time.mktime(time.strptime(fields[0].split(".")[0], "%Y/%m/%d %H:%M:%S"))
-                    stamp += float("0." + fields[0].split(".")[1]) if "." in fields[0] else 0.0
-                    if start <= stamp <= end:
-                        clocks.append(float(fields[1]))
-                        powers.append(float(fields[2]))
-                        reasons.add(fields[4])
-                except (ValueError, IndexError):
-                    continue
+        for line in self._lines()[self.first :]:
+            fields = [f.strip() for f in line.split(",")]
+            try:
+                clocks.append(float(fields[0]))
+                powers.append(float(fields[1]))
+            except (ValueError, IndexError):  # a line nvidia-smi was still writing, or "[N/A]"
+                continue
+            reasons.add(fields[2] if len(fields) > 2 else "?")
         if not clocks:
             return "  (no clock samples)"
         return (
@@ -114,17 +116,14 @@ def sustained_ms(graph: torch.cuda.CUDAGraph, seconds: float) -> float:
 
 def kernel_ms(graph: torch.cuda.CUDAGraph, replays: int = 5) -> dict[str, tuple[float, int]]:
     """Each kernel's mean ms and count per replay over ``replays`` back-to-back replays, from the profiler."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(replays):
-            graph.replay()
-        torch.cuda.synchronize()
     totals: dict[str, list[float]] = defaultdict(list)
-    for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
-            totals[event.name].append(event.device_time / 1e3)
+    for event in gpu_kernels(lambda: [graph.replay() for _ in range(replays)]):
+        totals[event.name].append(event.device_time / 1e3)
     return {name: (sum(times) / len(times), len(times) // replays) for name, times in totals.items()}
+
+
+def _attention_kernel(kernels: dict[str, tuple[float, int]]) -> str:
+    return next(name for name in kernels if kernel_kind(name) == "attention")
 
 
 def _feed_forward(rows: int, fp8: bool) -> Callable[[], object]:
@@ -175,38 +174,37 @@ def main() -> None:
                 f"\n-- {label}: {batch}x{tokens} tokens, {heads} heads of 128, {flops / 1e9:.0f} GFLOP a call",
                 flush=True,
             )
-            for name, attention in _layouts(batch, tokens, heads).items():
+            layouts = _layouts(batch, tokens, heads)
+            for name, attention in layouts.items():
                 graph, _ = capture_graph(lambda attention=attention: [attention() for _ in range(5)])
                 kernels = kernel_ms(graph)
-                attn_name = max(kernels, key=lambda n: kernels[n][0] * kernels[n][1])
-                print(f"   {name}: kernel {attn_name[:110]}", flush=True)
+                print(f"   {name}: kernel {_attention_kernel(kernels)[:110]}", flush=True)
                 for way, measure in (("burst", replay_ms), ("sustained", lambda g: sustained_ms(g, args.seconds))):
-                    started = time.time()
+                    clock.start()
                     ms = measure(graph) / 5
-                    clock.phase(way, started)
                     print(
                         f"     {way:10s}: {ms * 1e3:7.1f} us a call, {flops / ms / 1e9:4.0f} TFLOP/s"
-                        + clock.summary(way),
+                        + clock.summary(),
                         flush=True,
                     )
                 del graph
-            attention = _layouts(batch, tokens, heads)["cudnn [B,S,H,D] views (fast mode)"]
+            attention = layouts["cudnn [B,S,H,D] views (fast mode)"]
             for fp8 in (False, True):
                 products = _feed_forward(batch * tokens, fp8)
                 graph, _ = capture_graph(lambda a=attention, p=products: [(a(), p()) for _ in range(5)][-1])
-                started = time.time()
+                clock.start()
                 sustained_ms(graph, args.seconds)
                 kernels = kernel_ms(graph)
-                clock.phase("between", started)
-                attn_name = next(n for n in kernels if "sdpa" in n or "fmha" in n or "flash" in n)
-                ms, count = kernels[attn_name]
+                attn_name = _attention_kernel(kernels)
+                ms, _ = kernels[attn_name]
                 others = sum(m * c for n, (m, c) in kernels.items() if n != attn_name) / 5
                 print(
                     f"   between {'FP8' if fp8 else 'bf16'} feed-forward products: attention {ms * 1e3:7.1f} us a call,"
-                    f" {flops / ms / 1e9:4.0f} TFLOP/s (products {others:.2f} ms a block)" + clock.summary("between"),
+                    f" {flops / ms / 1e9:4.0f} TFLOP/s (products {others:.2f} ms a block)" + clock.summary(),
                     flush=True,
                 )
                 del graph, products
+            del layouts, attention
             torch.cuda.empty_cache()
     finally:
         clock.close()

@@ -76,8 +76,8 @@ def random_block(block: torch.nn.Module) -> torch.nn.Module:
     return block.to(torch.bfloat16).eval()
 
 
-def kernel_table(fn: Callable[[], Any], label: str, top: int = 25, per: int = 1) -> None:
-    """Profile one ``fn()``; print kernel time, count, gaps and the top kernels (divided by ``per``)."""
+def gpu_kernels(fn: Callable[[], Any]) -> list[Any]:
+    """The profiler's events of the GPU kernels one ``fn()`` ran, in start order (``device_time`` in µs)."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
@@ -85,7 +85,12 @@ def kernel_table(fn: Callable[[], Any], label: str, top: int = 25, per: int = 1)
         fn()
         torch.cuda.synchronize()
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    kernels.sort(key=lambda e: e.time_range.start)
+    return sorted(kernels, key=lambda e: e.time_range.start)
+
+
+def kernel_table(fn: Callable[[], Any], label: str, top: int = 25, per: int = 1) -> None:
+    """Profile one ``fn()``; print kernel time, count, gaps and the top kernels (divided by ``per``)."""
+    kernels = gpu_kernels(fn)
     busy = sum(e.device_time for e in kernels)
     span = kernels[-1].time_range.end - kernels[0].time_range.start if kernels else 0
     gaps, small_gaps, last_end = 0.0, 0.0, None
