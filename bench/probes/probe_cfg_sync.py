@@ -17,7 +17,8 @@ import time
 
 import torch
 
-from bcg_diffusion import accelerate, cfg_batch, stats
+from bcg_diffusion import accelerate, stats
+from bcg_diffusion.features import cfg_batching as cfg_batch
 from bcg_diffusion.models import build_pipeline
 
 
